@@ -1,0 +1,13 @@
+"""Token shards, tokenizers, the offline corpus, activation sources."""
+
+from __future__ import annotations
+
+from lightning_opt._lazy import lazy_exports
+
+_EXPORTS = {
+    "read_shard": "shards",
+    "write_shard": "shards",
+    "TokenShardDataModule": "datamodule",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

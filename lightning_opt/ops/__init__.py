@@ -1,0 +1,12 @@
+"""Small pure functions and kernels."""
+
+from __future__ import annotations
+
+from lightning_opt._lazy import lazy_exports
+
+_EXPORTS = {
+    "attention": "attention",
+    "global_batch_topk": "global_topk",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
