@@ -1,0 +1,456 @@
+"""GPT-2, classic and speedrun variants, in one file that reads top to bottom.
+
+The classic model is GPT-2 exactly (learned positions, LayerNorm with bias, tanh-GELU, tied embeddings,
+biases), so :meth:`GPT.from_hf` loads a ``transformers`` ``GPT2LMHeadModel`` and gives the same logits.
+Every speedrun idea is one :class:`GPTConfig` field, so an ablation is a config change.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_opt.ops.attention import BACKENDS, attention
+
+_MLPS = ("gelu", "relu2", "swiglu")
+_NORMS = ("layernorm", "rmsnorm")
+_POS = ("learned", "rope")
+
+
+@dataclass
+class GPTConfig:
+    """Model shape and architecture switches.
+
+    Args:
+        vocab_size: number of real tokens.
+        vocab_multiple: pad the embedding/head rows up to a multiple of this (128 is fast on GPUs).
+        n_layer, n_head, n_embd, block_size: the usual shape; ``block_size`` is the longest sequence.
+        n_kv_head: key/value heads for grouped-query attention (``None`` = ``n_head``).
+        pos_emb: ``learned`` (GPT-2) or ``rope`` (rotary, ``rope_base``).
+        norm: ``layernorm`` (GPT-2) or ``rmsnorm``.
+        bias: biases in linear layers and LayerNorm (GPT-2 has them).
+        qk_norm: RMS-normalise queries and keys per head.
+        mlp: ``gelu`` (tanh approximation, GPT-2), ``relu2`` (ReLU squared) or ``swiglu``.
+        mlp_ratio: hidden width over ``n_embd`` (SwiGLU uses 2/3 of it so the parameter count matches).
+        tie_embeddings: share the token embedding with the output head.
+        zero_init_proj: initialise output projections (attention and MLP) at zero.
+        logit_softcap: ``cap * tanh(logits / cap)`` when set.
+        n_value_embeds: value-embedding tables mixed into the values of the first and last layers.
+        unet_skips: skip connections from the first half of the layers to the mirrored second half.
+        window_size: sliding-window attention span in tokens (``None`` = full causal).
+        doc_causal: attend only within documents delimited by ``eot_token``.
+        eot_token: the document separator for ``doc_causal``.
+        mtp_heads: extra multi-token-prediction heads (head j predicts token t+1+j).
+        mtp_weight: weight of the auxiliary heads' mean loss.
+        moe_experts: experts in a mixture-of-experts MLP (0 = dense MLP).
+        moe_top_k: experts used per token.
+        moe_aux_weight: weight of the load-balancing loss.
+        attn_backend: ``auto``, ``flash``, ``sdpa`` or ``math`` (see :mod:`lightning_opt.ops.attention`).
+        init_std: standard deviation of the normal initialisation.
+    """
+
+    vocab_size: int = 50257
+    vocab_multiple: int = 1
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    block_size: int = 1024
+    n_kv_head: int | None = None
+    pos_emb: str = "learned"
+    rope_base: float = 10000.0
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    bias: bool = True
+    qk_norm: bool = False
+    mlp: str = "gelu"
+    mlp_ratio: float = 4.0
+    tie_embeddings: bool = True
+    zero_init_proj: bool = False
+    logit_softcap: float | None = None
+    n_value_embeds: int = 0
+    unet_skips: bool = False
+    window_size: int | None = None
+    doc_causal: bool = False
+    eot_token: int = 50256
+    mtp_heads: int = 0
+    mtp_weight: float = 0.3
+    moe_experts: int = 0
+    moe_top_k: int = 1
+    moe_aux_weight: float = 0.01
+    attn_backend: str = "auto"
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        def bad(field: str, value: Any, want: str) -> ValueError:
+            return ValueError(f"GPTConfig.{field}={value!r} is invalid: {want}")
+
+        for name in ("vocab_size", "vocab_multiple", "n_layer", "n_head", "n_embd", "block_size"):
+            if int(getattr(self, name)) <= 0:
+                raise bad(name, getattr(self, name), "must be a positive integer")
+        if self.n_embd % self.n_head:
+            raise bad("n_embd", self.n_embd, f"must be divisible by n_head={self.n_head}")
+        if self.n_kv_head is not None and (self.n_kv_head <= 0 or self.n_head % self.n_kv_head):
+            raise bad("n_kv_head", self.n_kv_head, f"must divide n_head={self.n_head}")
+        if self.pos_emb not in _POS:
+            raise bad("pos_emb", self.pos_emb, f"choose one of {_POS}")
+        if self.pos_emb == "rope" and self.head_dim % 2:
+            raise bad("n_embd", self.n_embd, "rotary embeddings need an even head dimension")
+        if self.norm not in _NORMS:
+            raise bad("norm", self.norm, f"choose one of {_NORMS}")
+        if self.mlp not in _MLPS:
+            raise bad("mlp", self.mlp, f"choose one of {_MLPS}")
+        if self.attn_backend not in BACKENDS:
+            raise bad("attn_backend", self.attn_backend, f"choose one of {BACKENDS}")
+        if self.logit_softcap is not None and self.logit_softcap <= 0:
+            raise bad("logit_softcap", self.logit_softcap, "must be positive or None")
+        if self.window_size is not None and self.window_size <= 0:
+            raise bad("window_size", self.window_size, "must be positive or None")
+        if not 0 <= self.n_value_embeds <= self.n_layer // 2:
+            raise bad("n_value_embeds", self.n_value_embeds, f"must be in [0, n_layer // 2 = {self.n_layer // 2}]")
+        if self.mtp_heads < 0:
+            raise bad("mtp_heads", self.mtp_heads, "must be >= 0")
+        if self.moe_experts < 0 or self.moe_experts == 1:
+            raise bad("moe_experts", self.moe_experts, "use 0 (dense MLP) or at least 2 experts")
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise bad("moe_top_k", self.moe_top_k, f"must be in [1, moe_experts={self.moe_experts}]")
+        if self.doc_causal and not 0 <= self.eot_token < self.vocab_size:
+            raise bad("eot_token", self.eot_token, f"must be a token id below vocab_size={self.vocab_size}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def make_norm(cfg: GPTConfig, dim: int) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(dim, cfg.norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding; the tables are buffers so they follow ``.to(device)``."""
+
+    def __init__(self, head_dim: int, max_len: int, base: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, H, T, D]
+        t = x.shape[2]
+        cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer = layer
+        self.n_head, self.n_kv, self.hd = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.c_attn = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.hd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.rotary = Rotary(self.hd, cfg.block_size, cfg.rope_base) if cfg.pos_emb == "rope" else None
+        self.q_norm = RMSNorm(self.hd) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd) if cfg.qk_norm else None
+        # learned mix of the value embedding into the values (modded-nanogpt style)
+        self.ve_lambda = nn.Parameter(torch.tensor(0.5)) if cfg.n_value_embeds else None
+
+    def forward(
+        self, x: torch.Tensor, ve: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.c_attn(x).split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+        q = q.view(b, t, self.n_head, self.hd).transpose(1, 2)
+        k = k.view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        v = v.view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        if ve is not None and self.ve_lambda is not None:
+            v = v + self.ve_lambda * ve.view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        y = attention(
+            q, k, v, window=self.cfg.window_size, doc_ids=doc_ids, backend=self.cfg.attn_backend
+        )
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.kind = cfg.mlp
+        hidden = int(cfg.mlp_ratio * cfg.n_embd)
+        if cfg.mlp == "swiglu":
+            hidden = int(2 * hidden / 3)
+            self.c_fc = nn.Linear(cfg.n_embd, 2 * hidden, bias=cfg.bias)
+        else:
+            self.c_fc = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
+        self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c_fc(x)
+        if self.kind == "gelu":
+            h = F.gelu(h, approximate="tanh")
+        elif self.kind == "relu2":
+            h = F.relu(h).square()
+        else:
+            a, g = h.chunk(2, dim=-1)
+            h = F.silu(g) * a
+        return self.c_proj(h)
+
+
+class MoE(nn.Module):
+    """Mixture of expert MLPs with top-k routing.
+
+    Experts are evaluated densely and combined with the (sparse) routing weights: with the few experts
+    an ablation uses this avoids data-dependent shapes, so it compiles and needs no host sync.
+    ``aux_loss`` holds the load-balancing loss of the last forward (Switch Transformer form).
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.moe_top_k
+        self.router = nn.Linear(cfg.n_embd, cfg.moe_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.moe_experts))
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.router(x).float().softmax(-1)
+        top_p, top_i = probs.topk(self.top_k, dim=-1)
+        gates = torch.zeros_like(probs).scatter(-1, top_i, top_p / top_p.sum(-1, keepdim=True))
+        n_exp = probs.shape[-1]
+        frac = F.one_hot(top_i[..., 0], n_exp).float().mean(dim=(0, 1))
+        self.aux_loss = n_exp * (frac * probs.mean(dim=(0, 1))).sum()
+        out = torch.stack([e(x) for e in self.experts], dim=-1)
+        return (out * gates.unsqueeze(-2).to(out.dtype)).sum(-1)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer: int) -> None:
+        super().__init__()
+        self.ln_1 = make_norm(cfg, cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg, layer)
+        self.ln_2 = make_norm(cfg, cfg.n_embd)
+        self.mlp = MoE(cfg) if cfg.moe_experts else MLP(cfg)
+
+    def forward(
+        self, x: torch.Tensor, ve: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), ve, doc_ids)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2 language model.
+
+    ``model(idx)`` returns logits ``[B, T, vocab_size]``; ``model(idx, targets)`` returns the mean
+    cross-entropy loss (plus the auxiliary multi-token and mixture-of-experts terms when enabled).
+
+    Example:
+        >>> model = GPT(GPTConfig(vocab_size=256, n_layer=2, n_head=2, n_embd=32, block_size=64))
+        >>> logits = model(torch.zeros(1, 8, dtype=torch.long))
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = cfg = config
+        v = cfg.padded_vocab_size
+        self.wte = nn.Embedding(v, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos_emb == "learned" else None
+        kv_dim = cfg.kv_heads * cfg.head_dim
+        self.value_embeds = nn.ModuleList(nn.Embedding(v, kv_dim) for _ in range(cfg.n_value_embeds))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.skip_weights = nn.Parameter(torch.ones(cfg.n_layer // 2)) if cfg.unet_skips else None
+        self.ln_f = make_norm(cfg, cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, v, bias=False)
+        self.mtp = nn.ModuleList(
+            nn.Sequential(make_norm(cfg, cfg.n_embd), nn.Linear(cfg.n_embd, cfg.n_embd, bias=False))
+            for _ in range(cfg.mtp_heads)
+        )
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                if cfg.zero_init_proj:
+                    nn.init.zeros_(p)
+                else:  # GPT-2: scale residual projections by 1/sqrt(2 * n_layer)
+                    nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        elif cfg.zero_init_proj:
+            nn.init.zeros_(self.lm_head.weight)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
+
+    # ----------------------------------------------------------------------------------------------
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count (shared tensors once); without position/token embeddings by default."""
+        n = sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+        if non_embedding:
+            n -= self.wte.weight.numel()
+            n -= sum(e.weight.numel() for e in self.value_embeds)
+            if self.wpe is not None:
+                n -= self.wpe.weight.numel()
+            if self.config.tie_embeddings:  # the tied head does the work of a matrix: count it once
+                n += self.lm_head.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token: 6 x matmul parameters + 12 x layers x width x attended length."""
+        cfg = self.config
+        t = seq_len or cfg.block_size
+        span = min(t, cfg.window_size) if cfg.window_size else t
+        n = self.num_params(non_embedding=True)
+        if cfg.moe_experts:  # only top_k experts are "used" per token in the FLOP convention
+            per_expert = sum(p.numel() for p in self.blocks[0].mlp.experts[0].parameters())
+            n -= cfg.n_layer * per_expert * (cfg.moe_experts - cfg.moe_top_k)
+        # causal attention touches on average about half the span; keep the standard (PaLM) count
+        return 6.0 * n + 12.0 * cfg.n_layer * cfg.n_embd * span
+
+    def hidden_matrices(self) -> list[nn.Parameter]:
+        """2-D weights inside the blocks: what Muon optimises in the speedrun split."""
+        return [p for n, p in self.blocks.named_parameters() if p.ndim >= 2 and "router" not in n] + [
+            m[1].weight for m in self.mtp
+        ]
+
+    # ----------------------------------------------------------------------------------------------
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        cfg = self.config
+        b, t = idx.shape
+        if t > cfg.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size={cfg.block_size}; shorten the input")
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(t, device=idx.device))
+        doc_ids = (idx == cfg.eot_token).cumsum(dim=1) if cfg.doc_causal else None
+
+        ves: list[torch.Tensor | None] = [None] * cfg.n_layer
+        for i, emb in enumerate(self.value_embeds):
+            ve = emb(idx)
+            ves[i] = ve
+            ves[cfg.n_layer - len(self.value_embeds) + i] = ve
+
+        half = cfg.n_layer // 2
+        skips: list[torch.Tensor] = []
+        for i, block in enumerate(self.blocks):
+            if self.skip_weights is not None and i >= cfg.n_layer - half:
+                x = x + self.skip_weights[cfg.n_layer - 1 - i] * skips.pop()
+            x = block(x, ves[i], doc_ids)
+            if self.skip_weights is not None and i < half:
+                skips.append(x)
+        h = self.ln_f(x)
+
+        if targets is None:
+            return self._logits(h)[..., : cfg.vocab_size]
+        loss = self._loss(h, targets)
+        if self.mtp:
+            aux = [self._loss(head(h)[:, :-j], targets[:, j:]) for j, head in enumerate(self.mtp, start=1)]
+            loss = loss + cfg.mtp_weight * torch.stack(aux).mean()
+        if cfg.moe_experts:
+            loss = loss + cfg.moe_aux_weight * torch.stack([blk.mlp.aux_loss for blk in self.blocks]).mean()
+        return loss
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(h)
+        cap = self.config.logit_softcap
+        if cap is not None:
+            logits = cap * torch.tanh(logits.float() / cap)
+        return logits
+
+    def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self._logits(h)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+    # ----------------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, model_or_state_dict: Any, config: GPTConfig | None = None) -> GPT:
+        """Build a classic GPT-2 from a ``transformers`` ``GPT2LMHeadModel`` or its state dict.
+
+        HF's ``Conv1D`` stores weights as ``[in, out]``; they are transposed into ``nn.Linear`` layout.
+
+        Args:
+            model_or_state_dict: a ``GPT2LMHeadModel`` (any size) or its ``state_dict()``.
+            config: required with a bare state dict whose shape cannot be read off the model.
+        """
+        if isinstance(model_or_state_dict, dict):
+            sd = model_or_state_dict
+            if config is None:
+                config = _config_from_state_dict(sd)
+        else:
+            hf_cfg = model_or_state_dict.config
+            act = getattr(hf_cfg, "activation_function", "gelu_new")
+            if act not in ("gelu_new", "gelu_pytorch_tanh"):
+                raise ValueError(f"HF GPT-2 uses activation {act!r}; only tanh-GELU (gelu_new) maps onto GPT")
+            config = config or GPTConfig(
+                vocab_size=hf_cfg.vocab_size, n_layer=hf_cfg.n_layer, n_head=hf_cfg.n_head,
+                n_embd=hf_cfg.n_embd, block_size=hf_cfg.n_positions, norm_eps=hf_cfg.layer_norm_epsilon,
+            )
+            sd = model_or_state_dict.state_dict()
+        sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
+        if "wte.weight" not in sd:
+            raise ValueError("not a GPT-2 state dict: no 'transformer.wte.weight' key")
+        model = cls(config)
+        ours: dict[str, torch.Tensor] = {
+            "wte.weight": sd["wte.weight"], "wpe.weight": sd["wpe.weight"],
+            "ln_f.weight": sd["ln_f.weight"], "ln_f.bias": sd["ln_f.bias"],
+        }
+        for i in range(config.n_layer):
+            for name in ("ln_1", "ln_2"):
+                for part in ("weight", "bias"):
+                    ours[f"blocks.{i}.{name}.{part}"] = sd[f"h.{i}.{name}.{part}"]
+            for ours_name, hf_name in (("attn.c_attn", "attn.c_attn"), ("attn.c_proj", "attn.c_proj"),
+                                       ("mlp.c_fc", "mlp.c_fc"), ("mlp.c_proj", "mlp.c_proj")):
+                ours[f"blocks.{i}.{ours_name}.weight"] = sd[f"h.{i}.{hf_name}.weight"].t()
+                ours[f"blocks.{i}.{ours_name}.bias"] = sd[f"h.{i}.{hf_name}.bias"]
+        ours["lm_head.weight"] = sd.get("lm_head.weight", sd["wte.weight"])
+        expected = model.state_dict()
+        for k, v in ours.items():
+            if expected[k].shape != v.shape:
+                raise ValueError(f"shape mismatch for {k}: checkpoint {tuple(v.shape)} vs model {tuple(expected[k].shape)}")
+        missing, _ = model.load_state_dict(ours, strict=False)
+        missing = [k for k in missing if not k.endswith(("rotary.cos", "rotary.sin"))]
+        if missing:
+            raise ValueError(f"GPT-2 state dict is missing {missing[:5]}")
+        return model
+
+
+def _config_from_state_dict(sd: dict[str, torch.Tensor]) -> GPTConfig:
+    sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
+    n_layer = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("h."))
+    vocab, n_embd = sd["wte.weight"].shape
+    n_head = max(1, n_embd // 64)
+    return GPTConfig(vocab_size=vocab, n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=sd["wpe.weight"].shape[0])
