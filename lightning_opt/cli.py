@@ -1,0 +1,145 @@
+"""Shared plumbing for the recipes: a LightningCLI with run directories, precision and ``metrics.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities import rank_zero_only
+
+
+def device_name(trainer: L.Trainer | None = None) -> str:
+    if torch.cuda.is_available() and (trainer is None or trainer.strategy.root_device.type == "cuda"):
+        return torch.cuda.get_device_name()
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+class RunSummary(Callback):
+    """Prints the validation loss as it falls and writes ``metrics.json`` into the run directory.
+
+    Training wall time excludes validation (as the speedrun rules do). The clock is read at the
+    boundaries of validation and at the end of training only, after a device synchronisation there: no
+    per-step synchronisation.
+
+    Logged to ``metrics.json``: ``final_val_loss``, ``val_history``, ``tokens_seen``, ``steps``,
+    ``train_time_s``, ``wall_time_s``, ``tokens_per_s``, ``peak_memory_bytes``, ``device``, versions.
+    """
+
+    def __init__(self) -> None:
+        self.val_history: list[dict[str, float]] = []
+        self._t0 = self._val_start = 0.0
+        self._val_time = 0.0
+        self._train_end: float | None = None
+        self._start_wall = time.time()
+
+    @staticmethod
+    def _sync(trainer: L.Trainer) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._sync(trainer)
+        self._t0 = time.perf_counter()
+        self._val_time = 0.0
+        self._train_end = None
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._sync(trainer)
+        self._val_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._sync(trainer)
+        self._val_time += time.perf_counter() - self._val_start
+        if trainer.sanity_checking:
+            return
+        val = trainer.callback_metrics.get("val/loss")
+        if val is not None:
+            row = {"step": trainer.global_step, "val_loss": float(val), "train_time_s": self.train_time()}
+            if not self.val_history or self.val_history[-1]["step"] != row["step"]:
+                self.val_history.append(row)
+            self._print(f"step {row['step']:>6} | val/loss {row['val_loss']:.4f} | train time {row['train_time_s']:.1f}s")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._sync(trainer)
+        self._train_end = time.perf_counter()
+
+    def train_time(self) -> float:
+        end = self._train_end if self._train_end is not None else time.perf_counter()
+        return max(0.0, end - self._t0 - self._val_time)
+
+    @rank_zero_only
+    def _print(self, msg: str) -> None:
+        print(msg, flush=True)
+
+    def summary(self, trainer: L.Trainer, pl_module: L.LightningModule, **extra: Any) -> dict[str, Any]:
+        tokens = int(getattr(pl_module, "tokens_seen", 0))
+        train_time = self.train_time()
+        dev = trainer.strategy.root_device
+        final = self.val_history[-1]["val_loss"] if self.val_history else None
+        return {
+            "final_val_loss": final,
+            "val_history": self.val_history,
+            "tokens_seen": tokens,
+            "steps": trainer.global_step,
+            "train_time_s": train_time,
+            "wall_time_s": time.time() - self._start_wall,
+            "tokens_per_s": tokens / train_time if train_time > 0 else None,
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+            "device": device_name(trainer),
+            "world_size": trainer.world_size,
+            "precision": str(trainer.precision),
+            "versions": {"torch": torch.__version__, "lightning": L.__version__},
+            **extra,
+        }
+
+
+def run_dir(trainer: L.Trainer) -> Path:
+    if trainer.logger is not None and trainer.logger.log_dir:
+        return Path(trainer.logger.log_dir)
+    return Path(trainer.default_root_dir)
+
+
+@rank_zero_only
+def write_metrics(path: Path, metrics: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(metrics, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+class RecipeCLI(LightningCLI):
+    """LightningCLI that picks bf16-mixed on a GPU and 32-bit on CPU when ``trainer.precision`` is unset."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_argument("--ckpt_path", type=str | None, default=None, help="resume from this checkpoint")
+        parser.add_argument("--metrics_file", type=str, default="metrics.json", help="written into the run dir")
+
+    def before_instantiate_classes(self) -> None:
+        cfg = self.config
+        if cfg.trainer.get("precision") is None:
+            on_gpu = torch.cuda.is_available() and cfg.trainer.get("accelerator") in (None, "auto", "gpu", "cuda")
+            cfg.trainer.precision = "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
+
+
+def run_recipe(cli: RecipeCLI, summary: RunSummary, **extra: Any) -> dict[str, Any]:
+    """Fit, validate once more if the last step was not validated, write ``metrics.json``."""
+    trainer, model, data = cli.trainer, cli.model, cli.datamodule
+    trainer.fit(model, datamodule=data, ckpt_path=cli.config.get("ckpt_path"))
+    if not summary.val_history or summary.val_history[-1]["step"] != trainer.global_step:
+        trainer.validate(model, datamodule=data, verbose=False)
+    metrics = summary.summary(trainer, model, **extra)
+    path = run_dir(trainer) / cli.config.get("metrics_file", "metrics.json")
+    write_metrics(path, metrics)
+    if trainer.is_global_zero:
+        print(f"final val/loss {metrics['final_val_loss']}  |  {metrics['tokens_per_s'] or 0:,.0f} tokens/s")
+        print(f"TensorBoard logs: {run_dir(trainer)}  (tensorboard --logdir {run_dir(trainer).parent})")
+        print(f"metrics: {path}")
+    return metrics

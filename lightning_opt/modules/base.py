@@ -1,0 +1,69 @@
+"""What every lightning-opt LightningModule shares: optimizers, schedules, token counting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn as nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from lightning_opt.optim.combined import CombinedOptimizer
+from lightning_opt.optim.factory import OptimConfig, build_optimizer
+from lightning_opt.optim.schedules import ScheduleConfig
+
+
+class TrainingModule(L.LightningModule):
+    """Base class: builds optimizers from :class:`OptimConfig` and a per-step schedule.
+
+    Subclasses set ``self.model`` and may override :meth:`optimizer_roles` to say which parameters are
+    hidden matrices (Muon), embeddings and the head. Several optimizers are wrapped in one
+    :class:`CombinedOptimizer`, so automatic optimization, gradient clipping and accumulation keep working.
+
+    ``tokens_seen`` counts training tokens over all ranks and is saved in checkpoints.
+    """
+
+    model: nn.Module
+
+    def __init__(self, optim: OptimConfig | None = None, schedule: ScheduleConfig | None = None) -> None:
+        super().__init__()
+        self.optim_config = optim or OptimConfig()
+        self.schedule_config = schedule or ScheduleConfig()
+        self.tokens_seen = 0
+
+    def optimizer_roles(self) -> dict[str, list[nn.Parameter] | None]:
+        return {"hidden": None, "embeddings": None, "head": None}
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        schedule = self.schedule_config
+        if self.trainer is not None and self.trainer.max_steps and self.trainer.max_steps > 0:
+            # the schedule follows the run's length unless the config pins it
+            if schedule.total_steps != self.trainer.max_steps:
+                schedule = ScheduleConfig(
+                    name=schedule.name, warmup_steps=min(schedule.warmup_steps, self.trainer.max_steps),
+                    total_steps=self.trainer.max_steps, decay_fraction=schedule.decay_fraction,
+                    min_ratio=schedule.min_ratio,
+                )
+        optimizers = build_optimizer(self.model, self.optim_config, **self.optimizer_roles())
+        optimizer = optimizers[0] if len(optimizers) == 1 else CombinedOptimizer(optimizers)
+        scheduler = LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def count_tokens(self, batch_tokens: int) -> None:
+        self.tokens_seen += batch_tokens * max(1, self.trainer.world_size if self._trainer else 1)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["tokens_seen"] = self.tokens_seen
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
+
+    def log_lrs(self) -> None:
+        opt = self.optimizers(use_pl_optimizer=False)
+        for i, group in enumerate(opt.param_groups):
+            self.log(f"lr/group{i}", group["lr"], on_step=True, on_epoch=False)
+
+    @staticmethod
+    def peak_memory_bytes(device: torch.device) -> int:
+        return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0

@@ -1,0 +1,88 @@
+"""The GPT-2 speedrun as a LightningModule."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torchmetrics import MeanMetric
+
+from lightning_opt.models.gpt2 import GPT, GPTConfig
+from lightning_opt.modules.base import TrainingModule
+from lightning_opt.optim.factory import OptimConfig
+from lightning_opt.optim.schedules import ScheduleConfig
+
+
+class GPT2SpeedrunModule(TrainingModule):
+    """Train a :class:`~lightning_opt.models.gpt2.GPT` on ``(x, y)`` token batches.
+
+    Subclass to customise: override :meth:`compute_loss` for another loss, or
+    :meth:`configure_optimizers` for another optimizer (see ``docs/gpt2.md``).
+
+    Args:
+        model_config: the architecture.
+        optim: optimizer settings (``muon`` gives the speedrun's Muon + Adam split).
+        schedule: learning-rate schedule; its length follows ``Trainer(max_steps=...)``.
+        compile: wrap the model in ``torch.compile``.
+
+    Logged keys: ``train/loss``, ``val/loss``, ``val/ppl``, ``tokens_seen``, ``lr/group{i}``.
+    Exposes ``flops_per_batch`` (Lightning's convention) once the first batch is seen.
+    """
+
+    def __init__(
+        self,
+        model_config: GPTConfig | None = None,
+        optim: OptimConfig | None = None,
+        schedule: ScheduleConfig | None = None,
+        compile: bool = False,
+    ) -> None:
+        super().__init__(optim, schedule)
+        self.model_config = model_config or GPTConfig()
+        self.save_hyperparameters()
+        self.model = GPT(self.model_config)
+        self.compile_model = compile
+        self.val_loss = MeanMetric()
+        self.flops_per_batch: float | None = None
+
+    def configure_model(self) -> None:
+        if self.compile_model and not getattr(self, "_compiled", False):
+            self.model.compile(dynamic=False)
+            self._compiled = True
+
+    def optimizer_roles(self) -> dict[str, list[nn.Parameter] | None]:
+        m = self.model
+        head = [] if self.model_config.tie_embeddings else [m.lm_head.weight]
+        return {"hidden": m.hidden_matrices(), "embeddings": None, "head": head}
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def compute_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.model(x, y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.flops_per_batch is None:
+            self.flops_per_batch = self.model.flops_per_token(x.shape[1]) * x.numel()
+        loss = self.compute_loss(x, y)
+        self.count_tokens(x.numel())
+        self.log("train/loss", loss, on_step=True, prog_bar=True)
+        self.log("tokens_seen", float(self.tokens_seen), on_step=True, on_epoch=False)
+        self.log_lrs()
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.val_loss.update(self.compute_loss(x, y), weight=x.numel())
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
+        self.log("val/ppl", torch.exp(loss.clamp(max=20)))
+
+    @staticmethod
+    def val_ppl(loss: float) -> float:
+        return math.exp(min(loss, 20.0))

@@ -1,0 +1,117 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_opt.models.gpt2 import GPT, GPTConfig
+
+BASE = dict(vocab_size=300, n_layer=4, n_head=4, n_embd=32, block_size=32)
+OPTIONS = {
+    "classic": {},
+    "rope": dict(pos_emb="rope"),
+    "rmsnorm_qknorm": dict(norm="rmsnorm", qk_norm=True, bias=False),
+    "relu2": dict(mlp="relu2"),
+    "swiglu": dict(mlp="swiglu"),
+    "untied_zero_init": dict(tie_embeddings=False, zero_init_proj=True),
+    "softcap": dict(logit_softcap=15.0),
+    "value_embeds": dict(n_value_embeds=2),
+    "unet": dict(unet_skips=True),
+    "gqa": dict(n_kv_head=2),
+    "window": dict(window_size=4),
+    "doc_causal": dict(doc_causal=True, eot_token=0),
+    "mtp": dict(mtp_heads=2),
+    "moe": dict(moe_experts=2, moe_top_k=1),
+    "vocab_pad": dict(vocab_multiple=128),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_option_forward_backward(name):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**BASE, **OPTIONS[name]))
+    x = torch.randint(0, 300, (2, 16))
+    logits = model(x)
+    assert logits.shape == (2, 16, 300)
+    loss = model(x, x.roll(-1, 1))
+    assert torch.isfinite(loss)
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert any(g is not None and g.abs().sum() > 0 for g in grads)
+    assert model.flops_per_token(16) > 0
+
+
+def test_from_hf_same_logits():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf_cfg = transformers.GPT2Config(vocab_size=300, n_positions=64, n_embd=48, n_layer=3, n_head=4,
+                                     bos_token_id=0, eos_token_id=0)
+    hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
+    ours = GPT.from_hf(hf).eval()
+    idx = torch.randint(0, 300, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, atol=1e-4, rtol=0)
+    # a bare state dict works too
+    ours2 = GPT.from_hf(hf.state_dict(), config=ours.config).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours2(idx), hf(idx).logits, atol=1e-4, rtol=0)
+
+
+def test_from_hf_rejects_other_model():
+    with pytest.raises(ValueError, match="not a GPT-2 state dict"):
+        GPT.from_hf({"foo.weight": torch.zeros(2, 2)}, config=GPTConfig(**BASE))
+
+
+def test_window_limits_attention():
+    """A token beyond the window must not influence the output."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**BASE, window_size=3, pos_emb="rope")).eval()
+    x = torch.randint(1, 300, (1, 10))
+    y = x.clone()
+    y[0, 0] = (x[0, 0] + 1) % 300
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    # position 3 attends to 1..3 in layer 1, but 4 layers widen the field to 0..; last position (9) sees 6..9 -> 0..9
+    # after 4 layers the receptive field is 4*(3-1)=8 back: position 9 sees from 1, so it is unaffected by position 0
+    torch.testing.assert_close(a[0, 9], b[0, 9])
+    assert not torch.allclose(a[0, 1], b[0, 1])
+
+
+def test_doc_causal_isolates_documents():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**BASE, doc_causal=True, eot_token=0, pos_emb="rope")).eval()
+    x = torch.tensor([[5, 6, 7, 0, 8, 9, 10]])
+    y = x.clone()
+    y[0, 1] = 42  # change inside the first document
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    torch.testing.assert_close(a[0, 3:], b[0, 3:])  # second document (from the EOT on) unaffected
+    assert not torch.allclose(a[0, 2], b[0, 2])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(n_embd=30), "divisible by n_head"),
+        (dict(mlp="tanh"), "mlp"),
+        (dict(norm="batchnorm"), "norm"),
+        (dict(n_kv_head=3), "n_kv_head"),
+        (dict(moe_experts=1), "moe_experts"),
+        (dict(n_layer=0), "positive"),
+        (dict(attn_backend="xformers"), "attn_backend"),
+    ],
+)
+def test_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GPTConfig(**{**BASE, **kwargs})
+
+
+def test_sequence_too_long():
+    model = GPT(GPTConfig(**BASE))
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, 40, dtype=torch.long))
+
+
+def test_num_params_gpt2_small():
+    model = GPT(GPTConfig())  # GPT-2 124M
+    total = model.num_params(non_embedding=False) + 0
+    assert 124_000_000 < total < 125_000_000
