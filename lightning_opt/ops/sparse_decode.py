@@ -1,0 +1,155 @@
+"""Decode sparse activations without densifying them: ``out[n] = sum_e values[e] * weight[indices[e]]``.
+
+The activations of a row ``n`` are the entries ``offsets[n] : offsets[n + 1]`` of ``indices``/``values``
+(CSR, as ``F.embedding_bag`` takes them), or, with ``indices`` and ``values`` of shape ``[N, m]``, the ``m``
+entries of that row (entries with value 0 are padding). The work is ``nnz * D`` multiply-adds instead of
+``N * F * D`` for a dense ``acts @ weight``.
+
+Backends:
+
+- ``"triton"`` (CUDA default when Triton is installed): a gather-accumulate kernel per (row, column block);
+  backward computes ``grad_values`` with a gather-dot kernel and ``grad_weight`` with float32 atomics
+  (so ``grad_weight`` is not bitwise deterministic).
+- ``"torch"`` (CPU default, and whenever Triton is missing): ``F.embedding_bag(mode="sum",
+  per_sample_weights=values)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lightning_opt._optional import is_available
+
+__all__ = ["sparse_decode", "to_csr", "flat_to_csr"]
+
+_BACKENDS = ("auto", "torch", "triton")
+
+
+def to_csr(acts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(indices, values, offsets)`` of the nonzero entries of a dense ``[N, F]`` activation tensor.
+
+    ``values`` carry gradients to ``acts``. Syncs with the host once (the nonzero count).
+    """
+    if acts.dim() != 2:
+        raise ValueError(f"to_csr expects [tokens, features] activations, got shape {tuple(acts.shape)}")
+    flat_idx = torch.nonzero(acts.detach().reshape(-1)).squeeze(1)
+    return flat_to_csr(flat_idx, acts.reshape(-1)[flat_idx], acts.shape[0], acts.shape[1])
+
+
+def flat_to_csr(
+    flat_indices: torch.Tensor, values: torch.Tensor, tokens: int, features: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CSR ``(indices, values, offsets)`` from ascending row-major flat indices into ``[tokens, features]``.
+
+    This is the form :func:`lightning_opt.ops.global_topk.batch_topk_threshold_sparse` returns. No host
+    sync.
+    """
+    rows = torch.div(flat_indices, features, rounding_mode="floor")
+    offsets = torch.searchsorted(rows, torch.arange(tokens, device=rows.device, dtype=rows.dtype))
+    return flat_indices - rows * features, values, offsets
+
+
+def _normalise(
+    indices: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Flatten the padded form to CSR; check shapes. Returns ``(indices, values, offsets, rows)``."""
+    if offsets is None:
+        if indices.dim() != 2 or values.shape != indices.shape:
+            raise ValueError(
+                "without offsets, indices and values must both be [tokens, entries_per_token]; got "
+                f"{tuple(indices.shape)} and {tuple(values.shape)}. Pass offsets for the flat (CSR) form."
+            )
+        rows, per_row = indices.shape
+        offsets = torch.arange(rows, device=indices.device, dtype=torch.long) * per_row
+        return indices.reshape(-1), values.reshape(-1), offsets, rows
+    if indices.dim() != 1 or values.shape != indices.shape or offsets.dim() != 1:
+        raise ValueError(
+            "with offsets, indices and values must be 1-D of equal length and offsets 1-D (one start per "
+            f"token); got {tuple(indices.shape)}, {tuple(values.shape)}, {tuple(offsets.shape)}"
+        )
+    return indices, values, offsets, offsets.numel()
+
+
+def _torch_decode(
+    indices: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    # embedding_bag wants a float dtype shared by weight and per_sample_weights.
+    return F.embedding_bag(
+        indices, weight, offsets.to(indices.dtype), mode="sum", per_sample_weights=values.to(weight.dtype)
+    )
+
+
+def sparse_decode(
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Sum of decoder rows weighted by sparse activation values, per token.
+
+    Args:
+        indices: feature ids, ``[N, m]`` (padded form) or ``[nnz]`` with ``offsets`` (CSR form).
+        values: activation values, same shape as ``indices``.
+        weight: decoder ``[features, D]``.
+        offsets: ``[N]`` start of each token's entries in the CSR form (ascending).
+        bias: optional ``[D]`` added to every row.
+        backend: ``"auto"`` (Triton on CUDA when installed, else torch), ``"torch"`` or ``"triton"``.
+
+    Returns:
+        ``[N, D]`` in ``weight``'s dtype.
+
+    Example:
+        >>> w = torch.eye(4)
+        >>> sparse_decode(torch.tensor([[1, 3]]), torch.tensor([[2.0, 0.5]]), w)
+        tensor([[0.0000, 2.0000, 0.0000, 0.5000]])
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [features, D], got shape {tuple(weight.shape)}")
+    indices, values, offsets, rows = _normalise(indices, values, offsets)
+    if backend == "auto":
+        backend = "triton" if weight.is_cuda and is_available("triton") else "torch"
+    if backend == "triton":
+        out = _TritonDecode.apply(indices, values, offsets, weight)
+    else:
+        out = _torch_decode(indices, values, offsets, weight)
+    return out if bias is None else out + bias
+
+
+class _TritonDecode(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, indices: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        from lightning_opt.ops import _sparse_decode_triton as kernels
+
+        indices = indices.contiguous()
+        values = values.contiguous()
+        weight = weight.contiguous()
+        ends = torch.cat([offsets[1:], offsets.new_tensor([indices.numel()])]).contiguous()
+        ctx.save_for_backward(indices, values, offsets, ends, weight)
+        return kernels.forward(indices, values, offsets.contiguous(), ends, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        from lightning_opt.ops import _sparse_decode_triton as kernels
+
+        indices, values, offsets, ends, weight = ctx.saved_tensors
+        # The token of each entry; output_size avoids a host sync.
+        counts = ends - offsets
+        rows = torch.repeat_interleave(
+            torch.arange(offsets.numel(), device=offsets.device), counts, output_size=indices.numel()
+        )
+        grad_out = grad_out.contiguous()
+        grad_values = grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_values = kernels.grad_values(indices, rows, grad_out, weight).to(values.dtype)
+        if ctx.needs_input_grad[3]:
+            grad_weight = kernels.grad_weight(indices, rows, values, grad_out, weight.shape).to(weight.dtype)
+        return None, grad_values, None, grad_weight
