@@ -14,6 +14,16 @@ from lightning_opt.optim.factory import OptimConfig, build_optimizer
 from lightning_opt.optim.schedules import ScheduleConfig
 
 
+def register_safe_globals(*classes: type) -> None:
+    """Let ``torch.load(weights_only=True)`` (Lightning's default) read checkpoints holding these configs."""
+    add = getattr(torch.serialization, "add_safe_globals", None)
+    if add is not None:
+        add(list(classes))
+
+
+register_safe_globals(OptimConfig, ScheduleConfig)
+
+
 class TrainingModule(L.LightningModule):
     """Base class: builds optimizers from :class:`OptimConfig` and a per-step schedule.
 

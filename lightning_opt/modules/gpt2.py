@@ -10,9 +10,11 @@ import torch.nn as nn
 from torchmetrics import MeanMetric
 
 from lightning_opt.models.gpt2 import GPT, GPTConfig
-from lightning_opt.modules.base import TrainingModule
+from lightning_opt.modules.base import TrainingModule, register_safe_globals
 from lightning_opt.optim.factory import OptimConfig
 from lightning_opt.optim.schedules import ScheduleConfig
+
+register_safe_globals(GPTConfig)
 
 
 class GPT2SpeedrunModule(TrainingModule):
@@ -56,6 +58,18 @@ class GPT2SpeedrunModule(TrainingModule):
         head = [] if self.model_config.tie_embeddings else [m.lm_head.weight]
         return {"hidden": m.hidden_matrices(), "embeddings": None, "head": head}
 
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        theirs = checkpoint.get("hyper_parameters", {}).get("model_config")
+        if theirs is not None and theirs != self.model_config:
+            a, b = self.model_config.to_dict(), theirs.to_dict() if hasattr(theirs, "to_dict") else dict(theirs)
+            diffs = {k: (b.get(k), a[k]) for k in a if a[k] != b.get(k)}
+            raise ValueError(
+                "checkpoint comes from another model: (checkpoint, this run) differ in "
+                + ", ".join(f"{k}={v[0]!r} vs {v[1]!r}" for k, v in diffs.items())
+                + ". Use the checkpoint's model_config (see its hyper_parameters) or train from scratch."
+            )
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
@@ -79,7 +93,9 @@ class GPT2SpeedrunModule(TrainingModule):
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
-        self.val_loss.reset()
+        # validate() runs under inference mode; states re-created there could not be updated in training
+        with torch.inference_mode(False):
+            self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True, sync_dist=False)
         self.log("val/ppl", torch.exp(loss.clamp(max=20)))
 

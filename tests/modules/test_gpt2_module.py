@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_opt.models.gpt2 import GPTConfig
+from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
+from lightning_opt.optim.combined import CombinedOptimizer
+from lightning_opt.optim.factory import OptimConfig
+from lightning_opt.optim.schedules import ScheduleConfig
+
+CFG = GPTConfig(vocab_size=32, n_layer=2, n_head=2, n_embd=32, block_size=16, pos_emb="rope", norm="rmsnorm",
+                bias=False, mlp="relu2", tie_embeddings=False, zero_init_proj=True)
+
+
+def _loader(n=64, t=16, seed=0):
+    # a learnable sequence: next token = (token + 1) mod 32, starting anywhere
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, 32, (n, 1), generator=g)
+    seq = (start + torch.arange(t + 1)) % 32
+    return DataLoader(TensorDataset(seq[:, :-1], seq[:, 1:]), batch_size=8, shuffle=False)
+
+
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_fit_lowers_loss(tmp_path, optim):
+    torch.manual_seed(0)
+    module = GPT2SpeedrunModule(CFG, OptimConfig(name=optim, lr=3e-3, muon_lr=0.02),
+                                ScheduleConfig(name="cosine", warmup_steps=2))
+    trainer = L.Trainer(max_steps=40, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, gradient_clip_val=1.0, accumulate_grad_batches=2,
+                        default_root_dir=tmp_path, enable_model_summary=False)
+    before = trainer.validate(module, _loader(seed=1), verbose=False)[0]["val/loss"]
+    trainer.fit(module, _loader(), _loader(seed=1))
+    after = trainer.validate(module, _loader(seed=1), verbose=False)[0]["val/loss"]
+    assert after < 0.5 * before
+    assert module.tokens_seen == 40 * 2 * 8 * 16
+    assert module.flops_per_batch and module.flops_per_batch > 0
+    if optim == "muon":
+        assert isinstance(trainer.optimizers[0], CombinedOptimizer)
+
+
+def test_subclass_custom_loss(tmp_path):
+    class LabelSmoothed(GPT2SpeedrunModule):
+        def compute_loss(self, x, y):
+            logits = self.model(x)
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), label_smoothing=0.1)
+
+    module = LabelSmoothed(CFG, OptimConfig(lr=3e-3))
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(module, _loader())
+    assert trainer.global_step == 3
+
+
+def test_checkpoint_resume_restores_optimizer_and_tokens(tmp_path):
+    torch.manual_seed(0)
+    module = GPT2SpeedrunModule(CFG, OptimConfig(name="muon", lr=3e-3, muon_lr=0.02))
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False)
+    trainer.fit(module, _loader())
+    ckpt = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(ckpt)
+    module2 = GPT2SpeedrunModule(CFG, OptimConfig(name="muon", lr=3e-3, muon_lr=0.02))
+    trainer2 = L.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False)
+    trainer2.fit(module2, _loader(), ckpt_path=ckpt)
+    assert trainer2.global_step == 6
+    assert module2.tokens_seen == 6 * 8 * 16
+
+
+def test_checkpoint_from_other_model_is_rejected(tmp_path):
+    module = GPT2SpeedrunModule(CFG)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False)
+    trainer.fit(module, _loader())
+    ckpt = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(ckpt)
+    other = GPT2SpeedrunModule(GPTConfig(vocab_size=32, n_layer=3, n_head=2, n_embd=32, block_size=16))
+    trainer2 = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False)
+    with pytest.raises(ValueError, match=r"another model: .*n_layer=2 vs 3"):
+        trainer2.fit(other, _loader(), ckpt_path=ckpt)
