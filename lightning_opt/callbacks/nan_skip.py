@@ -1,0 +1,457 @@
+"""Skip optimizer steps whose loss or gradients are not finite (or spike), instead of aborting the run."""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+_REASONS = ("non-finite loss", "non-finite gradient", "loss spike")
+_WRAP_TAG = "_lightning_opt_nan_skip"
+
+
+@dataclass
+class NaNSkipConfig:
+    """Validated settings of :class:`NaNSkip` (see its docstring)."""
+
+    mode: Literal["device", "host"] = "device"
+    max_consecutive_skips: int | None = 10
+    check_loss: bool = True
+    check_grads: bool = True
+    spike_zscore: float | None = None
+    spike_window: int = 100
+    spike_warmup: int = 50
+    recent_window: int = 100
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("device", "host"):
+            raise ValueError(f"NaNSkip: mode={self.mode!r}; use 'device' (no per-step sync) or 'host'.")
+        if self.max_consecutive_skips is not None and self.max_consecutive_skips < 1:
+            raise ValueError(
+                f"NaNSkip: max_consecutive_skips={self.max_consecutive_skips}; use a positive int or None."
+            )
+        if self.spike_zscore is not None and self.spike_zscore <= 0:
+            raise ValueError(f"NaNSkip: spike_zscore={self.spike_zscore}; use a positive number or None.")
+        for name in ("spike_window", "spike_warmup", "recent_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"NaNSkip: {name}={getattr(self, name)}; it must be >= 1.")
+        if not (self.check_loss or self.check_grads or self.spike_zscore):
+            raise ValueError("NaNSkip: nothing to check; enable check_loss, check_grads or spike_zscore.")
+
+
+@dataclass
+class _Pending:
+    """One optimizer step whose decision the host has not read yet (device mode)."""
+
+    code: torch.Tensor  # int32 [3] on device: reasons, already reduced over ranks
+    host: torch.Tensor  # pinned CPU copy of ``code`` (filled by a non-blocking copy)
+    event: torch.cuda.Event | None
+    global_step: int
+    batch_idx: int
+    scheduler_calls: list[Callable[[], Any]] = field(default_factory=list)
+
+
+class _OptimizerGuard:
+    """Wraps one optimizer's ``step`` so that it takes effect only when the step is finite."""
+
+    def __init__(self, owner: NaNSkip, optimizer: torch.optim.Optimizer) -> None:
+        self.owner = owner
+        self.optimizer = optimizer
+        self.had_instance_step = "step" in optimizer.__dict__
+        self.original_step = optimizer.step
+        self.pending: _Pending | None = None
+        self.last_skipped = False
+        self.snapshot: list[torch.Tensor] = []
+        self.host_fallback_warned = False
+        self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and any(
+            g.get("fused") for g in optimizer.param_groups
+        )
+
+        def step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+            return self.step(closure, **kwargs)
+
+        # Keep markers such as the LR scheduler's ``_wrapped_by_lr_sched`` visible on the wrapper.
+        step.__dict__.update(getattr(self.original_step, "__dict__", {}))
+        setattr(step, _WRAP_TAG, self)
+        optimizer.step = step  # type: ignore[method-assign]
+
+    def unwrap(self) -> None:
+        if self.had_instance_step:
+            self.optimizer.step = self.original_step  # type: ignore[method-assign]
+        else:
+            self.optimizer.__dict__.pop("step", None)
+
+    # -- the step -------------------------------------------------------------------------------
+    def _params_with_grad(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    def step(self, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
+        owner = self.owner
+        # The step about to run needs the previous step's decision (its LR schedule); that
+        # decision was computed a whole forward/backward ago, so reading it here does not stall.
+        self.resolve()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = self._params_with_grad()
+        if not params:  # nothing to update (all grads None): let the optimizer do its no-op
+            self.original_step(**kwargs)
+            return loss
+        device = params[0].device
+        code = owner._decision(params, device)
+        trainer = owner._trainer
+        meta = (trainer.global_step if trainer else -1, owner._batch_idx)
+        state_empty = any(len(self.optimizer.state.get(p, {})) == 0 for p in params)
+        use_host = owner.config.mode == "host" or state_empty or not self._device_path_possible(params)
+        if use_host:
+            # Host mode (or an optimizer's first step, whose state it creates lazily): one sync.
+            reasons = code.tolist()
+            ok = not any(reasons)
+            if ok:
+                self.original_step(**kwargs)
+            owner._record(ok, reasons, *meta)
+            self.last_skipped = not ok
+            return loss
+        ok_dev = code.sum() == 0
+        if self.fused:
+            self._fused_step(ok_dev, kwargs)
+        else:
+            self._snapshot_step(params, ok_dev, kwargs)
+        host = torch.empty(3, dtype=torch.int32, pin_memory=device.type == "cuda")
+        host.copy_(code, non_blocking=True)
+        event = None
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self.pending = _Pending(code, host, event, *meta)
+        return loss
+
+    def _device_path_possible(self, params: list[torch.Tensor]) -> bool:
+        if self.fused:
+            return True
+        device = params[0].device
+        for p in params:
+            for v in self.optimizer.state[p].values():
+                if isinstance(v, torch.Tensor) and v.device != device:
+                    if not self.host_fallback_warned:
+                        warnings.warn(
+                            f"NaNSkip: {type(self.optimizer).__name__} keeps state on {v.device} while the "
+                            f"parameters are on {device}, so the skip cannot be decided on the device; "
+                            "falling back to mode='host' (one sync per step). Create the optimizer with "
+                            "fused=True (or capturable=True) to avoid it.",
+                            stacklevel=2,
+                        )
+                        self.host_fallback_warned = True
+                    return False
+        return True
+
+    def _fused_step(self, ok: torch.Tensor, kwargs: dict[str, Any]) -> None:
+        # Fused torch optimizers accept ``found_inf``: when it is 1 the kernel leaves params and
+        # moments untouched and undoes the step-count increment. Combine with a GradScaler's flag.
+        opt = self.optimizer
+        prior = opt.__dict__.get("found_inf")
+        skip = (~ok).to(torch.float32)
+        opt.found_inf = skip if prior is None else torch.maximum(prior.reshape(()).float(), skip)  # type: ignore[attr-defined]
+        had_scale = "grad_scale" in opt.__dict__
+        if not had_scale:
+            opt.grad_scale = None  # type: ignore[attr-defined]
+        try:
+            self.original_step(**kwargs)
+        finally:
+            if prior is None:
+                del opt.found_inf  # type: ignore[attr-defined]
+            else:
+                opt.found_inf = prior  # type: ignore[attr-defined]
+            if not had_scale:
+                del opt.grad_scale  # type: ignore[attr-defined]
+
+    def _state_tensors(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = list(params)
+        for p in params:
+            out.extend(v for v in self.optimizer.state[p].values() if isinstance(v, torch.Tensor))
+        return out
+
+    @torch.no_grad()
+    def _snapshot_step(self, params: list[torch.Tensor], ok: torch.Tensor, kwargs: dict[str, Any]) -> None:
+        # Generic exact skip without a sync: copy params + state into reused buffers, step, then
+        # select old values where the step was bad. Costs one extra copy of params + state.
+        tensors = self._state_tensors(params)
+        if len(self.snapshot) != len(tensors) or any(
+            s.shape != t.shape or s.dtype != t.dtype or s.device != t.device
+            for s, t in zip(self.snapshot, tensors)
+        ):
+            self.snapshot = [torch.empty_like(t) for t in tensors]
+        torch._foreach_copy_(self.snapshot, tensors)
+        self.original_step(**kwargs)
+        after = self._state_tensors(params)
+        if len(after) != len(tensors):
+            raise RuntimeError(
+                f"NaNSkip: {type(self.optimizer).__name__} changed its state layout during a step; "
+                "use NaNSkip(mode='host') with this optimizer."
+            )
+        for t, s in zip(after, self.snapshot):
+            torch.where(ok, t, s, out=t)
+
+    # -- deferred decisions -----------------------------------------------------------------------
+    def resolve(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        if pending.event is not None and not pending.event.query():
+            pending.event.synchronize()  # rare: only when the host asks right after the step
+        reasons = pending.host.tolist()
+        ok = not any(reasons)
+        self.last_skipped = not ok
+        if ok:
+            for call in pending.scheduler_calls:
+                call()
+        self.owner._record(ok, reasons, pending.global_step, pending.batch_idx)
+
+    def scheduler_step(self, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if self.pending is not None:
+            self.pending.scheduler_calls.append(lambda: original(*args, **kwargs))
+            return None
+        if self.last_skipped:
+            return None
+        return original(*args, **kwargs)
+
+
+class NaNSkip(Callback):
+    """Skips optimizer steps whose loss or gradients are non-finite (or whose loss spikes).
+
+    A skipped step leaves parameters *and* optimizer state (moments, step counts) bit-identical to
+    a run that never took it, and the step-interval LR schedulers do not advance. It works by
+    wrapping each optimizer's ``step`` at train start, so it needs nothing from the LightningModule
+    and covers automatic and manual optimization alike. See ``docs/callbacks/nan_skip.md``.
+
+    Args:
+        mode: ``"device"`` (default): the decision stays on the device; fused optimizers
+            (``fused=True``) skip through their ``found_inf`` input at no cost, other optimizers
+            through a snapshot of params + state (one extra copy of both in memory). ``"host"``:
+            one host-device sync per step, no extra memory, any optimizer.
+        max_consecutive_skips: raise after this many skipped steps in a row (``None``: never).
+        check_loss: skip when the training loss is not finite.
+        check_grads: skip when any gradient is not finite.
+        spike_zscore: also skip when the loss exceeds its running mean by this many standard
+            deviations (``None``: off).
+        spike_window: the running mean/variance is an EMA over about this many steps.
+        spike_warmup: steps before spike detection starts.
+        recent_window: ``skipped_steps_recent`` counts skips in this many last steps.
+
+    Example::
+
+        trainer = Trainer(callbacks=[NaNSkip(max_consecutive_skips=5)])
+    """
+
+    def __init__(
+        self,
+        mode: Literal["device", "host"] = "device",
+        max_consecutive_skips: int | None = 10,
+        check_loss: bool = True,
+        check_grads: bool = True,
+        spike_zscore: float | None = None,
+        spike_window: int = 100,
+        spike_warmup: int = 50,
+        recent_window: int = 100,
+    ) -> None:
+        self.config = NaNSkipConfig(
+            mode, max_consecutive_skips, check_loss, check_grads, spike_zscore, spike_window, spike_warmup,
+            recent_window,
+        )
+        self.skipped_total = 0
+        self.steps_seen = 0
+        self._recent: deque[bool] = deque(maxlen=recent_window)
+        self._consecutive: list[tuple[int, int, str]] = []
+        self._guards: list[_OptimizerGuard] = []
+        self._scheduler_wraps: list[tuple[Any, bool, Any]] = []
+        self._trainer: Trainer | None = None
+        self._batch_idx = -1
+        self._loss_bad: torch.Tensor | None = None
+        self._loss_sum: torch.Tensor | None = None
+        self._spike_stats: torch.Tensor | None = None  # [mean, var, count] on device
+
+    # -- hooks ----------------------------------------------------------------------------------
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._unwrap()
+        self._trainer = trainer
+        for opt in trainer.optimizers:
+            if isinstance(opt, torch.optim.LBFGS):
+                raise ValueError("NaNSkip: LBFGS re-evaluates its closure inside step(); it is not supported.")
+            if getattr(opt.step, _WRAP_TAG, None) is not None:
+                continue
+            self._guards.append(_OptimizerGuard(self, opt))
+        manual = not pl_module.automatic_optimization
+        for config in trainer.lr_scheduler_configs:
+            if manual or config.interval == "step":
+                self._wrap_scheduler(config.scheduler)
+
+    def _wrap_scheduler(self, scheduler: Any) -> None:
+        guard = next((g for g in self._guards if g.optimizer is getattr(scheduler, "optimizer", None)), None)
+        if guard is None:
+            return
+        had_instance = "step" in scheduler.__dict__
+        original = scheduler.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            return guard.scheduler_step(original, args, kwargs)
+
+        scheduler.step = step
+        self._scheduler_wraps.append((scheduler, had_instance, original))
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch_idx = batch_idx
+
+    @override
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        loss = loss.detach()
+        bad = ~torch.isfinite(loss).all()
+        self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+        value = loss.float().sum()
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        pl_module.log("nan_skip/skipped_steps", float(self.skipped_total), on_step=True, on_epoch=False)
+        pl_module.log("nan_skip/skipped_steps_recent", float(sum(self._recent)), on_step=True, on_epoch=False)
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.resolve()
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.resolve()
+
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # The checkpoint must hold schedulers as of the last *decided* step: resolve (one read at
+        # save time) and refresh the scheduler states Lightning collected just before this hook.
+        self.resolve()
+        if "lr_schedulers" in checkpoint and trainer.lr_scheduler_configs:
+            checkpoint["lr_schedulers"] = [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
+        checkpoint.setdefault("callbacks", {})[self.state_key] = self.state_dict()
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        try:
+            self.resolve()
+        finally:
+            self._unwrap()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._unwrap()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "skipped_total": self.skipped_total,
+            "steps_seen": self.steps_seen,
+            "recent": list(self._recent),
+            "consecutive": list(self._consecutive),
+            "spike_stats": None if self._spike_stats is None else self._spike_stats.cpu().tolist(),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.skipped_total = int(state_dict["skipped_total"])
+        self.steps_seen = int(state_dict["steps_seen"])
+        self._recent = deque((bool(x) for x in state_dict["recent"]), maxlen=self.config.recent_window)
+        self._consecutive = [tuple(x) for x in state_dict["consecutive"]]  # type: ignore[misc]
+        stats = state_dict.get("spike_stats")
+        self._spike_stats = None if stats is None else torch.tensor(stats, dtype=torch.float32)
+
+    # -- public helpers -------------------------------------------------------------------------
+    def resolve(self) -> None:
+        """Reads every pending device decision now (one sync); counters are then exact."""
+        for guard in self._guards:
+            guard.resolve()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _unwrap(self) -> None:
+        for guard in self._guards:
+            guard.unwrap()
+        self._guards = []
+        for scheduler, had_instance, original in self._scheduler_wraps:
+            if had_instance:
+                scheduler.step = original
+            else:
+                scheduler.__dict__.pop("step", None)
+        self._scheduler_wraps = []
+
+    @torch.no_grad()
+    def _decision(self, params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """int32 [3] on ``device``: (loss bad, grad bad, spike), the same on every rank."""
+        cfg = self.config
+        zero = torch.zeros((), dtype=torch.bool, device=device)
+        loss_bad = zero
+        if cfg.check_loss and self._loss_bad is not None:
+            loss_bad = self._loss_bad.to(device, non_blocking=True)
+        grad_bad = zero
+        if cfg.check_grads:
+            # inf-norm: propagates NaN/inf and cannot overflow for finite gradients (unlike the 2-norm).
+            norms = torch._foreach_norm([p.grad for p in params], float("inf"))
+            grad_bad = ~torch.isfinite(torch.stack([n.to(device, torch.float32) for n in norms])).all()
+        spike = zero
+        if cfg.spike_zscore is not None and self._loss_sum is not None:
+            spike = self._spike(self._loss_sum.to(device), loss_bad | grad_bad)
+        self._loss_bad = None
+        self._loss_sum = None
+        code = torch.stack([loss_bad, grad_bad, spike]).to(torch.int32)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # int32 because NCCL cannot reduce bool; MAX so one rank's NaN skips the step everywhere.
+            if dist.get_backend() == "nccl" and code.device.type != "cuda":
+                code = code.cuda()
+            dist.all_reduce(code, op=dist.ReduceOp.MAX)
+            code = code.to(device)
+        return code
+
+    def _spike(self, loss: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        if self._spike_stats is None or self._spike_stats.device != loss.device:
+            stats = self._spike_stats if self._spike_stats is not None else torch.zeros(3)
+            self._spike_stats = stats.to(loss.device, torch.float32)
+        mean, var, count = self._spike_stats.unbind()
+        z = (loss - mean) / torch.sqrt(var + 1e-12)
+        spike = (count >= cfg.spike_warmup) & (z > cfg.spike_zscore) & ~bad
+        alpha = 2.0 / (cfg.spike_window + 1)
+        # First observation seeds the mean; later ones update an EMA of mean and variance.
+        delta = loss - mean
+        new_mean = torch.where(count == 0, loss, mean + alpha * delta)
+        new_var = torch.where(count == 0, torch.zeros_like(var), (1 - alpha) * (var + alpha * delta * delta))
+        update = ~(bad | spike)
+        new = torch.stack([new_mean, new_var, count + 1])
+        self._spike_stats = torch.where(update, new, self._spike_stats)
+        return spike
+
+    def _record(self, ok: bool, reasons: list[int], global_step: int, batch_idx: int) -> None:
+        self.steps_seen += 1
+        self._recent.append(not ok)
+        if ok:
+            self._consecutive = []
+            return
+        self.skipped_total += 1
+        why = ", ".join(r for r, flag in zip(_REASONS, reasons) if flag)
+        self._consecutive.append((global_step, batch_idx, why))
+        limit = self.config.max_consecutive_skips
+        if limit is not None and len(self._consecutive) >= limit:
+            steps = [s for s, _, _ in self._consecutive]
+            batches = [b for _, b, _ in self._consecutive]
+            raise RuntimeError(
+                f"NaNSkip: {len(self._consecutive)} consecutive optimizer steps were skipped "
+                f"(global steps {steps}, batch indices {batches}; last reason: {why}). Training is "
+                "not recovering: lower the learning rate, check the data at those batches, or raise "
+                "max_consecutive_skips."
+            )

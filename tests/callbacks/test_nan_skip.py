@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ManualModule, TinyModule, assert_same, make_batches, make_trainer, snapshot
+
+from lightning_opt.callbacks import NaNSkip
+
+
+def _fit(tmp_path, module, callbacks):
+    trainer = make_trainer(tmp_path, callbacks)
+    trainer.fit(module)
+    return trainer
+
+
+@pytest.mark.parametrize("mode", ["device", "host"])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("bad", [0, 3])
+def test_skip_is_bit_identical_to_never_taking_the_step(tmp_path, mode, fused, bad):
+    batches = make_batches(6)
+    skip = NaNSkip(mode=mode)
+    poisoned = TinyModule(batches=batches, fused=fused, nan_at=(bad,))
+    t1 = _fit(tmp_path, poisoned, [skip])
+    without = [b for i, b in enumerate(batches) if i != bad]
+    reference = TinyModule(batches=without, fused=fused)
+    t2 = _fit(tmp_path, reference, [])
+    # Scheduler not advanced on the skipped step: both have stepped len(without) times.
+    assert_same(snapshot(poisoned, t1), snapshot(reference, t2))
+    assert skip.skipped_total == 1
+    assert skip.steps_seen == len(batches)
+
+
+def test_nan_gradient_with_finite_loss_is_skipped(tmp_path):
+    batches = make_batches(5)
+    skip = NaNSkip()
+    m = TinyModule(batches=batches, grad_nan_at=(2,))
+    t1 = _fit(tmp_path, m, [skip])
+    ref = TinyModule(batches=[b for i, b in enumerate(batches) if i != 2])
+    t2 = _fit(tmp_path, ref, [])
+    assert_same(snapshot(m, t1), snapshot(ref, t2))
+    assert skip.skipped_total == 1
+    assert all(p.isfinite().all() for p in m.parameters())
+
+
+@pytest.mark.parametrize("mode", ["device", "host"])
+def test_manual_optimization(tmp_path, mode):
+    batches = make_batches(5)
+    skip = NaNSkip(mode=mode)
+    m = ManualModule(batches=batches, nan_at=(1,))
+    t1 = _fit(tmp_path, m, [skip])
+    ref = ManualModule(batches=[b for i, b in enumerate(batches) if i != 1])
+    t2 = _fit(tmp_path, ref, [])
+    assert_same(snapshot(m, t1), snapshot(ref, t2))
+    assert skip.skipped_total == 1
+
+
+def test_max_consecutive_skips_names_steps_and_batches(tmp_path):
+    m = TinyModule(batches=make_batches(8), nan_at=(2, 3, 4))
+    with pytest.raises(RuntimeError, match=r"3 consecutive .*global steps \[2, 3, 4\], batch indices \[2, 3, 4\]"):
+        _fit(tmp_path, m, [NaNSkip(max_consecutive_skips=3)])
+
+
+def test_loss_spike_is_skipped(tmp_path):
+    batches = make_batches(30)
+    x, y = batches[25]
+    batches[25] = (x, y * 1e4)  # a loss many standard deviations above the running mean
+    skip = NaNSkip(spike_zscore=6.0, spike_warmup=10, spike_window=10)
+    _fit(tmp_path, TinyModule(batches=batches, lr=1e-3), [skip])
+    assert skip.skipped_total == 1
+    assert list(skip._recent)[25] is True
+
+
+def test_state_dict_round_trip_and_logged_keys(tmp_path):
+    skip = NaNSkip()
+    t = make_trainer(tmp_path, [skip], logger=True)
+    t.fit(TinyModule(batches=make_batches(4), nan_at=(1,)))
+    assert t.callback_metrics["nan_skip/skipped_steps"] == 1
+    other = NaNSkip()
+    other.load_state_dict(skip.state_dict())
+    assert other.state_dict() == skip.state_dict()
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="mode"):
+        NaNSkip(mode="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_consecutive_skips"):
+        NaNSkip(max_consecutive_skips=0)
+    with pytest.raises(ValueError, match="nothing to check"):
+        NaNSkip(check_loss=False, check_grads=False)
+
+
+def test_optimizer_step_is_unwrapped_after_fit(tmp_path):
+    m = TinyModule(batches=make_batches(2))
+    t = _fit(tmp_path, m, [NaNSkip()])
+    assert "step" not in t.optimizers[0].__dict__ or not hasattr(t.optimizers[0].step, "_lightning_opt_nan_skip")
+    assert torch.isfinite(next(m.parameters())).all()
