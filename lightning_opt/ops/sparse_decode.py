@@ -16,6 +16,7 @@ Backends:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from lightning_opt._optional import is_available
 
-__all__ = ["sparse_decode", "to_csr", "flat_to_csr"]
+__all__ = ["sparse_decode", "clt_sparse_decode", "to_csr", "flat_to_csr"]
 
 _BACKENDS = ("auto", "torch", "triton")
 
@@ -120,6 +121,51 @@ def sparse_decode(
     else:
         out = _torch_decode(indices, values, offsets, weight)
     return out if bias is None else out + bias
+
+
+def clt_sparse_decode(
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    W_dec: Sequence[torch.Tensor],
+    n_tokens: int,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Decode a cross-layer transcoder's sparse activations to every target layer, without bias.
+
+    Args:
+        indices: ascending flat indices into the layer-major ``[L, N, F]`` activation tensor.
+        values: the activations at ``indices`` (differentiable).
+        W_dec: per source layer ``l`` a decoder ``[F, L - l, d_out]`` (targets ``l .. L-1``).
+        n_tokens: ``N``.
+        backend: as in :func:`sparse_decode`.
+
+    Returns:
+        ``[N, L, d_out]`` in the decoders' dtype: ``out[n, j] = sum_{l <= j} sum_f a[l, n, f] W_dec[l][f, j - l]``.
+    """
+    n_layers = len(W_dec)
+    if n_layers == 0:
+        raise ValueError("W_dec is empty: a CLT needs at least one source layer")
+    features, _, d_out = W_dec[0].shape
+    layer_size = n_tokens * features
+    # One host sync: the layer boundaries size the per-layer slices.
+    bounds = torch.searchsorted(
+        indices, torch.arange(n_layers + 1, device=indices.device, dtype=indices.dtype) * layer_size
+    ).tolist()
+    out = torch.zeros(n_tokens, n_layers, d_out, dtype=W_dec[0].dtype, device=W_dec[0].device)
+    for layer, w in enumerate(W_dec):
+        if w.shape != (features, n_layers - layer, d_out):
+            raise ValueError(
+                f"W_dec[{layer}] has shape {tuple(w.shape)}, expected {(features, n_layers - layer, d_out)}"
+            )
+        lo, hi = bounds[layer], bounds[layer + 1]
+        local = indices[lo:hi] - layer * layer_size
+        rows = torch.div(local, features, rounding_mode="floor")
+        offsets = torch.searchsorted(rows, torch.arange(n_tokens, device=rows.device, dtype=rows.dtype))
+        dec = sparse_decode(
+            local - rows * features, values[lo:hi], w.reshape(features, -1), offsets, backend=backend
+        )
+        out[:, layer:] += dec.view(n_tokens, n_layers - layer, d_out)
+    return out
 
 
 class _TritonDecode(torch.autograd.Function):

@@ -7,7 +7,7 @@ import torch
 
 from lightning_opt._optional import is_available
 from lightning_opt.ops.global_topk import batch_topk_threshold_sparse, global_batch_topk
-from lightning_opt.ops.sparse_decode import flat_to_csr, sparse_decode, to_csr
+from lightning_opt.ops.sparse_decode import clt_sparse_decode, flat_to_csr, sparse_decode, to_csr
 
 
 def _sparse_acts(tokens: int, features: int, density: float, seed: int, dtype=torch.float32) -> torch.Tensor:
@@ -87,3 +87,27 @@ def test_triton_matches_torch_on_gpu(dtype: torch.dtype) -> None:
     torch.testing.assert_close(outs[1], outs[0], **tol)
     torch.testing.assert_close(grads[1][0], grads[0][0], **tol)
     torch.testing.assert_close(grads[1][1], grads[0][1], **tol)
+
+
+def test_clt_sparse_decode_matches_dense_cross_layer_sum() -> None:
+    n_layers, tokens, features, d_out = 3, 5, 16, 4
+    gen = torch.Generator().manual_seed(3)
+    acts = _sparse_acts(n_layers * tokens, features, 0.2, seed=4).view(n_layers, tokens, features)
+    acts.requires_grad_(True)
+    w_dec = [
+        torch.randn(features, n_layers - layer, d_out, generator=gen, requires_grad=True)
+        for layer in range(n_layers)
+    ]
+    flat_idx = torch.nonzero(acts.detach().reshape(-1)).squeeze(1)
+    out = clt_sparse_decode(flat_idx, acts.reshape(-1)[flat_idx], w_dec, tokens)
+    expected = torch.zeros(tokens, n_layers, d_out)
+    for src in range(n_layers):
+        for tgt in range(src, n_layers):
+            expected[:, tgt] += acts[src] @ w_dec[src][:, tgt - src]
+    torch.testing.assert_close(out, expected)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad((out * g).sum(), [acts, *w_dec])
+    dense_grads = torch.autograd.grad((expected * g).sum(), [acts, *w_dec])
+    torch.testing.assert_close(grads[0], dense_grads[0] * (acts.detach() != 0))
+    for a, b in zip(grads[1:], dense_grads[1:]):
+        torch.testing.assert_close(a, b)
