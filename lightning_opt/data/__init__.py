@@ -7,6 +7,10 @@ from lightning_opt._lazy import lazy_exports
 _EXPORTS = {
     "read_shard": "shards",
     "write_shard": "shards",
+    "resolve_files": "shards",
+    "default_corpus_shards": "corpus",
+    "ByteTokenizer": "tokenizer",
+    "gpt2_encoding": "tokenizer",
     "TokenShardDataModule": "datamodule",
 }
 __all__ = sorted(_EXPORTS)
