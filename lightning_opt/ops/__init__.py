@@ -7,6 +7,9 @@ from lightning_opt._lazy import lazy_exports
 _EXPORTS = {
     "attention": "attention",
     "global_batch_topk": "global_topk",
+    "batch_topk_rows": "topk",
+    "token_topk": "topk",
+    "jumprelu": "topk",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

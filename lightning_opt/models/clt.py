@@ -1,0 +1,659 @@
+"""Cross-layer transcoder (CLT): plain torch model, activations and losses.
+
+A CLT reads the MLP input (normalised residual stream) ``x_l`` of every layer ``l`` and reconstructs the MLP
+output ``y_t`` of every layer ``t`` from the features of all layers ``l <= t`` (Anthropic, "Circuit
+Tracing", 2025)::
+
+    a_l   = act(x_l W_enc[l] + b_enc[l])                      features of layer l, [N, F]
+    y_t  ~= sum_{l <= t} a_l W_dec[l][:, t - l] + b_dec[t]
+
+Layouts (the contract with ``lightning_opt.strategies``; see also docs/clt.md):
+
+* inputs and targets ``x, y``: ``[N, L, d_model]`` (token-major, as the activation pipeline yields them).
+* encoder: one parameter ``W_enc`` ``[L, d_model, F]`` and ``b_enc`` ``[L, F]`` (one batched matmul).
+* pre-activations and activations: layer-major ``[L, N, F]``; the flat index of (layer l, token n,
+  feature f) is ``(l * N + n) * F + f``. Sparse activations are ``(flat_indices, values)`` in that layout.
+* untied decoder: ``W_dec`` is an ``nn.ParameterList`` and ``W_dec[l]`` is ``[F, L - l, d_out]`` (source l to
+  targets l..L-1, circuit-tracer's ``W_dec_l``); ``b_dec`` is ``[L, d_out]``. ``d_out = d_model`` unless
+  :meth:`CLT.shard_decoder_` sliced the last (d_model) axis for decoder sharding.
+* tied decoders: ``per_source`` keeps ``W_dec[l]`` as ``[F, 1, d_out]`` (one vector per feature for all
+  targets), ``per_target`` keeps ``W_dec_tgt`` ``[L, F, d_out]`` (target t reads the sum of the features of
+  layers <= t).
+
+Global BatchTopK across ranks: ``CLT.topk_group`` (default ``None`` = local). When it is set and the activation
+is ``batchtopk_global``, the selection calls
+``lightning_opt.ops.global_topk.global_batch_topk(pre.view(N, L * F), k, group=topk_group)`` (lazy import);
+``pre`` is the layer-major buffer seen as N rows, so the selected set is exact over all entries.
+
+Sparse decode: :meth:`CLT.decode_sparse` takes ``(flat_indices, values)`` (grouped by layer, then token) and
+calls ``lightning_opt.ops.sparse_decode.sparse_decode`` once per source layer with the CSR rows of that layer
+and ``W_dec[l].reshape(F, (L - l) * d_out)``; ``CLT.sparse_decode_impl`` is its backend (``auto``: Triton
+on CUDA, ``embedding_bag`` otherwise).
+
+Normalisation: the model owns ``in_shift/in_scale`` and ``out_shift/out_scale`` buffers (``[L, d_model]``);
+:meth:`CLT.encode` normalises inputs, :meth:`CLT.decode` predicts *normalised* targets, and
+:meth:`CLT.denormalize` maps back. :meth:`CLT.folded_weights` folds them into the weights for export.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_opt.ops.topk import batch_topk_rows, jumprelu, scatter_dense, token_topk
+
+__all__ = [
+    "CLTConfig",
+    "CLT",
+    "CLTOutput",
+    "ACTIVATIONS",
+    "fvu",
+    "fvu_per_layer",
+    "tanh_sparsity_penalty",
+    "preactivation_loss",
+    "auxk_loss",
+    "tanh_sparsity_penalty_sparse",
+    "save_circuit_tracer",
+    "load_circuit_tracer",
+]
+
+ACTIVATIONS = ("relu", "topk", "batchtopk", "batchtopk_global", "jumprelu")
+_TOPK_ACTIVATIONS = ("topk", "batchtopk", "batchtopk_global")
+_TYINGS = ("untied", "per_source", "per_target")
+_NORMS = ("none", "mean_std", "sqrt_d_model")
+
+
+@dataclass
+class CLTConfig:
+    """Shape and behaviour of a cross-layer transcoder.
+
+    Args:
+        n_layers: layers of the target model (one encoder per layer).
+        d_model: width of the target model's residual stream / MLP output.
+        n_features: features per layer (``F``).
+        activation: ``relu``; ``topk`` (each token keeps its k largest features in each layer);
+            ``batchtopk`` (each layer keeps its ``k * tokens`` largest entries over tokens x features);
+            ``batchtopk_global`` (the ``k * tokens`` largest entries over tokens x all layers' features: k
+            active per token on average over all layers, crosslayer-coding's BatchTopK); ``jumprelu``.
+            Kept entries go through ReLU, so a kept pre-activation <= 0 gives 0.
+        k: active features per token (see ``activation``); required for the top-k activations.
+        decoder_tying: ``untied`` (a decoder per source-target pair), ``per_source`` or ``per_target``.
+        normalization: ``none``, ``mean_std`` (per-layer, per-dimension mean and std) or ``sqrt_d_model``
+            (per-layer scalar so the mean norm is sqrt(d_model)); statistics come from the data.
+        jumprelu_threshold: initial JumpReLU threshold (in normalised units).
+        jumprelu_bandwidth: straight-through rectangle width for the threshold gradient.
+    """
+
+    n_layers: int
+    d_model: int
+    n_features: int
+    activation: str = "batchtopk_global"
+    k: int | None = 32
+    decoder_tying: str = "untied"
+    normalization: str = "none"
+    jumprelu_threshold: float = 0.03
+    jumprelu_bandwidth: float = 0.01
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "d_model", "n_features"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"CLTConfig.{name} must be a positive int, got {v!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"CLTConfig.activation={self.activation!r} is unknown; choose one of {ACTIVATIONS}")
+        if self.activation in _TOPK_ACTIVATIONS:
+            if self.k is None or isinstance(self.k, bool) or not isinstance(self.k, int) or self.k <= 0:
+                raise ValueError(f"activation={self.activation!r} needs a positive int k, got {self.k!r}")
+            limit = self.n_features * (self.n_layers if self.activation == "batchtopk_global" else 1)
+            if self.k > limit:
+                where = "all layers' features" if self.activation == "batchtopk_global" else "features per layer"
+                raise ValueError(
+                    f"k={self.k} is larger than the {limit} {where}; lower k or raise n_features."
+                )
+        if self.decoder_tying not in _TYINGS:
+            raise ValueError(f"CLTConfig.decoder_tying={self.decoder_tying!r} is unknown; choose one of {_TYINGS}")
+        if self.normalization not in _NORMS:
+            raise ValueError(f"CLTConfig.normalization={self.normalization!r} is unknown; choose one of {_NORMS}")
+        if self.jumprelu_threshold <= 0 or self.jumprelu_bandwidth <= 0:
+            raise ValueError("jumprelu_threshold and jumprelu_bandwidth must be > 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class CLTOutput(NamedTuple):
+    """What :meth:`CLT.forward` returns.
+
+    ``recon`` is in normalised target space, ``[N, L, d_out]``; ``pre`` and ``acts`` are ``[L, N, F]``
+    (``acts`` is dense); ``indices``/``values`` are the sparse activations for top-k activations (else None).
+    """
+
+    recon: torch.Tensor
+    pre: torch.Tensor
+    acts: torch.Tensor | None
+    indices: torch.Tensor | None
+    values: torch.Tensor | None
+
+
+class CLT(nn.Module):
+    """Cross-layer transcoder. See the module docstring for layouts and the strategies contract.
+
+    Example:
+        >>> cfg = CLTConfig(n_layers=2, d_model=8, n_features=16, activation="batchtopk_global", k=2)
+        >>> clt = CLT(cfg)
+        >>> out = clt(torch.randn(5, 2, 8))
+        >>> out.recon.shape, int((out.acts != 0).sum()) <= 10
+        (torch.Size([5, 2, 8]), True)
+    """
+
+    def __init__(self, config: CLTConfig) -> None:
+        super().__init__()
+        self.config = config
+        L, d, nf = config.n_layers, config.d_model, config.n_features
+        self.topk_group: Any = None
+        self.sparse_decode_impl = "auto"  # backend of ops.sparse_decode: auto | torch | triton
+        self.d_out_slice: tuple[int, int] | None = None
+        self.W_enc = nn.Parameter(torch.empty(L, d, nf))
+        self.b_enc = nn.Parameter(torch.zeros(L, nf))
+        if config.decoder_tying == "per_target":
+            self.W_dec = nn.ParameterList()
+            self.W_dec_tgt = nn.Parameter(torch.empty(L, nf, d))
+        else:
+            width = (lambda s: L - s) if config.decoder_tying == "untied" else (lambda s: 1)
+            self.W_dec = nn.ParameterList(nn.Parameter(torch.empty(nf, width(s), d)) for s in range(L))
+            self.W_dec_tgt = None
+        self.b_dec = nn.Parameter(torch.zeros(L, d))
+        if config.activation == "jumprelu":
+            self.log_threshold = nn.Parameter(torch.full((L, nf), math.log(config.jumprelu_threshold)))
+        else:
+            self.log_threshold = None
+        self.register_buffer("in_shift", torch.zeros(L, d))
+        self.register_buffer("in_scale", torch.ones(L, d))
+        self.register_buffer("out_shift", torch.zeros(L, d))
+        self.register_buffer("out_scale", torch.ones(L, d))
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ setup
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Anthropic's CLT init: encoder U(+-1/sqrt(F)), decoder U(+-1/sqrt(L * d_model))."""
+        L, d, nf = self.config.n_layers, self.config.d_model, self.config.n_features
+        self.W_enc.uniform_(-1 / math.sqrt(nf), 1 / math.sqrt(nf))
+        bound = 1 / math.sqrt(L * d)
+        for w in self.decoder_params():
+            w.uniform_(-bound, bound)
+
+    def decoder_params(self) -> list[nn.Parameter]:
+        return [self.W_dec_tgt] if self.W_dec_tgt is not None else list(self.W_dec)
+
+    @property
+    def d_out(self) -> int:
+        return self.b_dec.shape[-1]
+
+    @torch.no_grad()
+    def set_normalization(self, stats: dict[str, Any]) -> None:
+        """Set the normalisation buffers from activation statistics.
+
+        Args:
+            stats: ``in_mean, in_std, out_mean, out_std`` (``[L, d_model]``) and ``in_norm, out_norm``
+                (``[L]``, mean L2 norm per layer), as stored by the activation cache.
+        """
+        mode = self.config.normalization
+        if mode == "none":
+            return
+        L, d = self.config.n_layers, self.config.d_model
+        dev = self.in_shift.device
+
+        def t(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            if name not in stats:
+                raise ValueError(f"normalization={mode!r} needs statistic {name!r}; got keys {sorted(stats)}")
+            v = torch.as_tensor(stats[name], dtype=torch.float32, device=dev)
+            if tuple(v.shape) != shape:
+                raise ValueError(
+                    f"statistic {name!r} has shape {tuple(v.shape)}, expected {shape} "
+                    f"(n_layers={L}, d_model={d}); the statistics belong to a different target model."
+                )
+            return v
+
+        for side in ("in", "out"):
+            if mode == "mean_std":
+                shift, scale = t(f"{side}_mean", (L, d)), t(f"{side}_std", (L, d)).clamp_min(1e-6)
+            else:
+                norm = t(f"{side}_norm", (L,)).clamp_min(1e-6)
+                shift, scale = torch.zeros(L, d, device=dev), (norm / math.sqrt(d))[:, None].expand(L, d)
+            getattr(self, f"{side}_shift").copy_(shift)
+            getattr(self, f"{side}_scale").copy_(scale)
+        if self.d_out_slice is not None:
+            raise RuntimeError("set_normalization must be called before shard_decoder_")
+
+    @torch.no_grad()
+    def shard_decoder_(self, start: int, stop: int) -> CLT:
+        """Keep only output dimensions ``[start, stop)`` of the decoder (decoder sharding over d_model).
+
+        After this, decode methods return ``[N, L, stop - start]``; compare them with ``y[..., start:stop]``.
+        """
+        d = self.config.d_model
+        if self.d_out_slice is not None:
+            raise RuntimeError(f"decoder already sharded to {self.d_out_slice}")
+        if not (0 <= start < stop <= d):
+            raise ValueError(f"need 0 <= start < stop <= d_model={d}, got ({start}, {stop})")
+        for p in self.decoder_params():
+            p.data = p.data[..., start:stop].contiguous()
+        self.b_dec.data = self.b_dec.data[:, start:stop].contiguous()
+        self.out_shift = self.out_shift[:, start:stop].contiguous()
+        self.out_scale = self.out_scale[:, start:stop].contiguous()
+        self.d_out_slice = (start, stop)
+        return self
+
+    # --------------------------------------------------------------- encoding
+    def _check_input(self, x: torch.Tensor, what: str = "x") -> None:
+        L, d = self.config.n_layers, self.config.d_model
+        if x.dim() != 3 or x.shape[1] != L or x.shape[2] != d:
+            raise ValueError(
+                f"CLT expects {what} of shape [tokens, n_layers={L}, d_model={d}], got {tuple(x.shape)}; "
+                "check that the activations come from the model the CLT was configured for."
+            )
+
+    def normalize_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.normalization == "none":
+            return x
+        return (x - self.in_shift) / self.in_scale
+
+    def normalize_targets(self, y: torch.Tensor) -> torch.Tensor:
+        if self.config.normalization == "none":
+            return y
+        return (y - self.out_shift) / self.out_scale
+
+    def denormalize(self, recon: torch.Tensor) -> torch.Tensor:
+        if self.config.normalization == "none":
+            return recon
+        return recon * self.out_scale + self.out_shift
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Pre-activations ``[L, N, F]`` of raw inputs ``x`` ``[N, L, d_model]``."""
+        self._check_input(x)
+        xn = self.normalize_inputs(x.to(self.W_enc.dtype)).transpose(0, 1)
+        return torch.baddbmm(self.b_enc[:, None, :], xn, self.W_enc)
+
+    @property
+    def threshold(self) -> torch.Tensor | None:
+        return None if self.log_threshold is None else self.log_threshold.exp()
+
+    def activate(self, pre: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Apply the activation to ``pre`` ``[L, N, F]``.
+
+        Returns:
+            ``(dense, indices, values)``: dense activations (None when only the sparse form was built) and,
+            for top-k activations, flat indices into ``[L, N, F]`` with their (ReLU'd) values.
+        """
+        cfg = self.config
+        L, N, nf = pre.shape
+        act = cfg.activation
+        if act == "relu":
+            return F.relu(pre), None, None
+        if act == "jumprelu":
+            return jumprelu(pre, self.threshold[:, None, :].to(pre.dtype), cfg.jumprelu_bandwidth), None, None
+        assert cfg.k is not None  # validated in CLTConfig
+        if act == "batchtopk_global" and self.topk_group is not None:
+            from lightning_opt.ops.global_topk import global_batch_topk
+
+            dense = global_batch_topk(pre.reshape(N, L * nf), cfg.k, group=self.topk_group).view(L, N, nf)
+            return F.relu(dense), None, None
+        if act == "topk":
+            idx, vals = token_topk(pre, cfg.k)
+        elif act == "batchtopk":
+            idx, vals = batch_topk_rows(pre.reshape(L, N * nf), cfg.k * N)
+        else:
+            idx, vals = batch_topk_rows(pre.reshape(1, L * N * nf), cfg.k * N)
+        return None, idx, F.relu(vals)
+
+    # --------------------------------------------------------------- decoding
+    def decode(self, acts: torch.Tensor) -> torch.Tensor:
+        """Dense reference decode: ``acts`` ``[L, N, F]`` -> normalised reconstruction ``[N, L, d_out]``."""
+        L, N, nf = acts.shape
+        d = self.d_out
+        out = torch.zeros(N, L, d, dtype=torch.float32, device=acts.device)
+        tying = self.config.decoder_tying
+        if tying == "per_target":
+            # target t reads the sum of the features of layers <= t
+            cum = torch.cumsum(acts, dim=0)
+            return torch.bmm(cum, self.W_dec_tgt.to(acts.dtype)).transpose(0, 1).float() + self.b_dec
+        for s in range(L):
+            w = self.W_dec[s]
+            y = acts[s] @ w.reshape(nf, -1).to(acts.dtype)
+            if tying == "untied":
+                out[:, s:] += y.view(N, L - s, d)
+            else:
+                out[:, s:] += y.view(N, 1, d)
+        return out + self.b_dec
+
+    def decode_sparse(self, indices: torch.Tensor, values: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """Decode sparse activations (flat indices into ``[L, n_tokens, F]``) -> ``[N, L, d_out]``.
+
+        Indices must ascend (as :func:`~lightning_opt.ops.topk.batch_topk_rows` returns them) for the torch
+        path; tied decoders fall back to the dense decode.
+        """
+        L, nf = self.config.n_layers, self.config.n_features
+        if self.config.decoder_tying != "untied":
+            dense = scatter_dense(indices, values, torch.empty(L, n_tokens, nf, device="meta"))
+            return self.decode(dense)
+        W = list(self.W_dec)
+        return _sparse_decode_layers(indices, values, W, n_tokens, nf, self.sparse_decode_impl) + self.b_dec
+
+    def forward(self, x: torch.Tensor, dense: bool | None = None) -> CLTOutput:
+        """Encode, activate and decode raw inputs ``x`` ``[N, L, d_model]``.
+
+        Args:
+            x: MLP inputs of every layer.
+            dense: decode from dense activations (True) or from the sparse ``(indices, values)`` (False).
+                None picks dense; sparse decoding only applies to top-k activations.
+        """
+        pre = self.encode(x)
+        acts, idx, vals = self.activate(pre)
+        N = x.shape[0]
+        if idx is not None and dense is False:
+            recon = self.decode_sparse(idx, vals, N)
+            return CLTOutput(recon, pre, None, idx, vals)
+        if acts is None:
+            acts = scatter_dense(idx, vals, pre)
+        return CLTOutput(self.decode(acts), pre, acts, idx, vals)
+
+    # ----------------------------------------------------------- norms, misc
+    def decoder_norms(self) -> torch.Tensor:
+        """Norm of each feature's concatenated decoder vectors over all its targets, ``[L, F]``."""
+        L = self.config.n_layers
+        tying = self.config.decoder_tying
+        if tying == "per_target":
+            sq = self.W_dec_tgt.float().pow(2).sum(-1)  # [L_tgt, F]
+            # source l writes to targets l..L-1 with the same per-target vectors
+            return sq.flip(0).cumsum(0).flip(0).sqrt()
+        rows = []
+        for s, w in enumerate(self.W_dec):
+            sq = w.float().pow(2).sum(dim=(1, 2))
+            if tying == "per_source":
+                sq = sq * (L - s)
+            rows.append(sq)
+        return torch.stack(rows).sqrt()
+
+    def full_decoder(self, source: int) -> torch.Tensor:
+        """``[F, L - source, d_out]`` decoder of one source layer, expanding tied decoders."""
+        L = self.config.n_layers
+        tying = self.config.decoder_tying
+        if tying == "untied":
+            return self.W_dec[source]
+        if tying == "per_source":
+            return self.W_dec[source].expand(-1, L - source, -1)
+        return self.W_dec_tgt[source:].transpose(0, 1)
+
+    # --------------------------------------------------- JumpReLU conversion
+    @torch.no_grad()
+    def calibrate_jumprelu_thresholds(self, batches: Iterable[torch.Tensor]) -> torch.Tensor:
+        """Per-feature JumpReLU thresholds that keep a top-k CLT's firing counts (hence its L0).
+
+        For each feature, with ``c`` firings under the current top-k activation over the calibration
+        tokens, the threshold lies halfway between its ``c``-th and ``(c+1)``-th largest pre-activation
+        there, so exactly ``c`` of those pre-activations are above it (ties aside). Features that never fired get the largest per-batch
+        cut-off seen.
+
+        Args:
+            batches: raw input batches ``[N, L, d_model]``.
+
+        Returns:
+            thresholds ``[L, F]`` (normalised units, like the pre-activations).
+        """
+        if self.config.activation not in _TOPK_ACTIVATIONS:
+            raise ValueError(f"calibration needs a top-k activation, this CLT uses {self.config.activation!r}")
+        pres, counts, cutoff = [], None, None
+        for x in batches:
+            pre = self.encode(x).float()
+            acts, idx, vals = self.activate(pre)
+            if acts is None:
+                acts = scatter_dense(idx, vals, pre)
+            fired = acts > 0
+            c = fired.sum(1)
+            counts = c if counts is None else counts + c
+            # the smallest kept pre-activation is this batch's cut-off (host sync: calibration only)
+            kept_min = acts[fired].min() if bool(fired.any()) else pre.new_tensor(float("inf"))
+            cutoff = kept_min if cutoff is None else torch.maximum(cutoff, kept_min)
+            pres.append(pre)
+        if counts is None:
+            raise ValueError("calibrate_jumprelu_thresholds needs at least one batch")
+        allpre = torch.cat(pres, dim=1)  # [L, N_total, F]
+        srt = torch.sort(allpre, dim=1, descending=True).values
+        total = srt.shape[1]
+        pos = (counts - 1).clamp_min(0)[:, None, :]
+        last_kept = srt.gather(1, pos).squeeze(1)
+        first_dropped = srt.gather(1, counts.clamp_max(total - 1)[:, None, :]).squeeze(1)
+        # JumpReLU keeps pre > threshold: cut halfway between the c-th and the (c+1)-th largest
+        th = torch.where(counts < total, 0.5 * (last_kept + first_dropped), last_kept - 1e-6)
+        return torch.where(counts > 0, th, cutoff).clamp_min(1e-6)
+
+    @torch.no_grad()
+    def convert_to_jumprelu_(self, thresholds: torch.Tensor) -> CLT:
+        """Switch this CLT to JumpReLU with the given ``[L, F]`` thresholds (from calibration)."""
+        L, nf = self.config.n_layers, self.config.n_features
+        if tuple(thresholds.shape) != (L, nf):
+            raise ValueError(f"thresholds must be [{L}, {nf}], got {tuple(thresholds.shape)}")
+        self.config = replace(self.config, activation="jumprelu", k=None)
+        self.log_threshold = nn.Parameter(thresholds.float().clamp_min(1e-6).log().to(self.W_enc.device))
+        return self
+
+    # ----------------------------------------------------------- export
+    @torch.no_grad()
+    def folded_weights(self) -> dict[str, list[torch.Tensor]]:
+        """Weights with the normalisation folded in, so raw activations in give raw outputs out.
+
+        Returns lists over layers: ``W_enc`` ``[F, d]``, ``b_enc`` ``[F]``, ``threshold`` ``[F]``,
+        ``b_dec`` ``[d]``, ``W_dec`` ``[F, L-l, d]`` (float32).
+        """
+        if self.d_out_slice is not None:
+            raise RuntimeError("export a sharded decoder after gathering it (d_out_slice is set)")
+        L, nf = self.config.n_layers, self.config.n_features
+        out: dict[str, list[torch.Tensor]] = {k: [] for k in ("W_enc", "b_enc", "threshold", "b_dec", "W_dec")}
+        th = self.threshold
+        for layer in range(L):
+            w = self.W_enc[layer].float()  # [d, F]
+            scale, shift = self.in_scale[layer], self.in_shift[layer]
+            w_f = w / scale[:, None]
+            out["W_enc"].append(w_f.t().contiguous())
+            out["b_enc"].append((self.b_enc[layer].float() - shift @ w_f).contiguous())
+            out["threshold"].append(th[layer].float().clone() if th is not None else torch.zeros(nf))
+            out["W_dec"].append((self.full_decoder(layer).float() * self.out_scale[layer:][None]).contiguous())
+            out["b_dec"].append(self.b_dec[layer].float() * self.out_scale[layer] + self.out_shift[layer])
+        return out
+
+
+def _sparse_decode_layers(
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    W_dec: list[torch.Tensor],
+    n_tokens: int,
+    nf: int,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Sparse decode: per source layer, CSR rows (tokens) into ``W_dec[l]`` via
+    :func:`lightning_opt.ops.sparse_decode.sparse_decode` (Triton on CUDA, else ``embedding_bag``)."""
+    from lightning_opt.ops.sparse_decode import sparse_decode
+
+    L = len(W_dec)
+    d = W_dec[0].shape[-1]
+    device = values.device
+    per_layer = n_tokens * nf
+    # One host sync: the layer boundaries of the (layer-grouped) indices slice the per-layer segments.
+    bounds = torch.searchsorted(indices, torch.arange(L + 1, device=device) * per_layer).tolist()
+    on = torch.is_autocast_enabled(device.type)
+    dtype = torch.get_autocast_dtype(device.type) if on else W_dec[0].dtype
+    out = torch.zeros(n_tokens, L, d, dtype=torch.float32, device=device)
+    tokens = torch.arange(n_tokens, device=device)
+    for s in range(L):
+        lo, hi = bounds[s], bounds[s + 1]
+        if hi == lo:
+            continue
+        local = indices[lo:hi] - s * per_layer
+        tok = torch.div(local, nf, rounding_mode="floor")
+        offsets = torch.searchsorted(tok, tokens)
+        w = W_dec[s].reshape(nf, -1).to(dtype)
+        y = sparse_decode(local - tok * nf, values[lo:hi].to(dtype), w, offsets=offsets, backend=backend)
+        out[:, s:] += y.view(n_tokens, L - s, d)
+    return out
+
+
+# --------------------------------------------------------------------- losses
+def fvu_per_layer(pred: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Numerator and denominator of the pooled FVU per layer.
+
+    FVU (pooled over dimensions) for layer t = ``sum_{n,i} (y - yhat)^2 / sum_{n,i} (y - mean_n y)^2``:
+    squared error summed over tokens and dimensions, over the squared deviation of the target from its
+    per-dimension mean over the batch, summed the same way.
+
+    Args:
+        pred, target: ``[N, L, d]``.
+
+    Returns:
+        ``(sse [L], sst [L])`` in float32.
+    """
+    pred, target = pred.float(), target.float()
+    sse = (target - pred).pow(2).sum(dim=(0, 2))
+    sst = (target - target.mean(dim=0, keepdim=True)).pow(2).sum(dim=(0, 2))
+    return sse, sst
+
+
+def fvu(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Pooled FVU over all layers: ``sum_t sse_t / sum_t sst_t`` (see :func:`fvu_per_layer`)."""
+    sse, sst = fvu_per_layer(pred, target)
+    return sse.sum() / sst.sum().clamp_min(1e-12)
+
+
+def tanh_sparsity_penalty(acts: torch.Tensor, decoder_norms: torch.Tensor, c: float = 1.0) -> torch.Tensor:
+    """Anthropic's penalty ``sum_{l,f} tanh(c * a_lf * ||W_dec,lf||)`` averaged over tokens.
+
+    Args:
+        acts: ``[L, N, F]`` activations (dense).
+        decoder_norms: ``[L, F]`` norms of the concatenated decoder vectors (:meth:`CLT.decoder_norms`).
+    """
+    return torch.tanh(c * acts.float() * decoder_norms[:, None, :]).sum() / acts.shape[1]
+
+
+def tanh_sparsity_penalty_sparse(
+    indices: torch.Tensor, values: torch.Tensor, decoder_norms: torch.Tensor, n_tokens: int
+) -> torch.Tensor:
+    """:func:`tanh_sparsity_penalty` from sparse activations (zeros contribute tanh(0) = 0)."""
+    L, nf = decoder_norms.shape
+    layer = torch.div(indices, n_tokens * nf, rounding_mode="floor")
+    feat = indices % nf
+    return torch.tanh(values.float() * decoder_norms[layer, feat]).sum() / n_tokens
+
+
+def preactivation_loss(pre: torch.Tensor, threshold: torch.Tensor | None = None) -> torch.Tensor:
+    """Anthropic's pre-activation loss ``sum_{l,f} relu(threshold - pre)`` averaged over tokens.
+
+    Pushes dead features' pre-activations up towards firing; ``threshold`` is ``[L, F]`` (JumpReLU) or 0.
+    """
+    gap = -pre.float() if threshold is None else threshold[:, None, :].float() - pre.float()
+    return F.relu(gap).sum() / pre.shape[1]
+
+
+def auxk_loss(
+    model: CLT, pre: torch.Tensor, residual: torch.Tensor, dead: torch.Tensor, k_aux: int
+) -> torch.Tensor:
+    """AuxK (Gao et al., 2024): the top-``k_aux`` *dead* features per token and layer should predict the
+    residual ``target - recon`` (normalised space, detached). Returns ``||e - e_hat||^2 / ||e||^2``;
+    equals 1 with no gradient when no feature is dead.
+
+    Args:
+        model: the CLT (its decoder is used without bias).
+        pre: ``[L, N, F]`` pre-activations.
+        residual: ``[N, L, d_out]`` detached reconstruction error.
+        dead: ``[L, F]`` bool mask of dead features.
+        k_aux: dead features kept per token and layer.
+    """
+    L, N, nf = pre.shape
+    k_aux = min(k_aux, nf)
+    masked = pre.masked_fill(~dead[:, None, :], float("-inf"))
+    idx, vals = token_topk(masked, k_aux)
+    vals = torch.where(torch.isfinite(vals), F.relu(vals), torch.zeros_like(vals))
+    if model.config.decoder_tying == "untied":
+        e_hat = _sparse_decode_layers(idx, vals, list(model.W_dec), N, nf)
+    else:
+        e_hat = model.decode(scatter_dense(idx, vals, pre)) - model.b_dec
+    e = residual.float()
+    return (e - e_hat).pow(2).sum() / e.pow(2).sum().clamp_min(1e-12)
+
+
+# ------------------------------------------------------- circuit-tracer format
+def save_circuit_tracer(model: CLT, directory: str | Any, dtype: torch.dtype = torch.float32) -> list[str]:
+    """Write ``model`` in circuit-tracer's CLT layout (normalisation folded into the weights).
+
+    Per layer ``l``: ``W_enc_{l}.safetensors`` with ``W_enc_{l}`` ``[F, d]``, ``b_enc_{l}`` ``[F]``,
+    ``b_dec_{l}`` ``[d]``, ``threshold_{l}`` ``[F]`` (zeros for ReLU; convert top-k CLTs to JumpReLU first
+    with :meth:`CLT.calibrate_jumprelu_thresholds`), and ``W_dec_{l}.safetensors`` with ``W_dec_{l}``
+    ``[F, L - l, d]``. Returns the written paths.
+    """
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    if model.config.activation not in ("relu", "jumprelu"):
+        raise ValueError(
+            f"circuit-tracer CLTs use ReLU or JumpReLU; this CLT uses {model.config.activation!r}. Convert it "
+            "first: model.convert_to_jumprelu_(model.calibrate_jumprelu_thresholds(batches))."
+        )
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    w = model.folded_weights()
+    paths = []
+    for layer in range(model.config.n_layers):
+        enc = {
+            f"W_enc_{layer}": w["W_enc"][layer],
+            f"b_enc_{layer}": w["b_enc"][layer],
+            f"b_dec_{layer}": w["b_dec"][layer],
+            f"threshold_{layer}": w["threshold"][layer],
+        }
+        dec = {f"W_dec_{layer}": w["W_dec"][layer]}
+        for name, tensors in ((f"W_enc_{layer}", enc), (f"W_dec_{layer}", dec)):
+            p = out / f"{name}.safetensors"
+            save_file({k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}, str(p))
+            paths.append(str(p))
+    return paths
+
+
+def load_circuit_tracer(directory: str | Any, device: str | torch.device = "cpu") -> CLT:
+    """Read a circuit-tracer CLT directory into an untied :class:`CLT` (normalisation ``none``).
+
+    The activation is JumpReLU when any ``threshold_{l}`` is positive, else ReLU.
+    """
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    n_layers = 0
+    while (d / f"W_enc_{n_layers}.safetensors").exists():
+        n_layers += 1
+    if n_layers == 0:
+        raise FileNotFoundError(f"no W_enc_0.safetensors in {d}; is this a circuit-tracer CLT directory?")
+    enc = [load_file(str(d / f"W_enc_{i}.safetensors")) for i in range(n_layers)]
+    dec = [load_file(str(d / f"W_dec_{i}.safetensors"))[f"W_dec_{i}"] for i in range(n_layers)]
+    nf, dm = enc[0]["W_enc_0"].shape
+    for i, w in enumerate(dec):
+        if tuple(w.shape) != (nf, n_layers - i, dm):
+            raise ValueError(f"W_dec_{i} has shape {tuple(w.shape)}, expected {(nf, n_layers - i, dm)}")
+    ths = [e.get(f"threshold_{i}", torch.zeros(nf)).float() for i, e in enumerate(enc)]
+    jump = any(bool((t > 0).any()) for t in ths)
+    cfg = CLTConfig(n_layers=n_layers, d_model=dm, n_features=nf, activation="jumprelu" if jump else "relu", k=None)
+    model = CLT(cfg)
+    with torch.no_grad():
+        for i in range(n_layers):
+            model.W_enc[i].copy_(enc[i][f"W_enc_{i}"].float().t())
+            model.b_enc[i].copy_(enc[i][f"b_enc_{i}"].float())
+            model.b_dec[i].copy_(enc[i][f"b_dec_{i}"].float())
+            model.W_dec[i].copy_(dec[i].float())
+        if jump:
+            model.log_threshold.copy_(torch.stack(ths).clamp_min(1e-12).log())
+    return model.to(device)

@@ -1,0 +1,190 @@
+"""Local sparsifying activations for transcoders: TopK per token, BatchTopK per row, JumpReLU.
+
+All functions are plain torch and device-agnostic. Selections return ``(flat_indices, values)`` so a sparse
+decoder can consume them directly; :func:`scatter_dense` turns them into a dense tensor when needed.
+
+Tie rule (every selection here): entries are ranked by (value descending, flat index ascending), i.e. among
+entries equal to the cut-off value the ones with the smallest flat index are kept. The kept *multiset of
+values* always equals ``torch.topk``'s. NaN entries are never kept.
+
+BatchTopK algorithm (``batch_topk_rows``), for ``R`` rows of ``M`` entries keeping ``n`` per row:
+
+1. A per-row lower bound ``lo`` from a fixed-seed sample of columns: a value that about ``1.25 n`` entries
+   of the row reach (with a binomial margin), so every true top-``n`` entry is at or above it.
+2. Candidates ``nonzero(x >= lo)`` (one host sync: the count sizes the rest). If a row has fewer than
+   ``n`` candidates (unlucky sample) that row falls back to ``lo = -inf``.
+3. Per row, the ``n``-th largest candidate is the exact threshold ``t``; keep ``> t`` and the first
+   ``n - count(> t)`` entries ``== t``.
+
+This touches ``x`` twice (sample gather aside): one compare + compaction, one gather. ``torch.topk`` over
+hundreds of millions of entries with ``k`` near a million is several times slower (see docs/clt.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "batch_topk_rows",
+    "token_topk",
+    "scatter_dense",
+    "jumprelu",
+    "JumpReLUFunction",
+]
+
+_SAMPLE_COLS = 1 << 15
+_SEED = 0x7A9B
+def _check_k(n_keep: int, m: int, what: str) -> None:
+    if isinstance(n_keep, bool) or not isinstance(n_keep, int) or n_keep < 0:
+        raise ValueError(f"{what} must be a non-negative int, got {n_keep!r}")
+    if n_keep > m:
+        raise ValueError(f"{what}={n_keep} exceeds the {m} entries available; lower k.")
+
+
+def _row_lower_bounds(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
+    """Per-row value that at least ``n_keep`` entries reach with high probability."""
+    rows, m = x2d.shape
+    if m <= _SAMPLE_COLS:
+        # The whole row is the sample: the n-th largest is exact.
+        return torch.topk(x2d.float(), n_keep, dim=1, sorted=False).values.amin(dim=1)
+    # A fresh fixed-seed generator: sampling must not advance the user's RNG stream.
+    gen = torch.Generator(device=x2d.device).manual_seed(_SEED)
+    cols = torch.randint(0, m, (_SAMPLE_COLS,), device=x2d.device, generator=gen)
+    sample = x2d[:, cols].float()
+    mean = _SAMPLE_COLS * n_keep / m
+    # 25% plus four binomial standard deviations plus a constant: a fallback is rare.
+    j = min(_SAMPLE_COLS, int(math.ceil(1.25 * mean + 4.0 * math.sqrt(mean) + 16)))
+    return torch.topk(sample, j, dim=1, sorted=False).values.amin(dim=1)
+
+
+@torch.no_grad()
+def _select_rows(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
+    """Sorted flat indices into ``x2d`` of the ``n_keep`` largest entries of every row."""
+    rows, m = x2d.shape
+    device = x2d.device
+    if n_keep == 0 or rows == 0:
+        return torch.empty(0, dtype=torch.long, device=device)
+    if n_keep == m:
+        return torch.arange(rows * m, device=device)
+    lo = _row_lower_bounds(x2d, n_keep).to(x2d.dtype)
+    for _attempt in range(2):
+        # nonzero syncs with the host once: the candidate count sizes every buffer after it.
+        cand = torch.nonzero((x2d >= lo[:, None]).view(-1)).squeeze(1)
+        row_of = torch.div(cand, m, rounding_mode="floor")
+        counts = torch.bincount(row_of, minlength=rows)
+        counts_host = counts.tolist()  # tiny (rows ints); the sync already happened in nonzero
+        short = [r for r, c in enumerate(counts_host) if c < n_keep]
+        if not short:
+            break
+        if _attempt == 1:
+            raise ValueError(
+                f"BatchTopK: row(s) {short[:5]} have fewer than {n_keep} non-NaN entries; "
+                "check the pre-activations for NaN or lower k."
+            )
+        lo = lo.clone()
+        lo[short] = float("-inf")
+    vals = x2d.reshape(-1)[cand]
+    kept: list[torch.Tensor] = []
+    start = 0
+    for c in counts_host:
+        seg_vals = vals[start : start + c]
+        seg_idx = cand[start : start + c]
+        t = torch.topk(seg_vals, n_keep, sorted=False).values.min()
+        gt = seg_vals > t
+        eq = seg_vals == t
+        quota = n_keep - gt.sum()
+        keep = gt | (eq & (torch.cumsum(eq, 0) <= quota))
+        # Exactly n_keep are True; a stable sort moves them first without a host sync.
+        order = torch.sort((~keep).to(torch.uint8), stable=True).indices[:n_keep]
+        kept.append(seg_idx[order])
+        start += c
+    return torch.cat(kept) if len(kept) > 1 else kept[0]
+
+
+def batch_topk_rows(x2d: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the ``n_keep`` largest entries of every row of ``x2d``.
+
+    With one row this is BatchTopK over a whole batch (``n_keep = k * tokens``); with one row per layer it
+    is per-layer BatchTopK.
+
+    Args:
+        x2d: ``[rows, entries]`` scores (e.g. pre-activations); gradients flow into the returned values.
+        n_keep: entries kept per row.
+
+    Returns:
+        ``(flat_indices, values)``: int64 indices into ``x2d.reshape(-1)``, ascending within each row and
+        rows in order, and ``x2d.reshape(-1)[flat_indices]`` (differentiable).
+
+    Example:
+        >>> idx, val = batch_topk_rows(torch.tensor([[3.0, 1.0, 2.0, 0.5]]), 2)
+        >>> idx.tolist(), val.tolist()
+        ([0, 2], [3.0, 2.0])
+    """
+    if x2d.dim() != 2:
+        raise ValueError(f"batch_topk_rows expects a 2-D tensor [rows, entries], got shape {tuple(x2d.shape)}")
+    _check_k(n_keep, x2d.shape[1], "entries kept per row")
+    idx = _select_rows(x2d.detach(), n_keep)
+    return idx, x2d.reshape(-1)[idx]
+
+
+def token_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the ``k`` largest entries along the last dimension of every row (TopK per token).
+
+    Returns ``(flat_indices, values)`` into ``x.reshape(-1)``, ``k`` per row, in row order. Ties inside a
+    row follow ``torch.topk``.
+    """
+    _check_k(k, x.shape[-1], "k")
+    m = x.shape[-1]
+    rows = x.reshape(-1, m)
+    local = torch.topk(rows.detach(), k, dim=1, sorted=False).indices
+    flat = (local + torch.arange(rows.shape[0], device=x.device)[:, None] * m).reshape(-1)
+    return flat, x.reshape(-1)[flat]
+
+
+def scatter_dense(indices: torch.Tensor, values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A zero tensor shaped like ``like`` holding ``values`` at ``indices`` (differentiable in values)."""
+    flat = torch.zeros(like.numel(), dtype=values.dtype, device=values.device)
+    return flat.scatter(0, indices, values).view(like.shape)
+
+
+class JumpReLUFunction(torch.autograd.Function):
+    """``x * (x > threshold)`` with straight-through gradients.
+
+    * d/dx: ``1[x > threshold]`` (the usual pass-through of kept entries).
+    * d/dthreshold: ``-(threshold / bandwidth) * K((x - threshold) / bandwidth)`` with the rectangle kernel
+      ``K(u) = 1[|u| < 1/2]`` (Rajamanoharan et al., 2024), summed over broadcast dimensions.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, threshold: torch.Tensor, bandwidth: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, threshold)
+        ctx.bandwidth = bandwidth
+        return x * (x > threshold).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        x, threshold = ctx.saved_tensors
+        eps = ctx.bandwidth
+        grad_x = grad_th = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out * (x > threshold).to(grad_out.dtype)
+        if ctx.needs_input_grad[1]:
+            near = ((x - threshold).abs() < 0.5 * eps).to(grad_out.dtype)
+            g = grad_out * near * (-(threshold.to(grad_out.dtype)) / eps)
+            # Reduce over the dimensions the threshold was broadcast along.
+            while g.dim() > threshold.dim():
+                g = g.sum(0)
+            for d, size in enumerate(threshold.shape):
+                if size == 1 and g.shape[d] != 1:
+                    g = g.sum(d, keepdim=True)
+            grad_th = g.to(threshold.dtype)
+        return grad_x, grad_th, None
+
+
+def jumprelu(x: torch.Tensor, threshold: torch.Tensor, bandwidth: float = 0.01) -> torch.Tensor:
+    """JumpReLU with straight-through threshold gradients; see :class:`JumpReLUFunction`."""
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth must be > 0, got {bandwidth}")
+    return JumpReLUFunction.apply(x, threshold, bandwidth)

@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_opt.ops import topk as topk_mod
+from lightning_opt.ops.topk import batch_topk_rows, jumprelu, scatter_dense, token_topk
+
+
+def _reference(x2d: torch.Tensor, n: int) -> torch.Tensor:
+    """Stable descending sort per row: (value desc, index asc) - the stated tie rule."""
+    rows, m = x2d.shape
+    order = torch.sort(x2d, dim=1, descending=True, stable=True).indices[:, :n]
+    return (order + torch.arange(rows)[:, None] * m).reshape(-1).sort().values
+
+
+@pytest.mark.parametrize("rows,m,n", [(1, 3000, 700), (4, 5000, 321), (1, 200_000, 4000), (3, 70_000, 1000)])
+def test_batch_topk_rows_matches_sorted_reference(rows: int, m: int, n: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(rows, m)
+    idx, vals = batch_topk_rows(x, n)
+    assert idx.numel() == rows * n  # exactly n per row
+    assert torch.equal(idx.sort().values, _reference(x, n))
+    assert torch.equal(vals, x.reshape(-1)[idx])
+    # the kept multiset of values equals torch.topk's
+    ref_vals = torch.topk(x, n, dim=1).values.reshape(-1).sort().values
+    assert torch.equal(vals.sort().values, ref_vals)
+
+
+def test_batch_topk_ties_keep_smallest_flat_index() -> None:
+    # bf16 has few distinct values: many ties at the cut-off, also on the sampled path
+    torch.manual_seed(1)
+    x = (torch.randn(2, 100_000) * 4).round().to(torch.bfloat16)
+    idx, _ = batch_topk_rows(x, 5000)
+    assert idx.numel() == 10_000
+    assert torch.equal(idx, _reference(x.float(), 5000))
+
+
+def test_batch_topk_fallback_when_sample_misses(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A bound that is too high forces the exact fallback path; the result must not change.
+    torch.manual_seed(2)
+    x = torch.randn(2, 50_000)
+    monkeypatch.setattr(topk_mod, "_row_lower_bounds", lambda x2d, n: torch.full((x2d.shape[0],), 10.0))
+    idx, _ = batch_topk_rows(x, 800)
+    assert torch.equal(idx, _reference(x, 800))
+
+
+def test_batch_topk_gradient_reaches_only_kept_entries() -> None:
+    x = torch.randn(3, 100, requires_grad=True)
+    idx, vals = batch_topk_rows(x, 10)
+    vals.sum().backward()
+    mask = torch.zeros(300, dtype=torch.bool)
+    mask[idx] = True
+    assert torch.equal(x.grad.reshape(-1) != 0, mask)
+
+
+def test_batch_topk_errors() -> None:
+    with pytest.raises(ValueError, match="exceeds"):
+        batch_topk_rows(torch.randn(2, 5), 6)
+    with pytest.raises(ValueError, match="2-D"):
+        batch_topk_rows(torch.randn(5), 1)
+    with pytest.raises(ValueError, match="non-negative int"):
+        batch_topk_rows(torch.randn(2, 5), -1)
+
+
+def test_token_topk_and_scatter() -> None:
+    x = torch.randn(2, 7, 20)
+    idx, vals = token_topk(x, 3)
+    dense = scatter_dense(idx, vals, x)
+    assert dense.shape == x.shape
+    assert ((dense != 0).sum(-1) == 3).all()
+    assert torch.equal(dense.topk(3, dim=-1).values, x.topk(3, dim=-1).values)
+
+
+def test_jumprelu_forward_and_ste_gradients() -> None:
+    x = torch.tensor([[0.10, 0.50, 0.96, 1.04, 2.0]], requires_grad=True)
+    th = torch.tensor([1.0], requires_grad=True)
+    eps = 0.1
+    y = jumprelu(x, th, eps)
+    assert torch.equal(y.detach(), torch.tensor([[0.0, 0.0, 0.0, 1.04, 2.0]]))
+    y.sum().backward()
+    # input gradient: pass-through where x > threshold
+    assert torch.equal(x.grad, torch.tensor([[0.0, 0.0, 0.0, 1.0, 1.0]]))
+    # threshold gradient: -(theta/eps) for each x within eps/2 of theta (0.96 and 1.04)
+    assert th.grad is not None and torch.allclose(th.grad, torch.tensor([-2 * 1.0 / eps]))
+
+
+def test_jumprelu_threshold_grad_reduces_over_broadcast_dims() -> None:
+    x = torch.full((3, 4, 5), 1.0, requires_grad=True)
+    th = torch.full((3, 1, 5), 1.0, requires_grad=True)
+    jumprelu(x, th, 0.5).sum().backward()
+    assert th.grad.shape == th.shape
+    assert torch.allclose(th.grad, torch.full((3, 1, 5), -4 * 1.0 / 0.5))
