@@ -124,6 +124,15 @@ class RecipeCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config
+        data = cfg.get("data")
+        if data is not None and "train_files" in data and data.get("train_files") in (None, "builtin"):
+            # the offline demo corpus: Python's own documentation, tokenized on first use and cached
+            from lightning_opt.data.corpus import default_corpus_shards
+
+            train, val = default_corpus_shards()
+            data.train_files = str(train)
+            if data.get("val_files") in (None, "builtin"):
+                data.val_files = str(val)
         if cfg.trainer.get("precision") is None:
             on_gpu = torch.cuda.is_available() and cfg.trainer.get("accelerator") in (None, "auto", "gpu", "cuda")
             cfg.trainer.precision = "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"

@@ -16,9 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from lightning_opt.data.datamodule import TokenShardDataModule  # noqa: E402
-
 from lightning_opt.cli import RecipeCLI, RunSummary, run_recipe  # noqa: E402
+from lightning_opt.data.datamodule import TokenShardDataModule  # noqa: E402
 from lightning_opt.modules.gpt2 import GPT2SpeedrunModule  # noqa: E402
 
 

@@ -13,9 +13,10 @@ from torch.optim import Optimizer
 
 @torch.no_grad()
 def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """Approximately orthogonalise ``g`` (``U V^T`` of its SVD), in bfloat16."""
+    """Approximately orthogonalise ``g`` (``U V^T`` of its SVD); bfloat16 on GPUs, float32 on CPU."""
     a, b, c = 3.4445, -4.7750, 2.0315
-    x = g.to(torch.bfloat16)
+    # CPUs have no fast bf16 matmul: there the iteration runs in float32
+    x = g.to(torch.bfloat16 if g.is_cuda else torch.float32)
     transposed = x.size(-2) > x.size(-1)
     if transposed:
         x = x.mT

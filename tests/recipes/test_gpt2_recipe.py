@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _recipe():
+    spec = importlib.util.spec_from_file_location("gpt2_speedrun_recipe", ROOT / "recipes" / "gpt2_speedrun.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_demo_recipe_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    metrics = _recipe().main([
+        "--config", str(ROOT / "recipes/configs/gpt2/demo.yaml"),
+        "--trainer.max_steps", "40", "--trainer.val_check_interval", "20",
+        "--trainer.enable_progress_bar", "false",
+        "--model.model_config.n_layer", "2", "--model.model_config.n_embd", "64",
+        "--data.batch_size", "8", "--data.val_tokens", "8192",
+    ])
+    files = list((tmp_path / "runs").rglob("metrics.json"))
+    assert len(files) == 1
+    written = json.loads(files[0].read_text())
+    assert written["steps"] == 40 and written["tokens_seen"] == 40 * 8 * 128
+    history = [row["val_loss"] for row in written["val_history"]]
+    assert len(history) == 2 and history[-1] < history[0]
+    assert written["final_val_loss"] == pytest.approx(metrics["final_val_loss"])
+    assert written["tokens_per_s"] > 0 and "cpu" in written["device"]
+    assert list((tmp_path / "runs").rglob("events.out.tfevents.*")), "TensorBoard logs missing"
+
+
+def test_bad_config_value_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises((SystemExit, ValueError)):
+        _recipe().main(["--config", str(ROOT / "recipes/configs/gpt2/demo.yaml"), "--model.optim.lr", "-1"])
