@@ -13,6 +13,8 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from lightning_opt.callbacks._logging import log_every, log_metrics
+
 _REASONS = ("non-finite loss", "non-finite gradient", "loss spike")
 _WRAP_TAG = "_lightning_opt_nan_skip"
 
@@ -268,6 +270,7 @@ class NaNSkip(Callback):
         )
         self.skipped_total = 0
         self.steps_seen = 0
+        self.metrics: dict[str, float] = {}
         self._recent: deque[bool] = deque(maxlen=recent_window)
         self._consecutive: list[tuple[int, int, str]] = []
         self._guards: list[_OptimizerGuard] = []
@@ -323,8 +326,13 @@ class NaNSkip(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        pl_module.log("nan_skip/skipped_steps", float(self.skipped_total), on_step=True, on_epoch=False)
-        pl_module.log("nan_skip/skipped_steps_recent", float(sum(self._recent)), on_step=True, on_epoch=False)
+        if trainer.global_step % log_every(trainer, None) == 0:
+            # Host counters: in device mode they lag the device by at most one step.
+            self.metrics = {
+                "nan_skip/skipped_steps": float(self.skipped_total),
+                "nan_skip/skipped_steps_recent": float(sum(self._recent)),
+            }
+            log_metrics(trainer, self.metrics)
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ManualModule, TinyModule, assert_same, make_batches, make_trainer, snapshot
+from lightning.pytorch.loggers import CSVLogger
 
 from lightning_opt.callbacks import NaNSkip
 
@@ -72,9 +73,11 @@ def test_loss_spike_is_skipped(tmp_path):
 
 def test_state_dict_round_trip_and_logged_keys(tmp_path):
     skip = NaNSkip()
-    t = make_trainer(tmp_path, [skip], logger=True)
+    t = make_trainer(tmp_path, [skip], logger=CSVLogger(tmp_path), log_every_n_steps=2)
     t.fit(TinyModule(batches=make_batches(4), nan_at=(1,)))
-    assert t.callback_metrics["nan_skip/skipped_steps"] == 1
+    assert skip.metrics["nan_skip/skipped_steps"] == 1
+    logged = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+    assert "nan_skip/skipped_steps" in logged
     other = NaNSkip()
     other.load_state_dict(skip.state_dict())
     assert other.state_dict() == skip.state_dict()

@@ -1,0 +1,268 @@
+"""Throughput, MFU and a per-step time split, measured without per-step host-device syncs."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from lightning_opt.callbacks._logging import log_every, log_metrics
+
+# Dense (no sparsity) peak TFLOP/s per device by compute dtype, from the vendors' datasheets.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "h100 sxm": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "h100 nvl": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0},
+    "h100 pcie": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2},
+    "h200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "a100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "l40s": {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6},
+    "rtx 4090": {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
+}
+
+
+def peak_flops_for(device_name: str, precision: str, table: dict[str, dict[str, float]] | None = None) -> float | None:
+    """Peak FLOP/s of ``device_name`` for a Lightning precision string, or None when unknown."""
+    table = table or PEAK_TFLOPS
+    name = device_name.lower()
+    key = None
+    if "h100" in name:
+        key = "h100 pcie" if "pcie" in name else ("h100 nvl" if "nvl" in name else "h100 sxm")
+    else:
+        key = next((k for k in table if k in name), None)
+    if key is None or key not in table:
+        return None
+    if "bf16" in precision:
+        dtype = "bf16"
+    elif "16" in precision:
+        dtype = "fp16"
+    elif torch.get_float32_matmul_precision() != "highest":
+        dtype = "tf32"
+    else:
+        dtype = "fp32"
+    return table[key][dtype] * 1e12
+
+
+def _batch_counts(batch: Any) -> tuple[int, int]:
+    """(samples, tokens) from the first tensor in ``batch``: integer [B, T] counts B*T tokens."""
+    stack = [batch]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, torch.Tensor):
+            if item.dim() == 0:
+                continue
+            samples = int(item.shape[0])
+            tokens = int(item.shape[0] * item.shape[1]) if item.dim() >= 2 and not item.is_floating_point() else samples
+            return samples, tokens
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return 0, 0
+
+
+@dataclass
+class _StepEvents:
+    start: torch.cuda.Event
+    before_opt: torch.cuda.Event
+    end: torch.cuda.Event
+    data_wait: float = 0.0  # host seconds spent fetching this batch
+    extras: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class SpeedMonitorConfig:
+    """Validated settings of :class:`SpeedMonitor` (see its docstring)."""
+
+    log_every_n_steps: int | None = None
+    peak_flops: float | None = None
+    window: int = 50
+
+    def __post_init__(self) -> None:
+        if self.log_every_n_steps is not None and self.log_every_n_steps < 1:
+            raise ValueError(f"SpeedMonitor: log_every_n_steps={self.log_every_n_steps}; use >= 1 or None.")
+        if self.peak_flops is not None and self.peak_flops <= 0:
+            raise ValueError(f"SpeedMonitor: peak_flops={self.peak_flops}; it must be > 0 (FLOP/s).")
+        if self.window < 1:
+            raise ValueError(f"SpeedMonitor: window={self.window}; it must be >= 1.")
+
+
+class SpeedMonitor(Callback):
+    """Logs tokens/s, samples/s, MFU and where the step time goes, with no per-step sync.
+
+    Throughput comes from host wall time between log points. The time split (data wait,
+    forward+backward, optimizer) comes from CUDA events recorded at the hooks; they are read only
+    when they have completed (``event.query()``), at log points, so the host never waits for the
+    device. Validation and checkpoint time are host wall time of those phases.
+
+    Tokens per batch: the module's ``tokens_per_batch`` attribute when it has one, else
+    ``B * T`` of the first integer tensor of the batch (or ``B`` when it is a float tensor).
+    FLOPs per batch: Lightning's ``flops_per_batch`` attribute convention (per device); without
+    it MFU is not logged.
+
+    Args:
+        log_every_n_steps: how often to log (default: the Trainer's ``log_every_n_steps``).
+        peak_flops: peak FLOP/s of one device for MFU (default: looked up in ``PEAK_TFLOPS``
+            from the device name and the Trainer's precision).
+        window: number of recent steps the time split averages over.
+
+    Example::
+
+        trainer = Trainer(callbacks=[SpeedMonitor()], log_every_n_steps=20)
+    """
+
+    def __init__(self, log_every_n_steps: int | None = None, peak_flops: float | None = None, window: int = 50) -> None:
+        self.config = SpeedMonitorConfig(log_every_n_steps, peak_flops, window)
+        self.total_samples = 0
+        self.total_tokens = 0
+        self.metrics: dict[str, float] = {}
+        self._peak: float | None = None
+        self._cuda = False
+        self._t_last_log: float | None = None
+        self._samples = 0
+        self._tokens = 0
+        self._batches = 0
+        self._t_batch_end: float | None = None
+        self._current: _StepEvents | None = None
+        self._pending: deque[_StepEvents] = deque()
+        self._split: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self._val_s = 0.0
+        self._ckpt_s = 0.0
+        self._val_t0: float | None = None
+        self._ckpt_t0: float | None = None
+
+    # -- hooks ----------------------------------------------------------------------------------
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        device = trainer.strategy.root_device
+        self._cuda = device.type == "cuda" and torch.cuda.is_available()
+        self._peak = self.config.peak_flops
+        if self._peak is None and self._cuda:
+            self._peak = peak_flops_for(torch.cuda.get_device_name(device), str(trainer.precision))
+        self._t_last_log = time.perf_counter()
+        self._pending.clear()
+
+    def _event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        now = time.perf_counter()
+        self._close_checkpoint(now)
+        wait = 0.0 if self._t_batch_end is None else now - self._t_batch_end
+        if self._cuda:
+            e = self._event()
+            self._current = _StepEvents(e, e, e, data_wait=wait)
+        else:
+            self._current = None
+            self._split.append((wait, 0.0, 0.0, 0.0))
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if self._current is not None:
+            self._current.before_opt = self._event()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        tokens = getattr(pl_module, "tokens_per_batch", None)
+        samples, counted = _batch_counts(batch)
+        self._samples += samples
+        self._tokens += int(tokens) if tokens is not None else counted
+        self._batches += 1
+        if self._current is not None:
+            self._current.end = self._event()
+            self._pending.append(self._current)
+            self._current = None
+        if trainer.global_step % log_every(trainer, self.config.log_every_n_steps) == 0 and self._batches:
+            self._log(trainer, pl_module)
+        self._t_batch_end = time.perf_counter()
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._val_t0 = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._val_t0 is not None:
+            self._val_s += time.perf_counter() - self._val_t0
+            self._val_t0 = None
+        self._t_batch_end = time.perf_counter()  # validation time is not data wait
+
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._ckpt_t0 = time.perf_counter()
+
+    def _close_checkpoint(self, now: float) -> None:
+        # Checkpoint time: from the save hook until training resumes (Lightning has no "saved" hook).
+        if self._ckpt_t0 is not None:
+            self._ckpt_s += now - self._ckpt_t0
+            self._ckpt_t0 = None
+            self._t_batch_end = now
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"total_samples": self.total_samples, "total_tokens": self.total_tokens}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.total_samples = int(state_dict["total_samples"])
+        self.total_tokens = int(state_dict["total_tokens"])
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._pending.clear()
+        self._current = None
+
+    # -- reading -------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        # Only completed events are read: elapsed_time on them does not block.
+        while self._pending and self._pending[0].end.query():
+            s = self._pending.popleft()
+            fwd_bwd = s.start.elapsed_time(s.before_opt) / 1e3
+            opt = s.before_opt.elapsed_time(s.end) / 1e3
+            self._split.append((s.data_wait, fwd_bwd, opt, fwd_bwd + opt))
+        while len(self._pending) > 4 * self.config.window:  # never grow without bound
+            self._pending.popleft()
+
+    def _log(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        now = time.perf_counter()
+        elapsed = now - (self._t_last_log or now)
+        self.total_samples += self._samples
+        self.total_tokens += self._tokens
+        m: dict[str, float] = {}
+        if elapsed > 0:
+            world = trainer.world_size
+            m["speed/samples_per_sec"] = self._samples / elapsed * world
+            m["speed/tokens_per_sec"] = self._tokens / elapsed * world
+            m["speed/tokens_per_sec_per_device"] = self._tokens / elapsed
+            m["speed/step_time_ms"] = elapsed / self._batches * 1e3
+            flops = getattr(pl_module, "flops_per_batch", None)
+            if flops and self._peak:
+                m["speed/mfu"] = flops * self._batches / elapsed / self._peak
+        m["speed/total_tokens"] = float(self.total_tokens)
+        self._drain()
+        if self._split:
+            n = len(self._split)
+            m["time/data_wait_ms"] = sum(x[0] for x in self._split) / n * 1e3
+            if self._cuda:
+                m["time/fwd_bwd_ms"] = sum(x[1] for x in self._split) / n * 1e3
+                m["time/optimizer_ms"] = sum(x[2] for x in self._split) / n * 1e3
+        if elapsed > 0:
+            m["time/validation_frac"] = self._val_s / elapsed
+            m["time/checkpoint_frac"] = self._ckpt_s / elapsed
+        m["time/validation_s"] = self._val_s
+        m["time/checkpoint_s"] = self._ckpt_s
+        self.metrics = m
+        log_metrics(trainer, m)
+        self._samples = self._tokens = self._batches = 0
+        self._val_s = self._ckpt_s = 0.0
+        self._t_last_log = now
