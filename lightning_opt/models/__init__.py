@@ -9,6 +9,15 @@ _EXPORTS = {
     "GPT": "gpt2",
     "CLTConfig": "clt",
     "CLT": "clt",
+    "SPDConfig": "spd",
+    "SPDModel": "spd",
+    "ComponentPattern": "spd",
+    "ComponentLayer": "spd",
+    "TMSConfig": "toy",
+    "TMSModel": "toy",
+    "ResidMLPConfig": "toy",
+    "ResidMLP": "toy",
+    "SparseFeatureDataset": "toy",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,620 @@
+"""SPDModule: stochastic parameter decomposition of a frozen target, as a LightningModule.
+
+The losses, causal-importance functions and component layers live in
+:mod:`lightning_opt.models.spd`; this module picks the terms from :class:`SPDLossConfig`, runs the
+faithfulness warmup, the optimizer and schedule, bf16 autocast and ``torch.compile``, and the
+metrics (CI-L0, MMCS/ML2R, identity-CI error, LM CE/KL under masks). See ``docs/spd.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from lightning_opt.models import spd as S
+from lightning_opt.models.toy import (
+    ResidMLPConfig,
+    SparseFeatureDataset,
+    TMSConfig,
+    TMSModel,
+    train_resid_mlp,
+    train_tms,
+)
+
+_TARGETS = ("tms", "resid_mlp", "gpt", "hf_gpt2")
+_PGD_INIT = ("random", "ones", "zeroes")
+_PGD_SCOPE = ("shared", "unique")
+
+
+# --------------------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SPDTargetConfig:
+    """The model to decompose; toy targets are trained here, before SPD starts.
+
+    Args:
+        kind: ``tms``, ``resid_mlp`` (trained by :mod:`lightning_opt.models.toy`), ``gpt`` (our
+            :class:`~lightning_opt.models.gpt2.GPT`, trained on the offline demo corpus unless
+            ``checkpoint`` is given) or ``hf_gpt2`` (a ``transformers`` GPT-2 from ``checkpoint``, a
+            hub name or directory; needs the ``hf`` extra).
+        model: keyword arguments of the model config (``TMSConfig``, ``ResidMLPConfig``, ``GPTConfig``).
+        train_steps / train_batch_size / train_lr: how the target is trained (toy and ``gpt``).
+        feature_probability: toy data sparsity (target training and SPD).
+        seq_len: LM sequence length for the ``gpt`` demo training and the SPD data.
+        checkpoint: a ``torch.save``'d state dict (``tms``/``resid_mlp``/``gpt``) or HF name/dir.
+        seed: seed of the target's training (the paper's toy models use 0).
+    """
+
+    kind: str = "tms"
+    model: dict[str, Any] = field(default_factory=dict)
+    train_steps: int = 10_000
+    train_batch_size: int = 1024
+    train_lr: float = 5e-3
+    feature_probability: float = 0.05
+    seq_len: int = 64
+    checkpoint: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in _TARGETS:
+            raise ValueError(f"SPDTargetConfig.kind={self.kind!r} is unknown; choose one of {_TARGETS}")
+        if self.train_steps < 0 or self.train_batch_size <= 0:
+            raise ValueError("SPDTargetConfig.train_steps must be >= 0 and train_batch_size > 0")
+
+    @property
+    def is_toy(self) -> bool:
+        return self.kind in ("tms", "resid_mlp")
+
+    @property
+    def value_range(self) -> tuple[float, float]:
+        return (0.0, 1.0) if self.kind == "tms" else (-1.0, 1.0)
+
+    def build(self) -> nn.Module:
+        """Build (and for toy / demo targets, train) the frozen target."""
+        if self.kind == "tms":
+            cfg = TMSConfig(**self.model)
+            if self.checkpoint:
+                m = TMSModel(cfg).untie_()
+                m.load_state_dict(torch.load(self.checkpoint, map_location="cpu", weights_only=True))
+                return m.requires_grad_(False).eval()
+            return train_tms(cfg, self.train_steps, self.train_batch_size, self.train_lr, self.feature_probability, self.seed)
+        if self.kind == "resid_mlp":
+            cfg = ResidMLPConfig(**self.model)
+            if self.checkpoint:
+                from lightning_opt.models.toy import ResidMLP
+
+                m = ResidMLP(cfg, seed=self.seed)
+                m.load_state_dict(torch.load(self.checkpoint, map_location="cpu", weights_only=True))
+                return m.requires_grad_(False).eval()
+            return train_resid_mlp(
+                cfg, self.train_steps, self.train_batch_size, self.train_lr, self.feature_probability, seed=self.seed
+            )
+        if self.kind == "gpt":
+            return _build_gpt(self)
+        return _build_hf_gpt2(self)
+
+
+@dataclass
+class PGDConfig:
+    """Adversarial masks: ``n_steps`` signed-gradient ascent steps of ``step_size`` on the sources."""
+
+    n_steps: int = 1
+    step_size: float = 1.0
+    init: str = "random"
+    scope: str = "shared"
+
+    def __post_init__(self) -> None:
+        if self.init not in _PGD_INIT:
+            raise ValueError(f"PGDConfig.init={self.init!r}; choose one of {_PGD_INIT}")
+        if self.scope not in _PGD_SCOPE:
+            raise ValueError(f"PGDConfig.scope={self.scope!r}; choose 'shared' (one mask for the batch) or 'unique'")
+        if self.n_steps < 0 or self.step_size < 0:
+            raise ValueError("PGDConfig.n_steps and step_size must be >= 0")
+
+
+@dataclass
+class SPDLossConfig:
+    """Coefficients (0 switches a term off) and their options.
+
+    Args:
+        faithfulness: ``||W - V U||^2`` mean (the delta component usually makes it unnecessary).
+        importance_minimality: coefficient of ``sum_c mean (g_c + eps)^p``; ``p`` anneals linearly
+            to ``p_final`` between ``p_anneal_start`` and ``p_anneal_end`` (fractions of training);
+            ``beta`` weights the optional ``mean * log2(1 + sum)`` term.
+        stochastic_recon: all layers on stochastic masks.
+        stochastic_recon_layerwise: one layer at a time on stochastic masks.
+        stochastic_recon_subset: a random subset of layers per position (uniform k).
+        ci_masked_recon: all layers masked by the importances themselves.
+        pgd_recon / pgd_recon_subset: adversarial masks (all layers / routed subset), see ``pgd``.
+        n_mask_samples: stochastic masks drawn per term.
+        output: ``mse`` (toy models) or ``kl`` (language models, KL(target || decomposed)).
+    """
+
+    faithfulness: float = 0.0
+    importance_minimality: float = 3e-3
+    p: float = 1.0
+    p_final: float | None = None
+    p_anneal_start: float = 1.0
+    p_anneal_end: float = 1.0
+    beta: float = 0.0
+    eps: float = 1e-12
+    stochastic_recon: float = 1.0
+    stochastic_recon_layerwise: float = 1.0
+    stochastic_recon_subset: float = 0.0
+    ci_masked_recon: float = 0.0
+    pgd_recon: float = 0.0
+    pgd_recon_subset: float = 0.0
+    pgd: PGDConfig = field(default_factory=PGDConfig)
+    n_mask_samples: int = 1
+    output: str = "mse"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pgd, dict):
+            self.pgd = PGDConfig(**self.pgd)
+        if self.output not in ("mse", "kl"):
+            raise ValueError(f"SPDLossConfig.output={self.output!r}; choose 'mse' (toy) or 'kl' (language models)")
+        if self.p <= 0 or (self.p_final is not None and self.p_final <= 0):
+            raise ValueError("importance-minimality p must be > 0")
+        if self.n_mask_samples < 1:
+            raise ValueError("n_mask_samples must be >= 1")
+        coeffs = {k: v for k, v in asdict(self).items() if isinstance(v, float) and k in _COEFFS}
+        if any(v < 0 for v in coeffs.values()):
+            raise ValueError(f"loss coefficients must be >= 0, got {coeffs}")
+        if not any(coeffs[k] > 0 for k in _RECON_TERMS + ("faithfulness",)):
+            raise ValueError("every reconstruction coefficient is 0: switch on at least one (e.g. stochastic_recon=1)")
+
+
+_RECON_TERMS = (
+    "stochastic_recon",
+    "stochastic_recon_layerwise",
+    "stochastic_recon_subset",
+    "ci_masked_recon",
+    "pgd_recon",
+    "pgd_recon_subset",
+)
+_COEFFS = ("faithfulness", "importance_minimality", *_RECON_TERMS)
+
+
+@dataclass
+class SPDTrainConfig:
+    """Optimizer, schedule, warmup, precision and compilation.
+
+    Args:
+        lr / weight_decay: AdamW over V, U and the CI functions.
+        schedule: ``cosine`` (to ``final_lr_frac``) or ``constant``; ``warmup_frac`` of steps linear warmup.
+        faithfulness_warmup_steps / _lr / _weight_decay: AdamW on ``||W - V U||^2`` alone before training,
+            so the components start out summing to the target.
+        autocast_bf16: run the loss computation under bf16 autocast.
+        compile: ``torch.compile`` the loss computation (forward + all terms; backward is compiled by
+            AOTAutograd with it).
+        ci_threshold: importance above which a subcomponent counts as active for CI-L0.
+        identity_patterns: layers whose single-feature importances should be an identity (toy
+            models), for ``identity_ci_error``.
+        eval_batches: batches averaged for the final metrics.
+        metrics_path: also write the final metrics (``final_metrics``) to this JSON file.
+    """
+
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    schedule: str = "cosine"
+    warmup_frac: float = 0.0
+    final_lr_frac: float = 0.0
+    faithfulness_warmup_steps: int = 200
+    faithfulness_warmup_lr: float = 0.01
+    faithfulness_warmup_weight_decay: float = 0.1
+    autocast_bf16: bool = False
+    compile: bool = False
+    ci_threshold: float = 0.1
+    identity_patterns: list[str] = field(default_factory=list)
+    eval_batches: int = 4
+    batch_size: int = 4096
+    metrics_path: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.schedule not in ("cosine", "constant"):
+            raise ValueError(f"SPDTrainConfig.schedule={self.schedule!r}; choose 'cosine' or 'constant'")
+        if not 0 <= self.warmup_frac < 1 or not 0 <= self.final_lr_frac <= 1:
+            raise ValueError("warmup_frac must be in [0, 1) and final_lr_frac in [0, 1]")
+        if self.lr <= 0 or self.batch_size <= 0:
+            raise ValueError("lr and batch_size must be positive")
+
+
+def _as(cls: type, value: Any) -> Any:
+    return value if isinstance(value, cls) else cls(**(value or {}))
+
+
+# --------------------------------------------------------------------------------------------------
+# Module
+# --------------------------------------------------------------------------------------------------
+
+
+class SPDModule(L.LightningModule):
+    """Decompose a frozen target with SPD.
+
+    Args:
+        target: an ``nn.Module`` to decompose, or an :class:`SPDTargetConfig` (built in ``__init__``).
+        spd: patterns, C, CI functions, sigmoids (:class:`~lightning_opt.models.spd.SPDConfig`).
+        loss: loss coefficients (:class:`SPDLossConfig`).
+        train: optimizer / schedule / precision (:class:`SPDTrainConfig`).
+
+    Example:
+        >>> module = SPDModule(SPDTargetConfig("tms", {"n_features": 5, "n_hidden": 2}),
+        ...                    S.SPDConfig(components=[{"pattern": "linear*", "C": 20}]))
+        >>> L.Trainer(max_steps=10_000).fit(module)  # toy targets bring their own data
+    """
+
+    def __init__(
+        self,
+        target: SPDTargetConfig | nn.Module | None = None,
+        spd: S.SPDConfig | None = None,
+        loss: SPDLossConfig | None = None,
+        train: SPDTrainConfig | None = None,
+    ) -> None:
+        super().__init__()
+        self.target_cfg = target if isinstance(target, nn.Module) else _as(SPDTargetConfig, target)
+        if spd is None:
+            raise ValueError("SPDModule needs spd=SPDConfig(components=[...]) saying which modules to decompose")
+        self.spd_cfg = _as(S.SPDConfig, spd)
+        self.loss_cfg = _as(SPDLossConfig, loss)
+        self.train_cfg = _as(SPDTrainConfig, train)
+        torch.manual_seed(self.train_cfg.seed)
+        model = target if isinstance(target, nn.Module) else self.target_cfg.build()
+        torch.manual_seed(self.train_cfg.seed)
+        self.spd = S.SPDModel(model, self.spd_cfg)
+        self.register_buffer("_frac", torch.zeros(()), persistent=False)
+        self._loss_fn: Callable[..., tuple[Tensor, dict[str, Tensor]]] = self.compute_losses
+        self.final_metrics: dict[str, float] = {}
+
+    # -- data for toy targets -------------------------------------------------------------------
+    def train_dataloader(self) -> DataLoader:
+        cfg = self.target_cfg
+        if isinstance(cfg, SPDTargetConfig) and cfg.is_toy:
+            n = self.spd.target.config.n_features
+            ds = SparseFeatureDataset(n, cfg.feature_probability, self.train_cfg.batch_size, cfg.value_range, seed=self.train_cfg.seed + 1)
+            return DataLoader(ds, batch_size=None)
+        if isinstance(cfg, SPDTargetConfig) and cfg.kind == "gpt" and cfg.checkpoint is None:
+            return _demo_corpus_loader(cfg.seq_len, self.train_cfg.batch_size, self.train_cfg.seed + 1)
+        raise ValueError(
+            "this target brings no data of its own: pass a datamodule to Trainer.fit (e.g. "
+            "lightning_opt.data.TokenShardDataModule yielding (x, y) token batches)"
+        )
+
+    # -- the step ---------------------------------------------------------------------------------
+    @staticmethod
+    def batch_inputs(batch: Any) -> Tensor:
+        return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+    def _reduce_sums(self, sums: dict[str, Tensor], n: int) -> tuple[dict[str, Tensor], Tensor | int]:
+        """All-reduce the importance sums (differentiably) so the loss is the global one under DDP."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return sums, n
+        from torch.distributed.nn.functional import all_reduce
+
+        keys = list(sums)
+        flat = all_reduce(torch.cat([sums[k] for k in keys]))
+        count = torch.tensor(float(n), device=flat.device)
+        dist.all_reduce(count)  # tensor collective, no host sync
+        out, i = {}, 0
+        for k in keys:
+            out[k] = flat[i : i + sums[k].numel()]
+            i += sums[k].numel()
+        return out, count
+
+    def compute_losses(self, batch: Any, frac: Tensor | float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
+        """Total loss and the raw terms for one batch (the whole forward; compiled when asked)."""
+        x = self.batch_inputs(batch)
+        lc, spd = self.loss_cfg, self.spd
+        dev_type = x.device.type
+        with torch.autocast(dev_type, dtype=torch.bfloat16, enabled=self.train_cfg.autocast_bf16):
+            deltas = spd.weight_deltas()
+            spd.refresh_delta_weights(deltas)
+            target_out, inputs = spd.target_forward(x)
+            ci = spd.causal_importances(inputs)
+            terms: dict[str, Tensor] = {}
+            if lc.faithfulness > 0:
+                terms["faithfulness"] = S.faithfulness_loss(deltas)
+            if lc.importance_minimality > 0:
+                p = S.annealed_p(lc.p, frac, lc.p_anneal_start, lc.p_final, lc.p_anneal_end)
+                terms["importance_minimality"] = S.importance_minimality_loss(ci.upper, p, lc.beta, lc.eps, self._reduce_sums)
+            use_delta = self.spd_cfg.use_delta
+            kind = lc.output
+
+            def run(masks: dict[str, Tensor], delta: bool = use_delta, routes: dict[str, Tensor] | None = None) -> Tensor:
+                dm = spd.delta_masks({k: ci.lower[k] for k in masks}) if delta else None
+                return S.recon_loss(spd.masked_forward(x, masks=masks, delta_masks=dm, routes=routes), target_out, kind)
+
+            if lc.stochastic_recon > 0:
+                terms["stochastic_recon"] = sum(run(spd.stochastic_masks(ci.lower)) for _ in range(lc.n_mask_samples)) / lc.n_mask_samples
+            if lc.stochastic_recon_layerwise > 0:
+                acc = []
+                for _ in range(lc.n_mask_samples):
+                    masks = spd.stochastic_masks(ci.lower)
+                    acc.extend(run({n: masks[n]}) for n in spd.layer_names)
+                terms["stochastic_recon_layerwise"] = sum(acc) / len(acc)
+            lead_shape = next(iter(ci.lower.values())).shape[:-1]
+            if lc.stochastic_recon_subset > 0:
+                acc = []
+                for _ in range(lc.n_mask_samples):
+                    routes = S.uniform_k_subset_routes(spd.layer_names, lead_shape, x.device)
+                    acc.append(run(spd.stochastic_masks(ci.lower), routes=routes))
+                terms["stochastic_recon_subset"] = sum(acc) / len(acc)
+            if lc.ci_masked_recon > 0:
+                terms["ci_masked_recon"] = run(dict(ci.lower), delta=False)
+            if lc.pgd_recon > 0:
+                terms["pgd_recon"] = self.pgd_recon(x, target_out, ci.lower, lead_shape, routes=None)
+            if lc.pgd_recon_subset > 0:
+                routes = S.uniform_k_subset_routes(spd.layer_names, lead_shape, x.device)
+                terms["pgd_recon_subset"] = self.pgd_recon(x, target_out, ci.lower, lead_shape, routes=routes)
+            total = sum(getattr(lc, k) * v for k, v in terms.items())
+        spd.state.delta_weights = {}
+        terms["ci_l0"] = sum(S.ci_l0(g, self.train_cfg.ci_threshold) for g in ci.lower.values())
+        for n, g in ci.lower.items():
+            terms[f"ci_l0/{n}"] = S.ci_l0(g.detach(), self.train_cfg.ci_threshold)
+        return total, terms
+
+    def pgd_recon(
+        self, x: Tensor, target_out: Tensor, ci: dict[str, Tensor], lead_shape: torch.Size, routes: dict[str, Tensor] | None
+    ) -> Tensor:
+        """Reconstruction under masks ``g + (1 - g) s`` with the sources ``s`` chosen adversarially."""
+        pc, spd, use_delta = self.loss_cfg.pgd, self.spd, self.spd_cfg.use_delta
+        shared = pc.scope == "shared"
+        src_shape = (1,) * len(lead_shape) if shared else tuple(lead_shape)
+        dist_on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        srcs: dict[str, Tensor] = {}
+        for n in spd.layer_names:
+            shape = (*src_shape, spd.module_to_c[n] + int(use_delta))
+            if pc.init == "random":
+                s = torch.rand(shape, device=x.device)
+            else:
+                s = torch.full(shape, 1.0 if pc.init == "ones" else 0.0, device=x.device)
+            if shared and dist_on:
+                dist.broadcast(s, 0)  # one adversary for the global batch
+            srcs[n] = s.requires_grad_(True)
+
+        def loss_with(g: dict[str, Tensor]) -> Tensor:
+            masks, dms = {}, {} if use_delta else None
+            for n in spd.layer_names:
+                C = spd.module_to_c[n]
+                src = srcs[n].expand(*lead_shape, -1)
+                masks[n] = g[n] + (1 - g[n]) * src[..., :C]
+                if use_delta:
+                    dms[n] = src[..., C]
+            out = spd.masked_forward(x, masks=masks, delta_masks=dms, routes=routes)
+            return S.recon_loss(out, target_out, self.loss_cfg.output)
+
+        ci_detached = {k: v.detach() for k, v in ci.items()}  # the adversary needs no grad through g
+        for _ in range(pc.n_steps):
+            with torch.enable_grad():
+                grads = torch.autograd.grad(loss_with(ci_detached), list(srcs.values()))
+            with torch.no_grad():
+                for s, gr in zip(srcs.values(), grads):
+                    if shared and dist_on:
+                        dist.all_reduce(gr)
+                    s.add_(pc.step_size * gr.sign()).clamp_(0.0, 1.0)
+        for s in srcs.values():
+            s.requires_grad_(False)
+        return loss_with(ci)
+
+    # -- Lightning hooks ------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if self.train_cfg.compile and self._loss_fn == self.compute_losses:
+            self._loss_fn = torch.compile(self.compute_losses)
+
+    def on_fit_start(self) -> None:
+        self.faithfulness_warmup()
+
+    def faithfulness_warmup(self) -> float:
+        """AdamW on the faithfulness loss alone, so that V U starts close to W. Returns the final loss."""
+        tc = self.train_cfg
+        if tc.faithfulness_warmup_steps <= 0:
+            return float("nan")
+        params = self.spd.component_parameters()
+        opt = torch.optim.AdamW(params, lr=tc.faithfulness_warmup_lr, weight_decay=tc.faithfulness_warmup_weight_decay)
+        loss = torch.zeros(())
+        for _ in range(tc.faithfulness_warmup_steps):
+            loss = S.faithfulness_loss(self.spd.weight_deltas())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        return float(loss.detach())
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        max_steps = max(int(self.trainer.max_steps), 1) if self._trainer is not None else 1
+        self._frac.fill_(self.global_step / max_steps)
+        total, terms = self._loss_fn(batch, self._frac)
+        self.log("train/loss", total, prog_bar=True)
+        for k, v in terms.items():
+            self.log(f"train/{k}", v)
+        return total
+
+    def configure_optimizers(self) -> Any:
+        tc = self.train_cfg
+        params = self.spd.component_parameters() + self.spd.ci_parameters()
+        opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+        total = max(int(self.trainer.max_steps), 1) if self.trainer.max_steps and self.trainer.max_steps > 0 else 1
+        warm = int(tc.warmup_frac * total)
+
+        def mult(step: int) -> float:
+            if warm and step < warm:
+                return (step + 1) / warm
+            if tc.schedule == "constant":
+                return 1.0
+            prog = min(1.0, (step - warm) / max(1, total - warm))
+            return tc.final_lr_frac + (1 - tc.final_lr_frac) * 0.5 * (1 + math.cos(math.pi * prog))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, mult)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_fit_end(self) -> None:
+        self.final_metrics = self.evaluate()
+        if self.trainer.is_global_zero and self.train_cfg.metrics_path:
+            path = self.train_cfg.metrics_path
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(self.final_metrics, f, indent=2, sort_keys=True)
+
+    # -- evaluation -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, batches: list[Any] | None = None) -> dict[str, float]:
+        """Final metrics: CI-L0 per layer and recon losses; toy: identity-CI error, TMS: MMCS / ML2R;
+        language models: CE and KL under CI, stochastic, unmasked and zero masks."""
+        was_training = self.training
+        self.eval()
+        out: dict[str, float] = {}
+        try:
+            if batches is None:
+                batches = self._eval_batches()
+            device = next(self.spd.parameters()).device
+            acc: dict[str, float] = {}
+            for b in batches:
+                b = b.to(device) if isinstance(b, Tensor) else [t.to(device) for t in b]
+                for k, v in self._eval_batch(b).items():
+                    acc[k] = acc.get(k, 0.0) + v / len(batches)
+            out.update(acc)
+            out.update(self.toy_metrics())
+        finally:
+            self.train(was_training)
+        return out
+
+    def _eval_batches(self) -> list[Any]:
+        loader = self._trainer.train_dataloader if self._trainer is not None else None
+        it = iter(loader if loader is not None else self.train_dataloader())
+        return [next(it) for _ in range(self.train_cfg.eval_batches)]
+
+    def _eval_batch(self, batch: Any) -> dict[str, float]:
+        x = self.batch_inputs(batch)
+        spd = self.spd
+        spd.refresh_delta_weights()
+        target_out, inputs = spd.target_forward(x)
+        ci = spd.causal_importances(inputs)
+        res: dict[str, float] = {}
+        for n, g in ci.lower.items():
+            res[f"ci_l0/{n}"] = float(S.ci_l0(g, self.train_cfg.ci_threshold))
+        res["ci_l0"] = sum(res[f"ci_l0/{n}"] for n in ci.lower)
+        kind = self.loss_cfg.output
+        dm = spd.delta_masks(ci.lower)
+        variants = {
+            "ci": (dict(ci.lower), None),
+            "stochastic": (spd.stochastic_masks(ci.lower), dm),
+            "unmasked": ({n: torch.ones_like(g) for n, g in ci.lower.items()}, None),
+            "zero": ({n: torch.zeros_like(g) for n, g in ci.lower.items()}, None),
+        }
+        outs = {k: spd.masked_forward(x, masks=m, delta_masks=d) for k, (m, d) in variants.items()}
+        for k, o in outs.items():
+            res[f"recon/{k}"] = float(S.recon_loss(o, target_out, kind))
+        if kind == "kl" and isinstance(batch, (tuple, list)) and len(batch) > 1:
+            y = batch[1]
+            res["ce/target"] = float(F.cross_entropy(target_out.flatten(0, -2).float(), y.flatten()))
+            for k, o in outs.items():
+                res[f"ce/{k}"] = float(F.cross_entropy(o.flatten(0, -2).float(), y.flatten()))
+                res[f"kl/{k}"] = res[f"recon/{k}"]
+        spd.state.delta_weights = {}
+        return res
+
+    def toy_metrics(self) -> dict[str, float]:
+        """Identity-CI error on single-feature inputs; MMCS / ML2R of ``linear1`` for TMS."""
+        target, spd, res = self.spd.target, self.spd, {}
+        cfg = getattr(target, "config", None)
+        if not isinstance(cfg, (TMSConfig, ResidMLPConfig)):
+            return res
+        device = next(self.spd.parameters()).device
+        eye = torch.eye(cfg.n_features, device=device) * 0.75
+        _, inputs = spd.target_forward(eye)
+        ci = spd.causal_importances(inputs).lower
+        import fnmatch
+
+        for n, g in ci.items():
+            if any(fnmatch.fnmatchcase(n, p) for p in self.train_cfg.identity_patterns):
+                res[f"identity_ci_error/{n}"] = float(S.identity_ci_error(g))
+        if isinstance(cfg, TMSConfig) and "linear1" in spd.layers:
+            layer = spd.layers["linear1"]
+            # layer.weight is W^T [n_features, n_hidden]: row j is the direction feature j is written to
+            mmcs, ml2r = S.mmcs_ml2r(layer.weight, layer.V, layer.U)
+            res["mmcs"], res["ml2r"] = float(mmcs), float(ml2r)
+        return res
+
+
+# --------------------------------------------------------------------------------------------------
+# Language-model targets
+# --------------------------------------------------------------------------------------------------
+
+
+def _demo_tokens() -> Any:
+    from lightning_opt.data.corpus import default_corpus_shards
+
+    train_path, _ = default_corpus_shards()
+    try:
+        from lightning_opt.data import read_shard
+
+        return read_shard(train_path)
+    except ImportError:  # pragma: no cover - older data package
+        import numpy as np
+
+        return np.fromfile(train_path, dtype=np.uint16, offset=256 * 4)
+
+
+class _RandomWindows(torch.utils.data.IterableDataset):
+    def __init__(self, tokens: Any, seq_len: int, batch_size: int, seed: int) -> None:
+        self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
+
+    def __iter__(self):
+        import numpy as np
+
+        rng = np.random.default_rng(self.seed)
+        n = len(self.tokens) - self.seq_len - 1
+        while True:
+            starts = rng.integers(0, n, self.batch_size)
+            w = np.stack([np.asarray(self.tokens[s : s + self.seq_len + 1], dtype=np.int64) for s in starts])
+            t = torch.from_numpy(w)
+            yield t[:, :-1], t[:, 1:]
+
+
+def _demo_corpus_loader(seq_len: int, batch_size: int, seed: int) -> DataLoader:
+    return DataLoader(_RandomWindows(_demo_tokens(), seq_len, batch_size, seed), batch_size=None)
+
+
+def _build_gpt(cfg: SPDTargetConfig) -> nn.Module:
+    from lightning_opt.models.gpt2 import GPT, GPTConfig
+
+    kw = {"vocab_size": 256, "n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": cfg.seq_len, **cfg.model}
+    model = GPT(GPTConfig(**kw))
+    if cfg.checkpoint:
+        model.load_state_dict(torch.load(cfg.checkpoint, map_location="cpu", weights_only=True))
+    elif cfg.train_steps > 0:
+        torch.manual_seed(cfg.seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.train_lr, weight_decay=0.0)
+        it = iter(_demo_corpus_loader(cfg.seq_len, cfg.train_batch_size, cfg.seed))
+        model.train()
+        for _ in range(cfg.train_steps):
+            xb, yb = next(it)
+            loss = model(xb, yb)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    return model.requires_grad_(False).eval()
+
+
+def _build_hf_gpt2(cfg: SPDTargetConfig) -> nn.Module:
+    from lightning_opt._optional import require
+
+    transformers = require("transformers", purpose="SPD on a Hugging Face GPT-2")
+    if cfg.checkpoint:
+        model = transformers.GPT2LMHeadModel.from_pretrained(cfg.checkpoint)
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg.model))
+    return model.requires_grad_(False).eval()
