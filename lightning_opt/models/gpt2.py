@@ -14,12 +14,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from lightning_opt.ops.attention import BACKENDS, attention
+from lightning_opt.ops.attention import BACKENDS, attention, resolve_backend
+from lightning_opt.ops.cross_entropy import linear_cross_entropy
 
 _MLPS = ("gelu", "relu2", "swiglu")
 _NORMS = ("layernorm", "rmsnorm")
 _POS = ("learned", "rope")
+_LOSS_IMPLS = ("torch", "chunked")
 
 
 @dataclass
@@ -52,6 +55,10 @@ class GPTConfig:
         moe_aux_weight: weight of the load-balancing loss.
         attn_backend: ``auto``, ``flash``, ``sdpa`` or ``math`` (see :mod:`lightning_opt.ops.attention`).
         init_std: standard deviation of the normal initialisation.
+        loss_impl: ``torch`` (logits, then ``F.cross_entropy``) or ``chunked``
+            (:func:`~lightning_opt.ops.cross_entropy.linear_cross_entropy`: never holds all float32 logits).
+        loss_chunk_size: tokens per chunk for ``chunked``.
+        grad_checkpoint: recompute each block in the backward pass (activation checkpointing) to save memory.
     """
 
     vocab_size: int = 50257
@@ -84,6 +91,9 @@ class GPTConfig:
     moe_aux_weight: float = 0.01
     attn_backend: str = "auto"
     init_std: float = 0.02
+    loss_impl: str = "torch"
+    loss_chunk_size: int = 4096
+    grad_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, want: str) -> ValueError:
@@ -118,6 +128,10 @@ class GPTConfig:
             raise bad("moe_experts", self.moe_experts, "use 0 (dense MLP) or at least 2 experts")
         if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
             raise bad("moe_top_k", self.moe_top_k, f"must be in [1, moe_experts={self.moe_experts}]")
+        if self.loss_impl not in _LOSS_IMPLS:
+            raise bad("loss_impl", self.loss_impl, f"choose one of {_LOSS_IMPLS}")
+        if self.loss_chunk_size <= 0:
+            raise bad("loss_chunk_size", self.loss_chunk_size, "must be a positive integer")
         if self.doc_causal and not 0 <= self.eot_token < self.vocab_size:
             raise bad("eot_token", self.eot_token, f"must be a token id below vocab_size={self.vocab_size}")
 
@@ -183,6 +197,8 @@ class CausalSelfAttention(nn.Module):
         self.k_norm = RMSNorm(self.hd) if cfg.qk_norm else None
         # learned mix of the value embedding into the values (modded-nanogpt style)
         self.ve_lambda = nn.Parameter(torch.tensor(0.5)) if cfg.n_value_embeds else None
+        # decide flash-attn vs SDPA now: inside torch.compile the import probe would break the graph
+        resolve_backend(cfg.attn_backend)
 
     def forward(
         self, x: torch.Tensor, ve: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
@@ -369,7 +385,10 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             if self.skip_weights is not None and i >= cfg.n_layer - half:
                 x = x + self.skip_weights[cfg.n_layer - 1 - i] * skips.pop()
-            x = block(x, ves[i], doc_ids)
+            if cfg.grad_checkpoint and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, ves[i], doc_ids, use_reentrant=False)
+            else:
+                x = block(x, ves[i], doc_ids)
             if self.skip_weights is not None and i < half:
                 skips.append(x)
         h = self.ln_f(x)
@@ -392,6 +411,9 @@ class GPT(nn.Module):
         return logits
 
     def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        if cfg.loss_impl == "chunked":
+            return linear_cross_entropy(h, self.lm_head.weight, targets, cfg.logit_softcap, cfg.loss_chunk_size)
         logits = self._logits(h)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -20,21 +19,38 @@ from lightning_opt._optional import is_available
 BACKENDS = ("auto", "flash", "sdpa", "math")
 
 
-@lru_cache(maxsize=1)
-def _flash_attn_func():
-    if not is_available("flash_attn"):
-        return None
-    try:
-        from flash_attn import flash_attn_func
+_UNRESOLVED = object()
+# flash_attn_func, None (not usable) or _UNRESOLVED. A module global rather than an lru_cache: under
+# torch.compile a global is a guarded constant, while a cache wrapper would be traced into (import probes
+# are graph breaks).
+_FLASH_FN: object = _UNRESOLVED
 
-        return flash_attn_func
-    except Exception as err:  # a broken build must not break training: fall back and say why
-        warnings.warn(f"flash_attn is installed but failed to import ({err}); using PyTorch SDPA.", stacklevel=2)
-        return None
+
+def _flash_attn_func():
+    global _FLASH_FN
+    if _FLASH_FN is _UNRESOLVED:
+        _FLASH_FN = None
+        if is_available("flash_attn"):
+            try:
+                from flash_attn import flash_attn_func
+
+                _FLASH_FN = flash_attn_func
+            except Exception as err:  # a broken build must not break training: fall back and say why
+                warnings.warn(
+                    f"flash_attn is installed but failed to import ({err}); using PyTorch SDPA.", stacklevel=2
+                )
+    return _FLASH_FN
 
 
 def flash_available() -> bool:
     return _flash_attn_func() is not None
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    """Probe optional kernels now (call before ``torch.compile``); returns what ``auto`` uses on CUDA."""
+    if backend in ("auto", "flash"):
+        return "flash" if flash_available() else "sdpa"
+    return backend
 
 
 def build_mask(
@@ -105,7 +121,7 @@ def attention(
         backend == "auto" and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and doc_ids is None
     )
     if use_flash:
-        fn = _flash_attn_func()
+        fn = _FLASH_FN if _FLASH_FN is not _UNRESOLVED else _flash_attn_func()
         if fn is None and backend == "flash":
             raise ImportError(
                 "attention backend 'flash' needs flash-attn: pip install 'lightning-opt[gpu]' "

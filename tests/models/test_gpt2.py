@@ -98,6 +98,8 @@ def test_doc_causal_isolates_documents():
         (dict(moe_experts=1), "moe_experts"),
         (dict(n_layer=0), "positive"),
         (dict(attn_backend="xformers"), "attn_backend"),
+        (dict(loss_impl="fused"), "loss_impl"),
+        (dict(loss_chunk_size=0), "loss_chunk_size"),
     ],
 )
 def test_config_errors(kwargs, match):
@@ -115,3 +117,32 @@ def test_num_params_gpt2_small():
     model = GPT(GPTConfig())  # GPT-2 124M
     total = model.num_params(non_embedding=False) + 0
     assert 124_000_000 < total < 125_000_000
+
+
+@pytest.mark.parametrize("extra", [dict(logit_softcap=30.0, tie_embeddings=False), dict(mtp_heads=1)])
+def test_chunked_loss_matches_torch_loss(extra):
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(**BASE, **extra))
+    chunked = GPT(GPTConfig(**BASE, **extra, loss_impl="chunked", loss_chunk_size=7))
+    chunked.load_state_dict(base.state_dict())
+    x = torch.randint(0, 300, (2, 16))
+    y = x.roll(-1, 1)
+    a, b = base(x, y), chunked(x, y)
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    a.backward()
+    b.backward()
+    for (name, pa), pb in zip(base.named_parameters(), chunked.parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_grad_checkpoint_same_gradients():
+    torch.manual_seed(0)
+    cfg = dict(**BASE, pos_emb="rope", norm="rmsnorm", unet_skips=True, n_value_embeds=1)
+    base = GPT(GPTConfig(**cfg))
+    ckpt = GPT(GPTConfig(**cfg, grad_checkpoint=True))
+    ckpt.load_state_dict(base.state_dict())
+    x = torch.randint(0, 300, (2, 16))
+    base(x, x).backward()
+    ckpt(x, x).backward()
+    for (name, pa), pb in zip(base.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, atol=1e-6, rtol=1e-5, msg=name)
