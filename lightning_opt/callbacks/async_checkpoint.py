@@ -1,0 +1,411 @@
+"""Checkpoints whose only cost to the training loop is a copy into reused pinned host memory."""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+_STEP_RE = re.compile(r"step=(\d+)")
+
+
+@dataclass
+class AsyncCheckpointConfig:
+    """Validated settings of :class:`AsyncCheckpoint` (see its docstring)."""
+
+    dirpath: str | None = None
+    every_n_steps: int | None = None
+    every_minutes: float | None = None
+    keep_last_k: int | None = 3
+    save_last: bool = True
+    save_on_exception: bool = True
+    save_on_train_end: bool = True
+    decide_every_n_steps: int = 10
+    save_rng: bool = True
+
+    def __post_init__(self) -> None:
+        if self.every_n_steps is not None and self.every_n_steps < 1:
+            raise ValueError(f"AsyncCheckpoint: every_n_steps={self.every_n_steps}; use >= 1 or None.")
+        if self.every_minutes is not None and not self.every_minutes > 0:
+            raise ValueError(f"AsyncCheckpoint: every_minutes={self.every_minutes}; use > 0 or None.")
+        if self.keep_last_k is not None and self.keep_last_k < 1:
+            raise ValueError(f"AsyncCheckpoint: keep_last_k={self.keep_last_k}; use >= 1 or None (keep all).")
+        if self.decide_every_n_steps < 1:
+            raise ValueError("AsyncCheckpoint: decide_every_n_steps must be >= 1.")
+
+
+class _Staging:
+    """Reused host buffers, one per distinct tensor storage of the checkpoint.
+
+    Storages are copied whole and views are rebuilt on the copies, so tensors that shared a
+    storage (tied embeddings) still share it and ``torch.save`` writes it once, as a sync save
+    would. On CUDA the buffers are pinned and the copies are non-blocking on the current stream:
+    the host does not wait; the writer thread waits on an event instead.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.UntypedStorage] = []
+        self.event: torch.cuda.Event | None = None
+        self.bytes = 0
+
+    def stage(self, checkpoint: Any) -> Any:
+        self._index = 0
+        self._by_storage: dict[tuple[str, int], torch.UntypedStorage] = {}
+        self.bytes = 0
+        self._cuda = False
+        staged = self._walk(checkpoint)
+        self.event = None
+        if self._cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+        del self._by_storage
+        return staged
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()  # runs in the writer thread; releases the GIL
+
+    def _buffer(self, nbytes: int, pin: bool) -> torch.UntypedStorage:
+        i = self._index
+        self._index += 1
+        if i < len(self.buffers) and self.buffers[i].nbytes() == nbytes and self.buffers[i].is_pinned() == pin:
+            return self.buffers[i]
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).untyped_storage()
+        if i < len(self.buffers):
+            self.buffers[i] = buf
+        else:
+            self.buffers.append(buf)
+        return buf
+
+    def _tensor(self, t: torch.Tensor) -> torch.Tensor:
+        if t.layout != torch.strided or type(t) not in (torch.Tensor, torch.nn.Parameter):
+            # DTensor / sparse / subclasses: a plain copy (sharded saving is not handled here).
+            return t.detach().to("cpu", copy=True)
+        src = t.untyped_storage()
+        key = (str(t.device), src.data_ptr())
+        dst = self._by_storage.get(key) if src.nbytes() else None
+        if dst is None:
+            pin = t.device.type == "cuda"
+            dst = self._buffer(src.nbytes(), pin)
+            if src.nbytes():
+                d = torch.empty(0, dtype=torch.uint8).set_(dst)
+                s = torch.empty(0, dtype=torch.uint8, device=t.device).set_(src)
+                d.copy_(s, non_blocking=pin)
+                self._by_storage[key] = dst
+            self.bytes += src.nbytes()
+            self._cuda |= pin
+        return torch.empty(0, dtype=t.dtype).set_(dst, t.storage_offset(), t.size(), t.stride())
+
+    def _walk(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj)
+        if isinstance(obj, OrderedDict):
+            return OrderedDict((k, self._walk(v)) for k, v in obj.items())
+        if isinstance(obj, dict):
+            return {k: self._walk(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self._walk(v) for v in obj]
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(self._walk(v) for v in obj)
+        # Training goes on while the writer runs: freeze everything else by value now.
+        return copy.deepcopy(obj)
+
+
+class _Capture(CheckpointIO):
+    """Stands in for the strategy's CheckpointIO during our saves: hands the dict to the callback."""
+
+    def __init__(self, owner: AsyncCheckpoint) -> None:
+        self.owner = owner
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        self.owner._submit(checkpoint, str(path))
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
+        raise RuntimeError("AsyncCheckpoint's capture IO does not load")
+
+    def remove_checkpoint(self, path: Any) -> None:
+        raise RuntimeError("AsyncCheckpoint's capture IO does not remove")
+
+
+def _fsync_dir(dirpath: str) -> None:
+    fd = os.open(dirpath, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_torch_save(obj: Any, path: str) -> None:
+    """``torch.save`` to a temporary name, fsync, rename over ``path``, fsync the directory.
+
+    Saving to a *path* (not a file object) lets torch write tensor bytes with the GIL released.
+    """
+    dirpath = os.path.dirname(os.path.abspath(path))
+    # torch names the records inside the zip after the file's stem; "archive" is what an in-memory
+    # save uses, so the file is byte-for-byte the size of a synchronous Lightning save.
+    tmpdir = os.path.join(dirpath, ".writing")
+    os.makedirs(tmpdir, exist_ok=True)
+    tmp = os.path.join(tmpdir, "archive.tmp")
+    try:
+        torch.save(obj, tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    _fsync_dir(dirpath)
+
+
+class AsyncCheckpoint(Checkpoint):
+    """Periodic, atomic, background checkpoints for exact resume.
+
+    At a save point the training loop only queues a copy of the full Lightning checkpoint
+    (model, optimizers, schedulers, loops and data position, callbacks' state, and RNG states)
+    into pinned host buffers that are reused from save to save; a writer thread waits for the
+    copy, writes a temporary file, fsyncs it and renames it into place. At most one save is in
+    flight: the next save, the end of training or teardown waits for it and re-raises any write
+    error. Old checkpoints are pruned by the writer after the new one is durable, so pruning
+    never races a pending save. Files load with ``trainer.fit(ckpt_path=...)``.
+
+    Saves go through ``trainer.save_checkpoint`` (so every hook and strategy sees a normal
+    save; on DDP rank 0 writes). Saves after an exception (including Lightning's SIGTERM
+    handling) skip the barrier and block until written, because the process is about to end.
+
+    Args:
+        dirpath: folder for checkpoints (default: ``<trainer.default_root_dir>/checkpoints``).
+        every_n_steps: save every N global steps.
+        every_minutes: save when this many minutes passed since the last save (rank 0 decides
+            every ``decide_every_n_steps`` steps and broadcasts).
+        keep_last_k: keep the K newest periodic checkpoints (``None``: keep all).
+        save_last: maintain a ``last.ckpt`` symlink to the newest checkpoint.
+        save_on_exception: save when fit ends with an exception (SIGTERM included).
+        save_on_train_end: save when training ends normally.
+        decide_every_n_steps: decision interval for ``every_minutes``.
+        save_rng: store Python, NumPy, torch and CUDA RNG states and restore them on resume.
+
+    Example::
+
+        ckpt = AsyncCheckpoint(every_n_steps=500, keep_last_k=3)
+        trainer = Trainer(callbacks=[ckpt])
+        trainer.fit(model)                                    # later:
+        trainer.fit(model, ckpt_path=f"{ckpt.dirpath}/last.ckpt")
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        every_n_steps: int | None = None,
+        every_minutes: float | None = None,
+        keep_last_k: int | None = 3,
+        save_last: bool = True,
+        save_on_exception: bool = True,
+        save_on_train_end: bool = True,
+        decide_every_n_steps: int = 10,
+        save_rng: bool = True,
+    ) -> None:
+        self.config = AsyncCheckpointConfig(
+            dirpath, every_n_steps, every_minutes, keep_last_k, save_last, save_on_exception, save_on_train_end,
+            decide_every_n_steps, save_rng,
+        )
+        self.dirpath = dirpath
+        self.last_saved_step = -1
+        self.last_path: str | None = None
+        self.saves = 0
+        self.stall_seconds: list[float] = []  # loop time spent inside each save call
+        self._staging = _Staging()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._last_save_time = time.monotonic()
+        self._rng_to_restore: dict[str, Any] | None = None
+
+    # -- hooks ----------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.dirpath is None:
+            self.dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
+        self.dirpath = os.path.abspath(self.dirpath)
+        if trainer.is_global_zero:
+            os.makedirs(self.dirpath, exist_ok=True)
+        self._last_save_time = time.monotonic()
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._rng_to_restore is not None:
+            _set_rng(self._rng_to_restore)
+            self._rng_to_restore = None
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step == self.last_saved_step or step == 0:
+            return
+        cfg = self.config
+        due = cfg.every_n_steps is not None and step % cfg.every_n_steps == 0
+        if not due and cfg.every_minutes is not None and step % cfg.decide_every_n_steps == 0:
+            elapsed = time.monotonic() - self._last_save_time
+            # Clocks differ between ranks: rank 0 decides so that every rank enters the save.
+            due = bool(trainer.strategy.broadcast(elapsed >= cfg.every_minutes * 60, src=0))
+        if due:
+            self.save(trainer)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.config.save_on_train_end and trainer.global_step != self.last_saved_step:
+            self.save(trainer)
+        self.wait()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        try:
+            self.wait()
+        except Exception as err:  # keep the original exception as the one that propagates
+            rank_zero_info(f"AsyncCheckpoint: the pending save failed too: {err}")
+        if not self.config.save_on_exception or self.dirpath is None:
+            return
+        if trainer.global_step in (0, self.last_saved_step):
+            return
+        path = self._path(trainer.global_step, "-exception")
+        # No barrier: other ranks may not have failed. Rank 0 writes its local (full) state.
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        if trainer.is_global_zero:
+            self._submit(checkpoint, path)
+            try:
+                self.wait()
+                rank_zero_info(f"AsyncCheckpoint: saved {path} after {type(exception).__name__}")
+            except Exception as err:
+                rank_zero_info(f"AsyncCheckpoint: could not save after the exception: {err}")
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.wait()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"last_saved_step": self.last_saved_step, "saves": self.saves}
+        if self.config.save_rng:
+            state["rng"] = _get_rng()
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_saved_step = int(state_dict["last_saved_step"])
+        self.saves = int(state_dict["saves"])
+        if self.config.save_rng and "rng" in state_dict:
+            # Applied at train start, after Lightning's own setup has drawn whatever it draws.
+            self._rng_to_restore = state_dict["rng"]
+
+    # -- saving ---------------------------------------------------------------------------------
+    def _path(self, step: int, suffix: str = "") -> str:
+        assert self.dirpath is not None
+        return os.path.join(self.dirpath, f"step={step:09d}{suffix}.ckpt")
+
+    def save(self, trainer: Trainer, path: str | None = None) -> str:
+        """Starts a background save of the current state (all ranks must call it). Returns the path."""
+        t0 = time.perf_counter()
+        path = path or self._path(trainer.global_step)
+        # The previous save's buffers are reused: wait for it (and surface its error) first.
+        self.wait()
+        self.last_saved_step = trainer.global_step
+        self.saves += 1
+        strategy = trainer.strategy
+        original = strategy.checkpoint_io
+        strategy.checkpoint_io = _Capture(self)
+        try:
+            trainer.save_checkpoint(path)
+        finally:
+            strategy.checkpoint_io = original
+        self._last_save_time = time.monotonic()
+        self.stall_seconds.append(time.perf_counter() - t0)
+        return path
+
+    def _submit(self, checkpoint: dict[str, Any], path: str) -> None:
+        self.wait()
+        staged = self._staging.stage(checkpoint)
+        self.last_path = path
+        self._thread = threading.Thread(target=self._write, args=(staged, path), name="AsyncCheckpoint", daemon=True)
+        self._thread.start()
+
+    def _write(self, staged: Any, path: str) -> None:
+        try:
+            self._staging.wait()
+            atomic_torch_save(staged, path)
+            if self.config.save_last:
+                _point_last(path)
+            self._prune()
+        except BaseException as err:  # surfaced by wait() in the training thread
+            self._error = err
+
+    def wait(self) -> None:
+        """Blocks until the save in flight (if any) is on disk; re-raises its error."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        err, self._error = self._error, None
+        if err is not None:
+            raise RuntimeError(f"AsyncCheckpoint: writing {self.last_path} failed: {err}") from err
+
+    def _prune(self) -> None:
+        k = self.config.keep_last_k
+        if k is None or self.dirpath is None:
+            return
+        found = []
+        for name in os.listdir(self.dirpath):
+            m = _STEP_RE.fullmatch(name.removesuffix(".ckpt"))
+            if m and name.endswith(".ckpt"):
+                found.append((int(m.group(1)), name))
+        found.sort()
+        for _, name in found[:-k]:
+            os.remove(os.path.join(self.dirpath, name))
+
+
+def _point_last(path: str) -> None:
+    """Atomically repoint ``last.ckpt`` (a relative symlink) at ``path``."""
+    dirpath = os.path.dirname(path)
+    tmp = os.path.join(dirpath, ".last.ckpt.tmp")
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    os.symlink(os.path.basename(path), tmp)
+    os.replace(tmp, os.path.join(dirpath, "last.ckpt"))
+    _fsync_dir(dirpath)
+
+
+def _get_rng() -> dict[str, Any]:
+    # Only tensors, ints, floats, strings and tuples: loadable with torch.load(weights_only=True).
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

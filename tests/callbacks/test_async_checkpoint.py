@@ -1,0 +1,174 @@
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TinyModule, make_batches, make_trainer
+
+from lightning_opt.callbacks import AsyncCheckpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fit(tmp_path, module, cb, **kw):
+    t = make_trainer(tmp_path, [cb], **kw)
+    t.fit(module, **({"ckpt_path": kw.pop("ckpt_path")} if "ckpt_path" in kw else {}))
+    return t
+
+
+def test_keep_last_k_last_link_and_loadable(tmp_path):
+    cb = AsyncCheckpoint(dirpath=str(tmp_path / "ck"), every_n_steps=2, keep_last_k=2, save_on_train_end=False)
+    t = make_trainer(tmp_path, [cb], max_epochs=1)
+    t.fit(TinyModule(batches=make_batches(8)))
+    names = sorted(n for n in os.listdir(tmp_path / "ck") if not n.startswith("."))
+    assert names == ["last.ckpt", "step=000000006.ckpt", "step=000000008.ckpt"]
+    assert os.readlink(tmp_path / "ck" / "last.ckpt") == "step=000000008.ckpt"
+    ck = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=False)
+    assert ck["global_step"] == 8
+    assert {"state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks"} <= ck.keys()
+    assert cb.saves == 4
+
+
+def test_file_no_larger_than_sync_save_with_tied_weights(tmp_path):
+    class Tied(TinyModule):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.head = torch.nn.Linear(32, 16, bias=False)
+            self.head.weight = self.net[0].weight  # tied: one storage, seen twice
+
+    cb = AsyncCheckpoint(dirpath=str(tmp_path / "ck"), every_n_steps=3, save_on_train_end=False)
+    t = make_trainer(tmp_path, [cb], max_steps=3)
+    m = Tied(batches=make_batches(4))
+    t.fit(m)
+    sync = tmp_path / "sync.ckpt"
+    t.save_checkpoint(sync)
+    ours = tmp_path / "ck" / "step=000000003.ckpt"
+    assert ours.stat().st_size <= sync.stat().st_size
+    loaded = torch.load(ours, weights_only=False)["state_dict"]
+    assert loaded["head.weight"].untyped_storage().data_ptr() == loaded["net.0.weight"].untyped_storage().data_ptr()
+
+
+def test_resume_is_bit_exact(tmp_path):
+    batches = make_batches(6)
+
+    def module():
+        return TinyModule(batches=batches, dropout=0.3)
+
+    full = module()
+    _fit(tmp_path / "a", full, AsyncCheckpoint(every_n_steps=100, save_on_train_end=False), max_epochs=2)
+
+    first = module()
+    cb = AsyncCheckpoint(dirpath=str(tmp_path / "ck"), every_n_steps=8, save_on_train_end=False)
+    _fit(tmp_path / "b", first, cb, max_epochs=2, max_steps=9)  # saves mid-epoch 2, then "crashes"
+    torch.manual_seed(1234)  # the resumed run must not depend on the RNG state it starts with
+    second = module()
+    t = make_trainer(tmp_path / "c", [AsyncCheckpoint(every_n_steps=100, save_on_train_end=False)], max_epochs=2)
+    t.fit(second, ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
+    assert len(full.losses) == 12
+    assert first.losses[:8] + second.losses == full.losses
+    for a, b in zip(full.parameters(), second.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_write_error_surfaces_at_next_save(tmp_path):
+    class Unpicklable(TinyModule):
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint["bad"] = lambda: None  # torch.save cannot pickle a lambda
+
+    cb = AsyncCheckpoint(dirpath=str(tmp_path / "ck"), every_n_steps=1, save_on_train_end=False)
+    with pytest.raises(RuntimeError, match="AsyncCheckpoint: writing .*step=000000001.ckpt failed"):
+        make_trainer(tmp_path, [cb], max_steps=3).fit(Unpicklable(batches=make_batches(4)))
+    assert not any(n.endswith(".ckpt") and n.startswith("step") for n in os.listdir(tmp_path / "ck"))
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="every_n_steps"):
+        AsyncCheckpoint(every_n_steps=0)
+    with pytest.raises(ValueError, match="keep_last_k"):
+        AsyncCheckpoint(keep_last_k=0)
+
+
+_CHILD = textwrap.dedent(
+    """
+    import os, sys, time
+    sys.path.insert(0, {tests!r}); sys.path.insert(0, {root!r})
+    import torch
+    from conftest import TinyModule, make_batches, make_trainer
+    import lightning_opt.callbacks.async_checkpoint as ac
+
+    mode = sys.argv[1]
+    if mode == "kill":
+        real_save = torch.save
+        calls = []
+        def slow_save(obj, f, *a, **k):
+            calls.append(f)
+            real_save(obj, f, *a, **k)
+            if len(calls) == 2:  # second checkpoint: stop between write and rename
+                print("MIDWRITE", flush=True)
+                time.sleep(60)
+        ac.torch.save = slow_save
+
+    class Slow(TinyModule):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 3:
+                print("STARTED", flush=True)
+            if mode == "sigterm" and batch_idx >= 3:
+                time.sleep(0.05)
+            return super().training_step(batch, batch_idx)
+
+    every = 2 if mode == "kill" else 10_000  # sigterm: only the exception save writes
+    cb = ac.AsyncCheckpoint(dirpath={ck!r}, every_n_steps=every, save_on_train_end=False)
+    make_trainer({ck!r}, [cb], max_epochs=1000).fit(Slow(batches=make_batches(8)))
+    """
+)
+
+
+def _spawn(tmp_path, mode):
+    script = tmp_path / "child.py"
+    ck = str(tmp_path / "ck")
+    script.write_text(_CHILD.format(tests=str(Path(__file__).parent), root=str(ROOT), ck=ck))
+    proc = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, text=True)
+    return proc, Path(ck)
+
+
+def _wait_for(proc, marker, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if marker in line:
+            return
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    pytest.fail(f"child never printed {marker}")
+
+
+def test_kill_9_mid_write_leaves_previous_checkpoint_loadable(tmp_path):
+    proc, ck = _spawn(tmp_path, "kill")
+    _wait_for(proc, "MIDWRITE")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    final = sorted(n for n in os.listdir(ck) if n.startswith("step="))
+    assert final == ["step=000000002.ckpt"]  # the half-done save never got its final name
+    assert (ck / ".writing" / "archive.tmp").exists()  # the half-written temporary is all that's left
+    loaded = torch.load(ck / "last.ckpt", weights_only=False)
+    assert loaded["global_step"] == 2
+
+
+def test_sigterm_writes_a_checkpoint(tmp_path):
+    proc, ck = _spawn(tmp_path, "sigterm")
+    _wait_for(proc, "STARTED")
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    exc = [n for n in os.listdir(ck) if n.endswith("-exception.ckpt")]
+    assert len(exc) == 1, os.listdir(ck)
+    loaded = torch.load(ck / exc[0], weights_only=False)
+    assert loaded["global_step"] >= 4
