@@ -7,6 +7,7 @@ exactly once per epoch. See ``docs/data.md`` for the full story.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -215,6 +216,14 @@ class _TrainLoader:
             yield x, y
 
 
+def _plain_paths(files: Any) -> Any:
+    if files is None or isinstance(files, str):
+        return files
+    if isinstance(files, os.PathLike):
+        return os.fspath(files)
+    return [os.fspath(f) for f in files]
+
+
 class TokenShardDataModule(pl.LightningDataModule):
     """Next-token batches from memory-mapped FineWeb-format token shards.
 
@@ -279,6 +288,10 @@ class TokenShardDataModule(pl.LightningDataModule):
         world_size: int | None = None,
     ) -> None:
         super().__init__()
+        # Plain strings: Lightning loads checkpoints with torch.load(weights_only=True), which rejects Paths.
+        train_files = _plain_paths(train_files)
+        val_files = _plain_paths(val_files)
+        self.save_hyperparameters()  # recorded in checkpoints next to the data position
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"TokenShardDataModule: {name} must be a positive integer, got {value!r}")
@@ -345,6 +358,16 @@ class TokenShardDataModule(pl.LightningDataModule):
         self._hook_calls = 0
         self._pending: dict[int, Any] = {}
         self._train_world: int | None = None
+
+    def __repr__(self) -> str:
+        # Lightning's default __str__ builds and iterates the loaders, which would move the position.
+        return (
+            f"{type(self).__name__}(train={len(self.train_files)} shards/{self._train.total} tokens, "
+            f"val={self.num_val_windows} windows, seq_len={self.seq_len}, batch_size={self.batch_size}, "
+            f"position={self._position})"
+        )
+
+    __str__ = __repr__
 
     # -- rank, world, device -------------------------------------------------------------------
 

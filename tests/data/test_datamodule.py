@@ -306,3 +306,10 @@ def test_no_val_files_means_no_validation(tmp_path: Path) -> None:
     train, _ = _shards(tmp_path)
     dm = TokenShardDataModule(train, None, seq_len=T, batch_size=B)
     assert dm.val_dataloader() == []
+
+
+def test_printing_does_not_iterate_or_move_the_position(tmp_path: Path) -> None:
+    train, val = _shards(tmp_path)
+    dm = TokenShardDataModule(train, val, seq_len=T, batch_size=B)
+    assert "seq_len=8" in str(dm) and "position=0" in repr(dm)
+    assert _starts(next(iter(dm.train_dataloader()))) == [0, 8, 16, 24]
