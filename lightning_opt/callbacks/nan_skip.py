@@ -218,7 +218,7 @@ class _OptimizerGuard:
         self.owner._record(ok, reasons, pending.global_step, pending.batch_idx)
 
     def scheduler_step(self, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        if self.pending is not None:
+        if self.pending is not None:  # decided later, when the step's flag is read
             self.pending.scheduler_calls.append(lambda: original(*args, **kwargs))
             return None
         if self.last_skipped:
@@ -274,7 +274,7 @@ class NaNSkip(Callback):
         self._recent: deque[bool] = deque(maxlen=recent_window)
         self._consecutive: list[tuple[int, int, str]] = []
         self._guards: list[_OptimizerGuard] = []
-        self._scheduler_wraps: list[tuple[Any, bool, Any]] = []
+        self._scheduler_wraps: list[tuple[Any, type]] = []
         self._trainer: Trainer | None = None
         self._batch_idx = -1
         self._loss_bad: torch.Tensor | None = None
@@ -301,14 +301,15 @@ class NaNSkip(Callback):
         guard = next((g for g in self._guards if g.optimizer is getattr(scheduler, "optimizer", None)), None)
         if guard is None:
             return
-        had_instance = "step" in scheduler.__dict__
-        original = scheduler.step
+        # Override ``step`` on a per-instance subclass, not as an instance attribute: schedulers
+        # put their whole ``__dict__`` into ``state_dict()``, and a closure there cannot be saved.
+        cls = type(scheduler)
 
-        def step(*args: Any, **kwargs: Any) -> Any:
-            return guard.scheduler_step(original, args, kwargs)
+        def step(this: Any, *args: Any, **kwargs: Any) -> Any:
+            return guard.scheduler_step(lambda *a, **k: cls.step(this, *a, **k), args, kwargs)
 
-        scheduler.step = step
-        self._scheduler_wraps.append((scheduler, had_instance, original))
+        scheduler.__class__ = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
+        self._scheduler_wraps.append((scheduler, cls))
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -392,11 +393,8 @@ class NaNSkip(Callback):
         for guard in self._guards:
             guard.unwrap()
         self._guards = []
-        for scheduler, had_instance, original in self._scheduler_wraps:
-            if had_instance:
-                scheduler.step = original
-            else:
-                scheduler.__dict__.pop("step", None)
+        for scheduler, cls in self._scheduler_wraps:
+            scheduler.__class__ = cls
         self._scheduler_wraps = []
 
     @torch.no_grad()
