@@ -1,0 +1,90 @@
+"""DDP whose BatchTopK selects over the union of all ranks' tokens (the big-batch selection, exactly)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from typing_extensions import override
+
+from lightning_opt.strategies._collectives import sum_forward
+
+__all__ = ["GlobalBatchTopKStrategy", "attach_topk_group"]
+
+
+def attach_topk_group(module: torch.nn.Module, group: Any) -> int:
+    """Set ``topk_group`` on every submodule that has the attribute; return how many were set."""
+    count = 0
+    for sub in module.modules():
+        if hasattr(sub, "topk_group"):
+            sub.topk_group = group
+            count += 1
+    return count
+
+
+class GlobalBatchTopKStrategy(DDPStrategy):
+    """Data parallelism where a CLT's BatchTopK keeps the ``k * tokens`` largest entries of the *global* batch.
+
+    After setup it sets ``topk_group`` on every submodule that has that attribute (the CLT's contract), so
+    :func:`lightning_opt.ops.global_topk.global_batch_topk` selects over all ranks; the module is unchanged.
+    N ranks with batch B then give the masks, losses and gradients of one process with batch N x B, provided
+    the loss is a per-rank mean over equal batches (DDP averages gradients) or uses :meth:`loss_sum` for
+    ratio losses. See docs/strategies.md.
+
+    Args:
+        require_topk_module: raise if no submodule has ``topk_group`` (catches a wrong model early).
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (e.g. ``start_method``,
+            ``process_group`` for a sub-group).
+
+    Example:
+        >>> trainer = pl.Trainer(strategy=GlobalBatchTopKStrategy(), devices=2)  # doctest: +SKIP
+    """
+
+    strategy_name = "ddp_global_batchtopk"
+
+    def __init__(self, require_topk_module: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.require_topk_module = require_topk_module
+        self.topk_modules = 0
+
+    @property
+    def topk_group(self) -> Any:
+        """The process group the selection runs over (DDP's group)."""
+        return self._ddp_kwargs.get("process_group") or dist.group.WORLD
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        assert self.lightning_module is not None
+        self.topk_modules = attach_topk_group(self.lightning_module, self.topk_group)
+        if self.require_topk_module and self.topk_modules == 0:
+            raise ValueError(
+                "GlobalBatchTopKStrategy found no submodule with a `topk_group` attribute in "
+                f"{type(self.lightning_module).__name__}; it needs a model whose BatchTopK reads `topk_group` "
+                "(e.g. lightning_opt.models.clt.CLT with activation='batchtopk_global'), or pass "
+                "require_topk_module=False."
+            )
+
+    @override
+    def teardown(self) -> None:
+        if self.lightning_module is not None:
+            attach_topk_group(self.lightning_module, None)  # the module works locally again afterwards
+        super().teardown()
+
+    def data_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """All-reduce sum over the data-parallel ranks, without gradient (for batch statistics)."""
+        out = t.detach().clone()
+        dist.all_reduce(out, group=self.topk_group)
+        return out
+
+    def loss_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Differentiable all-reduce sum of a loss term over the ranks; backward scaled by the world size.
+
+        ``loss = loss_sum(sse) / loss_sum(sst)`` is then the big-batch ratio on every rank, and DDP's gradient
+        averaging (division by the world size) yields the big-batch gradient.
+        """
+        world = dist.get_world_size(self.topk_group)
+        return sum_forward(t, self.topk_group, grad_scale=float(world))

@@ -1,0 +1,117 @@
+"""A tiny CLT LightningModule and data for the strategy tests (importable by spawned workers)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_opt.models.clt import CLT, CLTConfig
+
+N_LAYERS, D_MODEL, N_FEATURES, K = 3, 8, 16, 4
+
+
+def make_data(n: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, N_LAYERS, D_MODEL, generator=gen)
+    y = torch.randn(n, N_LAYERS, D_MODEL, generator=gen) + 0.5 * x
+    return x, y
+
+
+def make_clt(seed: int = 0, **overrides: Any) -> CLT:
+    torch.manual_seed(seed)
+    cfg = dict(n_layers=N_LAYERS, d_model=D_MODEL, n_features=N_FEATURES, activation="batchtopk_global", k=K)
+    cfg.update(overrides)
+    return CLT(CLTConfig(**cfg))
+
+
+class TinyCLTModule(pl.LightningModule):
+    """MSE (mean over the local output columns) or pooled FVU through the strategy's loss hooks."""
+
+    def __init__(
+        self, loss: str = "mse", lr: float = 0.05, optimizer: str = "sgd", batch_size: int = 8
+    ) -> None:
+        super().__init__()
+        self.clt = make_clt()
+        self.loss_kind = loss
+        self.lr = lr
+        self.optimizer_kind = optimizer
+        self.batch_size = batch_size
+        self.losses: list[float] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.clt(x)
+        if self.clt.d_out_slice is not None:
+            start, stop = self.clt.d_out_slice
+            y = y[..., start:stop]
+        strategy = self.trainer.strategy
+        if self.loss_kind == "fvu" and hasattr(strategy, "loss_sum"):
+            n = strategy.data_sum(torch.tensor(float(x.shape[0])))
+            mean = strategy.data_sum(y.sum(0)) / n
+            sst = strategy.loss_sum(((y - mean) ** 2).sum().detach())
+            loss = strategy.loss_sum(((y - out.recon) ** 2).sum()) / sst
+        elif self.loss_kind == "fvu":
+            loss = ((y - out.recon) ** 2).sum() / ((y - y.mean(0)) ** 2).sum()
+        else:
+            loss = F.mse_loss(out.recon, y)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_kind == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        # In order (no shuffling), so the union of the ranks' batches is the single-process batch.
+        data = TensorDataset(*make_data())
+        kw = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        sampler = DistributedSampler(data, shuffle=False, **kw) if kw.get("num_replicas", 1) > 1 else None
+        return DataLoader(data, batch_size=self.batch_size, sampler=sampler)
+
+
+def trainer_kwargs(tmp_path: Any, **overrides: Any) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        default_root_dir=str(tmp_path),
+    )
+    kw.update(overrides)
+    return kw
+
+
+def fit_single(module: pl.LightningModule, root: Any, **kw: Any) -> dict[str, torch.Tensor]:
+    """Fit in this process (the big-batch reference) and return the final state."""
+    pl.Trainer(devices=1, **trainer_kwargs(root, **kw)).fit(module)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def assert_states_close(
+    got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tol: float = 1e-5
+) -> None:
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)

@@ -1,0 +1,99 @@
+"""Global BatchTopK on 2 gloo ranks with batch B equals one process with batch 2B: masks, losses, grads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _clt_helpers import TinyCLTModule, assert_states_close, fit_single, make_clt, make_data, trainer_kwargs
+
+from lightning_opt.strategies import GlobalBatchTopKStrategy
+from lightning_opt.strategies._collectives import sum_forward
+
+WORLD = 2
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run_equivalence() -> dict[str, float]:
+    """Run inside an initialised 2-rank gloo group; raises on any mismatch."""
+    rank = dist.get_rank()
+    checked = {}
+    x, y = make_data(n=24)
+    per = x.shape[0] // WORLD
+    sl = slice(rank * per, (rank + 1) * per)
+    for loss_kind in ("mse", "fvu"):
+        # Reference: one process, the whole batch, local BatchTopK.
+        ref = make_clt()
+        out_ref = ref(x)
+        if loss_kind == "mse":
+            loss_ref = F.mse_loss(out_ref.recon, y)
+        else:
+            loss_ref = ((y - out_ref.recon) ** 2).sum() / ((y - y.mean(0)) ** 2).sum()
+        loss_ref.backward()
+
+        # Distributed: this rank's half, global BatchTopK, gradients averaged like DDP.
+        clt = make_clt()
+        clt.topk_group = dist.group.WORLD
+        out = clt(x[sl])
+        if loss_kind == "mse":
+            loss = F.mse_loss(out.recon, y[sl])
+        else:
+            n = torch.tensor(float(per))
+            dist.all_reduce(n)
+            total = y[sl].sum(0)
+            dist.all_reduce(total)
+            sst = sum_forward(((y[sl] - total / n) ** 2).sum().detach(), dist.group.WORLD, WORLD)
+            loss = sum_forward(((y[sl] - out.recon) ** 2).sum(), dist.group.WORLD, WORLD) / sst
+        loss.backward()
+        for p in clt.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= WORLD
+
+        mask_ref = out_ref.acts[:, sl] != 0
+        if not torch.equal(out.acts != 0, mask_ref):
+            raise AssertionError(f"{loss_kind}: rank {rank} kept a different set of entries")
+        active = (out.acts != 0).sum(dim=(0, 2)).float().mean()
+        mean_loss = loss.detach().clone()
+        if loss_kind == "mse":
+            dist.all_reduce(mean_loss)
+            mean_loss /= WORLD
+        torch.testing.assert_close(mean_loss, loss_ref.detach(), rtol=1e-5, atol=1e-6)
+        for name, g in _grads(clt).items():
+            torch.testing.assert_close(g, _grads(ref)[name], rtol=1e-4, atol=1e-6, msg=f"{loss_kind} {name}")
+        if not active > 0:
+            raise AssertionError("no active features: the check is vacuous")
+        checked[loss_kind] = float(mean_loss)
+    return checked
+
+
+def test_two_ranks_equal_one_big_batch_masks_losses_grads(strategy_runs: dict) -> None:
+    result = strategy_runs["equivalence"]
+    assert set(result) >= {"mse", "fvu"}
+
+
+def test_trainer_fit_mse_matches_single_process_big_batch(strategy_runs: dict, tmp_path) -> None:
+    result = strategy_runs["global_mse"]
+    assert result["topk_modules"] == 1
+    assert result["topk_after"] is None  # teardown restores the local BatchTopK
+    reference = fit_single(TinyCLTModule(loss="mse", batch_size=16), tmp_path)
+    assert_states_close(result["state"], reference)
+
+
+def test_trainer_fit_fvu_via_loss_sum_matches_single_process(strategy_runs: dict, tmp_path) -> None:
+    reference = fit_single(TinyCLTModule(loss="fvu", batch_size=16), tmp_path)
+    assert_states_close(strategy_runs["global_fvu"]["state"], reference)
+
+
+def test_strategy_refuses_a_model_without_topk_group(tmp_path) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    trainer = pl.Trainer(
+        strategy=GlobalBatchTopKStrategy(), devices=1, **trainer_kwargs(tmp_path, max_steps=1)
+    )
+    with pytest.raises(ValueError, match="topk_group"):
+        trainer.fit(BoringModel())
