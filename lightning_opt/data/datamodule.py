@@ -210,6 +210,7 @@ class _TrainLoader:
                     event = torch.cuda.Event()
                     event.record(stream)
                 dm._pending[id(x)] = event
+                dm._prefetched += 1
             if count_here:  # without a Trainer, a batch handed out is a batch consumed
                 dm._position += 1
             dm._yielded += 1
@@ -357,6 +358,7 @@ class TokenShardDataModule(pl.LightningDataModule):
         self._yielded = 0
         self._hook_calls = 0
         self._pending: dict[int, Any] = {}
+        self._prefetched = 0  # batches copied on the side stream (for tests and benchmarks)
         self._train_world: int | None = None
 
     def __repr__(self) -> str:

@@ -298,7 +298,9 @@ def test_gpu_prefetch_gives_same_batches(tmp_path: Path) -> None:
         default_root_dir=tmp_path / "gpu",
         limit_val_batches=0,
     )
-    trainer.fit(gpu, datamodule=TokenShardDataModule(train, val, seq_len=T, batch_size=B, gpu_prefetch=True))
+    dm = TokenShardDataModule(train, val, seq_len=T, batch_size=B, gpu_prefetch=True)
+    trainer.fit(gpu, datamodule=dm)
+    assert dm._prefetched >= 6 and dm.state_dict()["position"] == 6
     assert gpu.seen == ref.seen
 
 
@@ -313,3 +315,55 @@ def test_printing_does_not_iterate_or_move_the_position(tmp_path: Path) -> None:
     dm = TokenShardDataModule(train, val, seq_len=T, batch_size=B)
     assert "seq_len=8" in str(dm) and "position=0" in repr(dm)
     assert _starts(next(iter(dm.train_dataloader()))) == [0, 8, 16, 24]
+
+
+def test_lightning_epochs_shorter_than_the_data_continue_the_stream(tmp_path: Path) -> None:
+    train, val = _shards(tmp_path)
+    model = _Recorder()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        limit_train_batches=3,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, datamodule=TokenShardDataModule(train, val, seq_len=T, batch_size=B))
+    # epoch 2 picks up at batch 3 instead of re-reading batches 0-2
+    assert [row[0] for row in model.seen] == [i * B * T for i in range(6)]
+
+
+class _RankRecorder(_Recorder):
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.out = out
+
+    def on_train_end(self) -> None:
+        torch.save(self.seen, self.out / f"rank{self.global_rank}.pt")
+
+
+def test_ddp_trainer_ranks_read_what_explicit_ranks_predict(tmp_path: Path) -> None:
+    train, val = _shards(tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_fork",
+        max_steps=4,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
+    kw = dict(seq_len=T, batch_size=B, shuffle=True, seed=11)
+    trainer.fit(_RankRecorder(tmp_path), datamodule=TokenShardDataModule(train, val, **kw))
+    seen = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for rank in range(2):
+        it = iter(TokenShardDataModule(train, val, rank=rank, world_size=2, **kw).train_dataloader())
+        assert seen[rank] == [_starts(next(it)) for _ in range(4)]
+    flat = [s for rank in seen for row in rank for s in row]
+    assert len(flat) == len(set(flat)) == 2 * 4 * B
