@@ -12,6 +12,10 @@ _EXPORTS = {
     "ByteTokenizer": "tokenizer",
     "gpt2_encoding": "tokenizer",
     "TokenShardDataModule": "datamodule",
+    "CLTDataModule": "activations",
+    "MLPActivationCapture": "activations",
+    "CachedActivations": "activations",
+    "write_activation_cache": "activations",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,588 @@
+"""Activation sources for transcoders: MLP inputs and outputs of every layer of a target language model.
+
+* :class:`MLPActivationCapture` registers one forward hook per MLP, once, on our ``GPT`` (``model.blocks[i]
+  .mlp``) or a ``transformers`` GPT-2 (``model.transformer.h[i].mlp``), and stops the forward after the last
+  MLP (the head is never run).
+* Online: :func:`iter_activation_batches` runs the target under ``no_grad`` on token windows and yields
+  ``(x, y)`` batches of ``tokens_per_batch`` tokens, each ``[tokens, n_layers, d_model]`` (MLP input,
+  MLP output), in the storage dtype.
+* Cached: :func:`write_activation_cache` writes the same stream once to memory-mapped shards (bf16 stored as
+  its 16-bit pattern) plus ``meta.json`` with shapes and normalisation statistics;
+  :class:`CachedActivations` reads batch ``i`` back with one slice per shard. For the same tokens, online and
+  cached batches are bitwise identical.
+* :class:`CLTDataModule` wires it for Lightning: cached or online training batches, online validation
+  batches that also carry their tokens (for the replacement-model KL), and the target model itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+__all__ = [
+    "MLPActivationCapture",
+    "iter_activation_batches",
+    "write_activation_cache",
+    "CachedActivations",
+    "ActivationStats",
+    "CLTDataModule",
+    "load_target_model",
+    "token_windows",
+    "train_demo_target",
+    "find_mlps",
+]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# numpy has no bfloat16: 16-bit types are stored as their bit pattern (int16) and viewed back in torch
+_NP_STORAGE = {"bfloat16": np.int16, "float16": np.int16, "float32": np.float32}
+
+
+class _StopForward(Exception):
+    """Raised by the last MLP hook: nothing after the last MLP is needed."""
+
+
+def find_mlps(model: nn.Module) -> list[nn.Module]:
+    """The MLP module of every block of a GPT-style model (ours or ``transformers`` GPT-2)."""
+    if hasattr(model, "blocks"):
+        return [b.mlp for b in model.blocks]
+    body = getattr(model, "transformer", model)
+    if hasattr(body, "h"):
+        return [b.mlp for b in body.h]
+    raise ValueError(
+        f"cannot find the MLPs of {type(model).__name__}: expected `.blocks[i].mlp` (lightning_opt GPT) or "
+        "`.transformer.h[i].mlp` (transformers GPT-2)"
+    )
+
+
+def model_width(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    for name in ("n_embd", "hidden_size", "d_model"):
+        if cfg is not None and hasattr(cfg, name):
+            return int(getattr(cfg, name))
+    raise ValueError(f"cannot read the residual width of {type(model).__name__} from its config")
+
+
+class MLPActivationCapture:
+    """Capture every layer's MLP input and output with hooks registered once.
+
+    Args:
+        model: the target model (kept in eval mode by :meth:`run`).
+        dtype: storage dtype of the captured activations.
+
+    Example:
+        >>> cap = MLPActivationCapture(gpt)                  # doctest: +SKIP
+        >>> x, y = cap.run(tokens)                           # [B*T, L, d] each
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.model = model
+        self.dtype = dtype
+        self.mlps = find_mlps(model)
+        self.n_layers = len(self.mlps)
+        self.d_model = model_width(model)
+        self._inputs: list[torch.Tensor | None] = [None] * self.n_layers
+        self._outputs: list[torch.Tensor | None] = [None] * self.n_layers
+        self.active = False
+        self._handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.mlps)]
+
+    def _hook(self, layer: int):
+        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+            if not self.active:
+                return
+            self._inputs[layer] = inputs[0].detach()
+            self._outputs[layer] = output.detach()
+            if layer == self.n_layers - 1:
+                raise _StopForward
+
+        return hook
+
+    @torch.no_grad()
+    def run(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLP inputs and outputs ``[B*T, L, d]`` (storage dtype) for token ids ``[B, T]``."""
+        was_training = self.model.training
+        self.model.eval()
+        self.active = True
+        try:
+            self.model(tokens)
+        except _StopForward:
+            pass
+        finally:
+            self.active = False
+            self.model.train(was_training)
+        x = torch.stack([t.reshape(-1, self.d_model) for t in self._inputs], dim=1).to(self.dtype)
+        y = torch.stack([t.reshape(-1, self.d_model) for t in self._outputs], dim=1).to(self.dtype)
+        self._inputs = [None] * self.n_layers
+        self._outputs = [None] * self.n_layers
+        return x, y
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def token_windows(
+    files: str | os.PathLike | Sequence[str | os.PathLike], seq_len: int, batch_size: int, max_tokens: int | None
+) -> Iterator[torch.Tensor]:
+    """Consecutive, non-overlapping ``[batch_size, seq_len]`` int64 windows from token shards, in order."""
+    from lightning_opt.data.shards import read_shard, resolve_files
+
+    paths = resolve_files(files)
+    budget = math.inf if max_tokens is None else max_tokens
+    per_batch = seq_len * batch_size
+    used = 0
+    for path in paths:
+        toks = read_shard(path)
+        for start in range(0, len(toks) - per_batch + 1, per_batch):
+            if used + per_batch > budget:
+                return
+            arr = np.asarray(toks[start : start + per_batch], dtype=np.int64)
+            yield torch.from_numpy(arr).view(batch_size, seq_len)
+            used += per_batch
+
+
+def iter_activation_batches(
+    capture: MLPActivationCapture,
+    token_batches: Iterable[torch.Tensor],
+    tokens_per_batch: int,
+    device: torch.device | str | None = None,
+    with_tokens: bool = False,
+) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Online activations: ``(x, y)`` batches of exactly ``tokens_per_batch`` tokens, in token order.
+
+    A trailing remainder shorter than ``tokens_per_batch`` is dropped. With ``with_tokens`` each batch is
+    ``(x, y, tokens)`` and must align with whole windows (``tokens_per_batch`` a multiple of the window).
+    """
+    device = torch.device(device) if device is not None else next(capture.model.parameters()).device
+    seq_len = 0
+    xs: list[torch.Tensor] = []
+    ys: list[torch.Tensor] = []
+    ts: list[torch.Tensor] = []
+    have = 0
+    for tok in token_batches:
+        tok = tok.to(device, non_blocking=True)
+        x, y = capture.run(tok)
+        if with_tokens:
+            seq_len = tok.shape[1]
+            if tokens_per_batch % seq_len:
+                raise ValueError(f"tokens_per_batch={tokens_per_batch} must be a multiple of seq_len={seq_len}")
+            ts.append(tok)
+        xs.append(x)
+        ys.append(y)
+        have += x.shape[0]
+        while have >= tokens_per_batch:
+            X, Y = torch.cat(xs), torch.cat(ys)
+            batch: tuple[torch.Tensor, ...] = (X[:tokens_per_batch], Y[:tokens_per_batch])
+            xs, ys = [X[tokens_per_batch:]], [Y[tokens_per_batch:]]
+            if with_tokens:
+                W = torch.cat(ts)  # whole windows: every forward adds whole windows
+                n_windows = tokens_per_batch // seq_len
+                batch = (*batch, W[:n_windows])
+                ts = [W[n_windows:]]
+            have -= tokens_per_batch
+            yield batch
+
+
+class ActivationStats:
+    """Running sums (float64) over tokens for the normalisation statistics of ``x`` and ``y``."""
+
+    def __init__(self, n_layers: int, d_model: int) -> None:
+        z = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
+        self.n = 0
+        self.sums = {k: z(n_layers, d_model) for k in ("in_sum", "in_sq", "out_sum", "out_sq")}
+        self.norms = {k: z(n_layers) for k in ("in_norm", "out_norm")}
+
+    def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        for side, t in (("in", x), ("out", y)):
+            t = t.double()
+            self.sums[f"{side}_sum"] += t.sum(0).cpu()
+            self.sums[f"{side}_sq"] += t.square().sum(0).cpu()
+            self.norms[f"{side}_norm"] += t.norm(dim=-1).sum(0).cpu()
+        self.n += x.shape[0]
+
+    def result(self) -> dict[str, list]:
+        n = max(self.n, 1)
+        out: dict[str, Any] = {"tokens": self.n}
+        for side in ("in", "out"):
+            mean = self.sums[f"{side}_sum"] / n
+            var = (self.sums[f"{side}_sq"] / n - mean.square()).clamp_min(0) * n / max(n - 1, 1)
+            out[f"{side}_mean"] = mean.float().tolist()
+            out[f"{side}_std"] = var.sqrt().float().tolist()
+            out[f"{side}_norm"] = (self.norms[f"{side}_norm"] / n).float().tolist()
+        return out
+
+
+def write_activation_cache(
+    capture: MLPActivationCapture,
+    token_batches: Iterable[torch.Tensor],
+    directory: str | os.PathLike,
+    tokens_per_batch: int,
+    tokens_per_shard: int = 1 << 16,
+    source: dict[str, Any] | None = None,
+) -> Path:
+    """Write the online stream once to memory-mapped shards + ``meta.json`` (with statistics).
+
+    Shards hold ``[tokens, 2, L, d]`` (MLP input, MLP output) in the capture's dtype (16-bit floats as their
+    bit pattern). ``meta.json`` is written last, so a cache without it is incomplete and gets rewritten.
+
+    Args:
+        capture: hooks on the target model.
+        token_batches: token windows ``[B, T]``, in order.
+        directory: cache folder (created).
+        tokens_per_batch: the batch size the cache will be read with (the stream is cut the same way).
+        tokens_per_shard: tokens per shard file (rounded down to whole batches, at least one batch).
+        source: free-form description stored in ``meta.json`` (target model, token files...).
+    """
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    meta_path = out / "meta.json"
+    if meta_path.exists():
+        meta_path.unlink()
+    dtype_name = next(k for k, v in _DTYPES.items() if v == capture.dtype)
+    L, d = capture.n_layers, capture.d_model
+    per_shard = max(1, tokens_per_shard // tokens_per_batch) * tokens_per_batch
+    stats = ActivationStats(L, d)
+    shards: list[dict[str, Any]] = []
+    mm: np.memmap | None = None
+    filled = 0
+
+    def close() -> None:
+        if mm is not None:
+            mm.flush()
+            shards[-1]["n_tokens"] = filled
+
+    for x, y in iter_activation_batches(capture, token_batches, tokens_per_batch):
+        stats.update(x, y)
+        if mm is None or filled == per_shard:
+            close()
+            name = f"acts_{len(shards):05d}.bin"
+            mm = np.memmap(out / name, dtype=_NP_STORAGE[dtype_name], mode="w+", shape=(per_shard, 2, L, d))
+            shards.append({"file": name, "n_tokens": 0})
+            filled = 0
+        pair = torch.stack([x, y], dim=1).cpu()
+        arr = pair.view(torch.int16).numpy() if pair.element_size() == 2 else pair.numpy()
+        mm[filled : filled + x.shape[0]] = arr
+        filled += x.shape[0]
+    close()
+    if not shards:
+        raise ValueError("write_activation_cache got fewer tokens than one batch; give it more tokens")
+    meta = {
+        "format": "lightning_opt.activations/1",
+        "n_layers": L,
+        "d_model": d,
+        "dtype": dtype_name,
+        "tokens_per_batch": tokens_per_batch,
+        "n_tokens": sum(s["n_tokens"] for s in shards),
+        "shard_capacity": per_shard,
+        "shards": shards,
+        "source": source or {},
+        "stats": stats.result(),
+    }
+    tmp = meta_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(meta))
+    os.replace(tmp, meta_path)
+    return out
+
+
+def read_cache_meta(directory: str | os.PathLike) -> dict[str, Any]:
+    path = Path(directory) / "meta.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: the activation cache is missing or was not completed")
+    return json.loads(path.read_text())
+
+
+class CachedActivations(Dataset):
+    """Batch ``i`` of an activation cache: ``(x, y)`` ``[tokens_per_batch, L, d]`` from memory-mapped shards.
+
+    Use with ``DataLoader(ds, batch_size=None, shuffle=..., num_workers=..., pin_memory=True,
+    persistent_workers=True, prefetch_factor=...)`` to stream with prefetch.
+    """
+
+    def __init__(self, directory: str | os.PathLike, tokens_per_batch: int | None = None) -> None:
+        self.dir = Path(directory)
+        self.meta = read_cache_meta(self.dir)
+        self.tokens_per_batch = int(tokens_per_batch or self.meta["tokens_per_batch"])
+        if self.tokens_per_batch <= 0:
+            raise ValueError(f"tokens_per_batch must be positive, got {self.tokens_per_batch}")
+        self.dtype = _DTYPES[self.meta["dtype"]]
+        self._bounds = np.cumsum([0] + [s["n_tokens"] for s in self.meta["shards"]])
+        self._maps: list[np.memmap] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_maps"] = None  # each worker maps the files itself
+        return state
+
+    def _open(self) -> list[np.memmap]:
+        if self._maps is None:
+            L, d = self.meta["n_layers"], self.meta["d_model"]
+            np_dtype = _NP_STORAGE[self.meta["dtype"]]
+            self._maps = [
+                np.memmap(self.dir / s["file"], dtype=np_dtype, mode="r", shape=(self.meta["shard_capacity"], 2, L, d))
+                for s in self.meta["shards"]
+            ]
+        return self._maps
+
+    def __len__(self) -> int:
+        return int(self._bounds[-1]) // self.tokens_per_batch
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"batch {i} out of range ({len(self)} batches)")
+        maps = self._open()
+        start, stop = i * self.tokens_per_batch, (i + 1) * self.tokens_per_batch
+        parts = []
+        s = int(np.searchsorted(self._bounds, start, side="right") - 1)
+        while start < stop:
+            lo = start - self._bounds[s]
+            take = min(stop - start, int(self._bounds[s + 1] - start))
+            parts.append(np.array(maps[s][lo : lo + take]))  # a private, writable copy
+            start += take
+            s += 1
+        arr = torch.from_numpy(np.concatenate(parts) if len(parts) > 1 else parts[0])
+        pair = arr.view(self.dtype) if self.dtype != torch.float32 else arr
+        return pair[:, 0], pair[:, 1]
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return self.meta["stats"]
+
+
+class _OnlineStream(IterableDataset):
+    def __init__(self, dm: CLTDataModule, files: Any, max_tokens: int | None, with_tokens: bool) -> None:
+        self.dm, self.files, self.max_tokens, self.with_tokens = dm, files, max_tokens, with_tokens
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        dm = self.dm
+        windows = token_windows(self.files, dm.seq_len, dm.windows_per_forward, self.max_tokens)
+        yield from iter_activation_batches(dm.capture, windows, dm.tokens_per_batch, dm.target_device,
+                                           with_tokens=self.with_tokens)
+
+
+def load_target_model(target: str | nn.Module, cache_dir: str | os.PathLike | None = None) -> nn.Module:
+    """The target language model.
+
+    Args:
+        target: an ``nn.Module``; ``"demo"`` (a tiny byte-level GPT trained on the offline corpus once and
+            cached); ``"hf:<name>"`` (a ``transformers`` GPT-2, needs the ``hf`` extra); or the path of a
+            ``GPT`` checkpoint (a Lightning checkpoint of ``GPT2SpeedrunModule`` or a ``{"config", "model"}``
+            file written by :func:`train_demo_target`).
+    """
+    if isinstance(target, nn.Module):
+        return target
+    if target == "demo":
+        return train_demo_target(cache_dir=cache_dir)
+    if target.startswith("hf:"):
+        from lightning_opt._optional import require
+
+        transformers = require("transformers", purpose="a transformers GPT-2 target model")
+        return transformers.GPT2LMHeadModel.from_pretrained(target[3:])
+    return _load_gpt_checkpoint(Path(target))
+
+
+def _load_gpt_checkpoint(path: Path) -> nn.Module:
+    from lightning_opt.models.gpt2 import GPT, GPTConfig
+
+    if not path.exists():
+        raise FileNotFoundError(f"target checkpoint {path} not found (or use target='demo' / 'hf:gpt2')")
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    if "config" in ckpt and "model" in ckpt:
+        model = GPT(GPTConfig(**ckpt["config"]))
+        model.load_state_dict(ckpt["model"])
+        return model
+    hp = ckpt.get("hyper_parameters", {})
+    cfg = hp.get("model_config") or hp.get("config")
+    if cfg is None:
+        raise ValueError(f"{path} holds neither {{'config', 'model'}} nor a GPT2SpeedrunModule checkpoint")
+    cfg = cfg if isinstance(cfg, GPTConfig) else GPTConfig(**dict(cfg))
+    model = GPT(cfg)
+    sd = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    model.load_state_dict(sd)
+    return model
+
+
+def train_demo_target(
+    steps: int = 300,
+    n_layer: int = 4,
+    n_embd: int = 64,
+    seq_len: int = 64,
+    batch_size: int = 16,
+    cache_dir: str | os.PathLike | None = None,
+) -> nn.Module:
+    """A tiny byte-level GPT trained on :func:`~lightning_opt.data.corpus.default_corpus_shards` (CPU, a few
+    seconds), cached on disk by its settings so later runs reuse it."""
+    from lightning_opt.data.corpus import cache_root, default_corpus_shards
+    from lightning_opt.models.gpt2 import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=256, n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=seq_len)
+    key = hashlib.sha256(json.dumps([cfg.to_dict(), steps, batch_size]).encode()).hexdigest()[:12]
+    folder = Path(cache_dir) if cache_dir is not None else cache_root() / "clt_demo"
+    path = folder / f"demo_gpt_{key}.pt"
+    if path.exists():
+        return _load_gpt_checkpoint(path)
+    train, _ = default_corpus_shards()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    windows = token_windows(train, seq_len + 1, batch_size, None)
+    model.train()
+    for step in range(steps):
+        try:
+            w = next(windows)
+        except StopIteration:
+            windows = token_windows(train, seq_len + 1, batch_size, None)
+            w = next(windows)
+        lr = 3e-3 * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * (1 - step / steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss = model(w[:, :-1], w[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    model.eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"config": cfg.to_dict(), "model": model.state_dict(), "final_loss": float(loss)}, tmp)
+    os.replace(tmp, path)
+    return model
+
+
+class CLTDataModule(pl.LightningDataModule):
+    """Activations of a target model for CLT training.
+
+    Training batches are ``(x, y)`` ``[tokens_per_batch, L, d]``; validation batches are ``(x, y, tokens)``
+    with the ``[B, seq_len]`` windows that produced them (the module splices the CLT into the target on
+    them). The target runs on the training device (online) or once, when the cache is written.
+
+    Args:
+        target: see :func:`load_target_model` (``"demo"``, ``"hf:gpt2"``, a checkpoint path).
+        train_files, val_files: token shards (``"builtin"`` = the offline demo corpus).
+        seq_len: window length fed to the target.
+        tokens_per_batch: tokens per CLT step (a multiple of ``seq_len``).
+        train_tokens: tokens of training activations (``None``: all train windows; online only).
+        val_tokens: tokens of validation activations.
+        cache_dir: write/read a cache here (``None`` = online training batches).
+        dtype: storage dtype of activations (``bfloat16``, ``float16``, ``float32``).
+        shuffle: shuffle cached batches each epoch.
+        num_workers, prefetch_factor: DataLoader settings for the cache.
+        stats_tokens: tokens used for normalisation statistics in online mode.
+    """
+
+    def __init__(
+        self,
+        target: str = "demo",
+        train_files: str | list[str] = "builtin",
+        val_files: str | list[str] | None = "builtin",
+        seq_len: int = 64,
+        tokens_per_batch: int = 1024,
+        train_tokens: int | None = None,
+        val_tokens: int = 4096,
+        cache_dir: str | None = None,
+        dtype: str = "bfloat16",
+        shuffle: bool = True,
+        num_workers: int = 0,
+        prefetch_factor: int | None = None,
+        stats_tokens: int = 65536,
+    ) -> None:
+        super().__init__()
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
+        if tokens_per_batch <= 0 or tokens_per_batch % seq_len:
+            raise ValueError(f"tokens_per_batch={tokens_per_batch} must be a positive multiple of seq_len={seq_len}")
+        self.target_spec = target
+        self.train_files, self.val_files = train_files, val_files
+        self.seq_len, self.tokens_per_batch = seq_len, tokens_per_batch
+        self.windows_per_forward = tokens_per_batch // seq_len
+        self.train_tokens, self.val_tokens = train_tokens, val_tokens
+        self.cache_dir = cache_dir
+        self.dtype = _DTYPES[dtype]
+        self.shuffle, self.num_workers, self.prefetch_factor = shuffle, num_workers, prefetch_factor
+        self.stats_tokens = stats_tokens
+        self.target_model: nn.Module | None = None
+        self.capture: MLPActivationCapture | None = None
+        self.stats: dict[str, Any] | None = None
+        self._cached: CachedActivations | None = None
+        self.target_device = torch.device("cpu")
+
+    # shapes the CLT must match, known after prepare()
+    @property
+    def n_layers(self) -> int:
+        return self.prepare().n_layers
+
+    @property
+    def d_model(self) -> int:
+        return self.prepare().d_model
+
+    def _files(self, which: str) -> Any:
+        files = self.train_files if which == "train" else self.val_files
+        if files in (None, "builtin"):
+            if files is None:
+                return None
+            from lightning_opt.data.corpus import default_corpus_shards
+
+            train, val = default_corpus_shards()
+            return train if which == "train" else val
+        return files
+
+    def prepare(self) -> MLPActivationCapture:
+        """Load the target, register the hooks, build the cache (once) and the statistics."""
+        if self.capture is not None:
+            return self.capture
+        self.target_model = load_target_model(self.target_spec)
+        self.target_model.requires_grad_(False).eval()
+        self.capture = MLPActivationCapture(self.target_model, self.dtype)
+        return self.capture
+
+    def setup(self, stage: str | None = None) -> None:
+        cap = self.prepare()
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            self.target_device = trainer.strategy.root_device
+        self.target_model.to(self.target_device)
+        if self.cache_dir is not None and self._cached is None:
+            meta = Path(self.cache_dir) / "meta.json"
+            if not meta.exists():
+                windows = token_windows(self._files("train"), self.seq_len, self.windows_per_forward, self.train_tokens)
+                write_activation_cache(cap, windows, self.cache_dir, self.tokens_per_batch,
+                                       source={"target": str(self.target_spec), "seq_len": self.seq_len})
+            self._cached = CachedActivations(self.cache_dir, self.tokens_per_batch)
+            m = self._cached.meta
+            if (m["n_layers"], m["d_model"]) != (cap.n_layers, cap.d_model):
+                raise ValueError(
+                    f"cache {self.cache_dir} holds {m['n_layers']} layers x {m['d_model']} but the target has "
+                    f"{cap.n_layers} x {cap.d_model}; use another cache_dir"
+                )
+            self.stats = self._cached.stats
+        elif self.stats is None:
+            stats = ActivationStats(cap.n_layers, cap.d_model)
+            windows = token_windows(self._files("train"), self.seq_len, self.windows_per_forward, self.stats_tokens)
+            for x, y in iter_activation_batches(cap, windows, self.tokens_per_batch, self.target_device):
+                stats.update(x, y)
+            self.stats = stats.result()
+
+    def train_dataloader(self) -> DataLoader:
+        if self._cached is not None:
+            workers = self.num_workers
+            return DataLoader(
+                self._cached, batch_size=None, shuffle=self.shuffle, num_workers=workers,
+                pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
+                prefetch_factor=self.prefetch_factor if workers > 0 else None,
+            )
+        return DataLoader(_OnlineStream(self, self._files("train"), self.train_tokens, False), batch_size=None)
+
+    def val_dataloader(self) -> DataLoader | list:
+        files = self._files("val")
+        if files is None or self.val_tokens <= 0:
+            return []
+        return DataLoader(_OnlineStream(self, files, self.val_tokens, True), batch_size=None)

@@ -1,0 +1,329 @@
+"""LightningModule that trains a cross-layer transcoder on activations from :class:`~lightning_opt.data.activations.CLTDataModule`."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torchmetrics import Metric
+
+from lightning_opt.models.clt import (
+    CLT,
+    CLTConfig,
+    auxk_loss,
+    fvu_per_layer,
+    preactivation_loss,
+    tanh_sparsity_penalty,
+    tanh_sparsity_penalty_sparse,
+)
+from lightning_opt.modules.base import TrainingModule
+from lightning_opt.optim.factory import OptimConfig
+from lightning_opt.optim.schedules import ScheduleConfig
+
+__all__ = ["CLTModule", "FVUMetric", "L0Metric", "ScalarMean", "replacement_kl"]
+
+_DECODES = ("auto", "dense", "sparse")
+
+
+class FVUMetric(Metric):
+    """Pooled FVU per layer over the whole evaluation set (see :func:`lightning_opt.models.clt.fvu_per_layer`).
+
+    ``compute()`` returns ``(fvu_per_layer [L], fvu_total)``; the denominator is the squared deviation from the
+    per-dimension mean over *all* evaluated tokens, accumulated exactly from sums.
+    """
+
+    full_state_update = False
+
+    def __init__(self, n_layers: int, d_model: int) -> None:
+        super().__init__()
+        self.add_state("sse", torch.zeros(n_layers, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("sum_y", torch.zeros(n_layers, d_model, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("sum_y2", torch.zeros(n_layers, d_model, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("n", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, pred: torch.Tensor, target: torch.Tensor) -> None:
+        # out-of-place updates: see ScalarMean
+        t = target.double()
+        self.sse = self.sse + (t - pred.double()).pow(2).sum(dim=(0, 2))
+        self.sum_y = self.sum_y + t.sum(0)
+        self.sum_y2 = self.sum_y2 + t.pow(2).sum(0)
+        self.n = self.n + t.shape[0]
+
+    def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
+        sst = (self.sum_y2 - self.sum_y.pow(2) / self.n.clamp_min(1)).sum(-1)
+        return (self.sse / sst.clamp_min(1e-12)).float(), (self.sse.sum() / sst.sum().clamp_min(1e-12)).float()
+
+
+class L0Metric(Metric):
+    """Mean active features per token, per layer ``[L]`` (``compute()``)."""
+
+    full_state_update = False
+
+    def __init__(self, n_layers: int) -> None:
+        super().__init__()
+        self.add_state("active", torch.zeros(n_layers, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("tokens", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, active_per_layer: torch.Tensor, tokens: int) -> None:
+        self.active = self.active + active_per_layer.double()
+        self.tokens = self.tokens + tokens
+
+    def compute(self) -> torch.Tensor:
+        return (self.active / self.tokens.clamp_min(1)).float()
+
+
+class ScalarMean(Metric):
+    """Mean of scalar updates. Updates are out of place, so states created under ``inference_mode`` (a
+    ``validate`` before ``fit``) stay usable afterwards."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, value: torch.Tensor) -> None:
+        self.total = self.total + value.double()
+        self.count = self.count + 1
+
+    def compute(self) -> torch.Tensor:
+        return (self.total / self.count.clamp_min(1)).float()
+
+
+class CLTModule(TrainingModule):
+    """Train a :class:`~lightning_opt.models.clt.CLT`.
+
+    Loss = MSE of the normalised reconstruction (mean over tokens, layers, dims)
+    ``+ lambda(step) * tanh sparsity penalty + preact_coef * pre-activation loss + aux_coef * AuxK``, with
+    ``lambda`` ramping linearly from 0 to ``sparsity_coef`` over the first ``sparsity_ramp_fraction`` of the
+    run. A feature is dead when it has not fired for ``dead_tokens`` training tokens.
+
+    Logged keys: ``train/loss``, ``train/mse``, ``train/fvu``, ``train/l0``, ``train/sparsity_lambda``,
+    ``train/sparsity``, ``train/preact``, ``train/auxk``, ``train/dead_fraction``; ``val/fvu``,
+    ``val/fvu_layer{l}``, ``val/explained_variance``, ``val/l0``, ``val/l0_layer{l}``, ``val/dead_fraction``,
+    ``val/kl`` and ``val/next_token_agreement`` (replacement model vs original, when the datamodule has a
+    target model), ``val/loss`` (= ``val/fvu``).
+
+    Args:
+        clt: the transcoder's config; ``n_layers`` and ``d_model`` must match the target model.
+        optim, schedule: optimizer and LR schedule (AdamW without weight decay by default).
+        sparsity_coef, sparsity_c, sparsity_ramp_fraction: tanh penalty weight, its ``c``, and the ramp.
+        preact_coef: weight of the pre-activation loss (0 = off).
+        aux_coef, aux_k: AuxK weight (0 = off) and dead features used per token and layer.
+        dead_tokens: window (tokens) after which a feature that never fired counts as dead.
+        decode: ``dense``, ``sparse`` (top-k activations only) or ``auto`` (dense).
+        eval_replacement: compute the replacement model's KL / agreement at validation.
+    """
+
+    def __init__(
+        self,
+        clt: CLTConfig | None = None,
+        optim: OptimConfig | None = None,
+        schedule: ScheduleConfig | None = None,
+        sparsity_coef: float = 0.0,
+        sparsity_c: float = 1.0,
+        sparsity_ramp_fraction: float = 1.0,
+        preact_coef: float = 0.0,
+        aux_coef: float = 0.0,
+        aux_k: int = 64,
+        dead_tokens: int = 1_000_000,
+        decode: str = "auto",
+        eval_replacement: bool = True,
+    ) -> None:
+        super().__init__(optim or OptimConfig(lr=2e-4, betas=(0.9, 0.999), weight_decay=0.0),
+                         schedule or ScheduleConfig(name="constant"))
+        if clt is None:
+            raise ValueError("CLTModule needs a CLTConfig (clt=...); set n_layers and d_model to the target's")
+        if decode not in _DECODES:
+            raise ValueError(f"decode={decode!r} is unknown; choose one of {_DECODES}")
+        for name, v in (("sparsity_coef", sparsity_coef), ("preact_coef", preact_coef), ("aux_coef", aux_coef)):
+            if v < 0:
+                raise ValueError(f"{name}={v} must be >= 0")
+        if not 0 < sparsity_ramp_fraction <= 1:
+            raise ValueError(f"sparsity_ramp_fraction={sparsity_ramp_fraction} must be in (0, 1]")
+        if dead_tokens <= 0 or aux_k <= 0:
+            raise ValueError("dead_tokens and aux_k must be positive")
+        self.save_hyperparameters()
+        self.clt_config = clt
+        self.model = CLT(clt)
+        self.sparsity_coef, self.sparsity_c, self.ramp = sparsity_coef, sparsity_c, sparsity_ramp_fraction
+        self.preact_coef, self.aux_coef, self.aux_k = preact_coef, aux_coef, aux_k
+        self.dead_tokens, self.decode_mode, self.eval_replacement = dead_tokens, decode, eval_replacement
+        L, nf, d = clt.n_layers, clt.n_features, clt.d_model
+        self.register_buffer("tokens_since_fired", torch.zeros(L, nf, dtype=torch.long))
+        self.val_fvu = FVUMetric(L, d)
+        self.val_l0 = L0Metric(L)
+        self.val_kl = ScalarMean()
+        self.val_agree = ScalarMean()
+
+    # ------------------------------------------------------------- setup
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if dm is None or not hasattr(dm, "n_layers"):
+            return
+        cfg = self.clt_config
+        if dm.n_layers != cfg.n_layers:
+            raise ValueError(
+                f"the target model has {dm.n_layers} layers but the CLT is configured for n_layers="
+                f"{cfg.n_layers}; set clt.n_layers: {dm.n_layers}"
+            )
+        if dm.d_model != cfg.d_model:
+            raise ValueError(
+                f"the target model's width is {dm.d_model} but the CLT has d_model={cfg.d_model}; "
+                f"set clt.d_model: {dm.d_model}"
+            )
+        if stage == "fit" and dm.stats is not None:
+            # a resumed run then overwrites these buffers with the checkpoint's (restore follows setup)
+            self.model.set_normalization(dm.stats)
+
+    # ------------------------------------------------------------- helpers
+    def sparsity_lambda(self) -> float:
+        if self.sparsity_coef == 0:
+            return 0.0
+        total = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else None
+        if not total:
+            return self.sparsity_coef
+        return self.sparsity_coef * min(1.0, self.global_step / max(1.0, self.ramp * total))
+
+    def _use_sparse(self, out_has_indices: bool) -> bool:
+        return self.decode_mode == "sparse" and out_has_indices
+
+    @torch.no_grad()
+    def _fired(self, out: Any, n_tokens: int) -> torch.Tensor:
+        """``[L, F]`` bool: features that fired in this batch (no host sync)."""
+        L, nf = self.clt_config.n_layers, self.clt_config.n_features
+        if out.indices is not None:
+            layer = torch.div(out.indices, n_tokens * nf, rounding_mode="floor")
+            flat = layer * nf + out.indices % nf
+            hits = torch.zeros(L * nf, device=flat.device).index_add_(0, flat, (out.values > 0).float())
+            return (hits > 0).view(L, nf)
+        return (out.acts > 0).any(dim=1)
+
+    def _active_per_layer(self, out: Any, n_tokens: int) -> torch.Tensor:
+        L, nf = self.clt_config.n_layers, self.clt_config.n_features
+        if out.indices is not None:
+            layer = torch.div(out.indices, n_tokens * nf, rounding_mode="floor")
+            return torch.zeros(L, device=layer.device).index_add_(0, layer, (out.values > 0).float())
+        return (out.acts > 0).sum(dim=(1, 2)).float()
+
+    # ------------------------------------------------------------- training
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch[0], batch[1]
+        n = x.shape[0]
+        clt = self.model
+        probe = clt.config.activation in ("topk", "batchtopk", "batchtopk_global") and clt.topk_group is None
+        out = clt(x, dense=not self._use_sparse(probe))
+        yn = clt.normalize_targets(y.float())
+        if clt.d_out_slice is not None:
+            yn = yn[..., clt.d_out_slice[0] : clt.d_out_slice[1]]
+        mse = (out.recon - yn).pow(2).mean()
+        loss = mse
+        lam = self.sparsity_lambda()
+        logs: dict[str, Any] = {"train/mse": mse.detach(), "train/sparsity_lambda": lam}
+        if lam > 0:
+            norms = clt.decoder_norms()
+            if out.acts is None:
+                sp = tanh_sparsity_penalty_sparse(out.indices, out.values, norms * self.sparsity_c, n)
+            else:
+                sp = tanh_sparsity_penalty(out.acts, norms, self.sparsity_c)
+            loss = loss + lam * sp
+            logs["train/sparsity"] = sp.detach()
+        if self.preact_coef > 0:
+            pa = preactivation_loss(out.pre, clt.threshold)
+            loss = loss + self.preact_coef * pa
+            logs["train/preact"] = pa.detach()
+        fired = self._fired(out, n)
+        dead = self.tokens_since_fired >= self.dead_tokens
+        if self.aux_coef > 0:
+            aux = auxk_loss(clt, out.pre, (yn - out.recon).detach(), dead, self.aux_k)
+            loss = loss + self.aux_coef * aux
+            logs["train/auxk"] = aux.detach()
+        with torch.no_grad():
+            self.tokens_since_fired.add_(n).masked_fill_(fired, 0)
+            logs["train/dead_fraction"] = dead.float().mean()
+            logs["train/l0"] = self._active_per_layer(out, n).sum() / n
+            if clt.d_out_slice is None:
+                sse, sst = fvu_per_layer(clt.denormalize(out.recon.detach()), y)
+                logs["train/fvu"] = sse.sum() / sst.sum().clamp_min(1e-12)
+        logs["train/loss"] = loss.detach()
+        self.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False)
+        self.log("train/loss_pb", loss.detach(), prog_bar=True, logger=False)
+        self.count_tokens(n)
+        return loss
+
+    # ------------------------------------------------------------- evaluation
+    def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
+        x, y = batch[0], batch[1]
+        out = self.model(x)
+        recon = self.model.denormalize(out.recon)
+        self.val_fvu.update(recon.float(), y.float())
+        self.val_l0.update(self._active_per_layer(out, x.shape[0]), x.shape[0])
+        target = getattr(getattr(self.trainer, "datamodule", None), "target_model", None)
+        if self.eval_replacement and target is not None and len(batch) > 2:
+            kl, agree = replacement_kl(target, batch[2], recon)
+            self.val_kl.update(kl)
+            self.val_agree.update(agree)
+
+    def on_validation_epoch_end(self) -> None:
+        per_layer, total = self.val_fvu.compute()
+        l0 = self.val_l0.compute()
+        logs = {"val/fvu": total, "val/loss": total, "val/explained_variance": 1 - total, "val/l0": l0.sum()}
+        for i in range(per_layer.numel()):
+            logs[f"val/fvu_layer{i}"] = per_layer[i]
+            logs[f"val/l0_layer{i}"] = l0[i]
+        logs["val/dead_fraction"] = (self.tokens_since_fired >= self.dead_tokens).float().mean()
+        if self.val_kl.update_count > 0:
+            logs["val/kl"] = self.val_kl.compute()
+            logs["val/next_token_agreement"] = self.val_agree.compute()
+        self.log_dict(logs, prog_bar=False)
+        self.log("val/fvu_pb", total, prog_bar=True, logger=False)
+        for m in (self.val_fvu, self.val_l0, self.val_kl, self.val_agree):
+            m.reset()
+
+
+@contextmanager
+def _spliced(model: nn.Module, outputs: list[torch.Tensor]):
+    """Replace every MLP's output by ``outputs[l]`` (``[B, T, d]``) during a forward."""
+    from lightning_opt.data.activations import find_mlps
+
+    handles = []
+    for layer, mlp in enumerate(find_mlps(model)):
+        def hook(module: nn.Module, inputs: Any, output: torch.Tensor, layer: int = layer) -> torch.Tensor:
+            return outputs[layer].to(output.dtype)
+
+        handles.append(mlp.register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    out = model(tokens)
+    return (out.logits if hasattr(out, "logits") else out).float()
+
+
+@torch.no_grad()
+def replacement_kl(model: nn.Module, tokens: torch.Tensor, recon: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(original || replacement) per token and next-token agreement, with the CLT spliced in.
+
+    The CLT's outputs ``recon`` (``[B*T, L, d]``, raw space) were computed from the *original* model's MLP
+    inputs on ``tokens`` (open-loop splice); the replacement model runs with every MLP output replaced.
+
+    Returns:
+        ``(mean KL in nats, fraction of positions whose argmax agrees)``.
+    """
+    B, T = tokens.shape
+    base = _logits(model, tokens)
+    outs = [recon[:, layer].reshape(B, T, -1) for layer in range(recon.shape[1])]
+    with _spliced(model, outs):
+        rep = _logits(model, tokens)
+    logp, logq = F.log_softmax(base, -1), F.log_softmax(rep, -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1).mean()
+    agree = (base.argmax(-1) == rep.argmax(-1)).float().mean()
+    return kl, agree

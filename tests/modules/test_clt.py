@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+
+from lightning_opt.data.activations import CLTDataModule
+from lightning_opt.data.shards import write_shard
+from lightning_opt.models.clt import CLTConfig
+from lightning_opt.models.gpt2 import GPT, GPTConfig
+from lightning_opt.modules.clt import CLTModule, FVUMetric, replacement_kl
+from lightning_opt.optim.factory import OptimConfig
+
+
+@pytest.fixture(scope="module")
+def gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, block_size=32)).eval()
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory) -> str:
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("tok") / "tok_000000.bin"
+    write_shard(path, rng.integers(0, 64, size=20_000, dtype=np.uint16))
+    return str(path)
+
+
+def _dm(gpt: GPT, shard: str, **kw) -> CLTDataModule:
+    base = dict(target=gpt, train_files=shard, val_files=shard, seq_len=16, tokens_per_batch=128,
+                train_tokens=None, val_tokens=512, cache_dir=None, dtype="float32")
+    return CLTDataModule(**{**base, **kw})
+
+
+def _trainer(tmp_path, steps: int, **kw) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, **kw,
+    )
+
+
+@pytest.mark.parametrize("activation,decode", [("batchtopk_global", "sparse")])
+def test_fit_lowers_fvu(gpt: GPT, shard: str, tmp_path, activation: str, decode: str) -> None:
+    torch.manual_seed(0)
+    cfg = CLTConfig(n_layers=2, d_model=16, n_features=64, activation=activation,
+                    k=8 if activation != "relu" else None, normalization="mean_std")
+    module = CLTModule(cfg, optim=OptimConfig(lr=3e-3, betas=(0.9, 0.999), weight_decay=0.0),
+                       sparsity_coef=1e-4, preact_coef=1e-6, aux_coef=1 / 32, aux_k=4, dead_tokens=256,
+                       decode=decode)
+    dm = _dm(gpt, shard)
+    trainer = _trainer(tmp_path, 0, limit_val_batches=4)
+    before = trainer.validate(module, datamodule=dm, verbose=False)[0]
+    trainer = _trainer(tmp_path, 60, limit_val_batches=4, val_check_interval=60)
+    trainer.fit(module, datamodule=dm)
+    after = trainer.callback_metrics
+    assert float(after["val/fvu"]) < 0.7 * before["val/fvu"]
+    for key in ("val/fvu_layer0", "val/fvu_layer1", "val/explained_variance", "val/l0", "val/l0_layer1",
+                "val/dead_fraction", "val/kl", "val/next_token_agreement", "train/loss", "train/fvu",
+                "train/l0", "train/auxk", "train/sparsity", "train/preact"):
+        assert key in after, key
+    assert float(after["val/kl"]) >= 0 and 0 <= float(after["val/next_token_agreement"]) <= 1
+    if activation == "batchtopk_global":
+        assert float(after["val/l0"]) == pytest.approx(8, rel=0.05)
+    # the normalisation came from the data
+    assert not torch.equal(module.model.in_scale, torch.ones_like(module.model.in_scale))
+
+
+def test_layer_and_width_mismatch_with_target_are_clear(gpt: GPT, shard: str, tmp_path) -> None:
+    dm = _dm(gpt, shard)
+    bad_layers = CLTModule(CLTConfig(n_layers=3, d_model=16, n_features=32, activation="relu"))
+    with pytest.raises(ValueError, match="target model has 2 layers"):
+        _trainer(tmp_path, 1).fit(bad_layers, datamodule=dm)
+    bad_width = CLTModule(CLTConfig(n_layers=2, d_model=8, n_features=32, activation="relu"))
+    with pytest.raises(ValueError, match="width is 16"):
+        _trainer(tmp_path, 1).fit(bad_width, datamodule=dm)
+
+
+def test_module_argument_errors() -> None:
+    with pytest.raises(ValueError, match="needs a CLTConfig"):
+        CLTModule()
+    cfg = CLTConfig(n_layers=2, d_model=8, n_features=16, activation="relu")
+    with pytest.raises(ValueError, match="decode="):
+        CLTModule(cfg, decode="fast")
+    with pytest.raises(ValueError, match="sparsity_coef"):
+        CLTModule(cfg, sparsity_coef=-1)
+
+
+def test_fvu_metric_pools_over_batches() -> None:
+    torch.manual_seed(0)
+    y, p = torch.randn(40, 2, 5), torch.randn(40, 2, 5)
+    m = FVUMetric(2, 5)
+    m.update(p[:10], y[:10])
+    m.update(p[10:], y[10:])
+    per_layer, total = m.compute()
+    sse = (y - p).pow(2).sum(dim=(0, 2))
+    sst = (y - y.mean(0)).pow(2).sum(dim=(0, 2))
+    torch.testing.assert_close(per_layer, sse / sst)
+    torch.testing.assert_close(total, sse.sum() / sst.sum())
+
+
+def test_replacement_with_exact_outputs_has_zero_kl(gpt: GPT) -> None:
+    from lightning_opt.data.activations import MLPActivationCapture
+
+    cap = MLPActivationCapture(gpt, dtype=torch.float32)
+    tokens = torch.randint(0, 64, (2, 16))
+    _, y = cap.run(tokens)
+    cap.remove()
+    kl, agree = replacement_kl(gpt, tokens, y)
+    assert float(kl) == pytest.approx(0.0, abs=1e-5) and float(agree) == 1.0
+    kl2, _ = replacement_kl(gpt, tokens, 3 * torch.randn_like(y))
+    assert float(kl2) > 1e-3
