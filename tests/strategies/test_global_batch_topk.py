@@ -95,5 +95,9 @@ def test_strategy_refuses_a_model_without_topk_group(tmp_path) -> None:
     trainer = pl.Trainer(
         strategy=GlobalBatchTopKStrategy(), devices=1, **trainer_kwargs(tmp_path, max_steps=1)
     )
-    with pytest.raises(ValueError, match="topk_group"):
-        trainer.fit(BoringModel())
+    try:
+        with pytest.raises(ValueError, match="topk_group"):
+            trainer.fit(BoringModel())
+    finally:  # the 1-rank DDP group must not leak into later tests of this process
+        if dist.is_initialized():
+            dist.destroy_process_group()
