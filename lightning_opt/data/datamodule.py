@@ -252,7 +252,7 @@ class TokenShardDataModule(pl.LightningDataModule):
         batch_size: sequences per batch per rank (``B``).
         val_tokens: how many leading val tokens form the fixed val set; ``None`` uses all of them.
         vocab_size: if given, the shards are checked for ids ``>= vocab_size`` at construction (full scan
-            of shards up to 128M tokens, 64 sampled blocks of larger ones).
+            of shards up to 16M tokens, 16 sampled 64K-token blocks of larger ones).
         seed: seed of the per-epoch shuffle.
         shuffle: shuffle the window order each epoch (the speedrun reads in order: off).
         num_workers: DataLoader workers (0 reads in the main process; memory-mapped reads are cheap).
@@ -337,6 +337,11 @@ class TokenShardDataModule(pl.LightningDataModule):
             available = self._val.total
             if val_tokens is None:
                 val_tokens = max(available - 1, 0)
+                if val_tokens < seq_len:
+                    raise ValueError(
+                        f"TokenShardDataModule: the val shards hold only {available} tokens, less than one "
+                        f"window of seq_len+1={seq_len + 1}; use more validation data or a smaller seq_len"
+                    )
             if val_tokens < seq_len:
                 raise ValueError(
                     f"TokenShardDataModule: val_tokens={val_tokens} is smaller than one window of seq_len={seq_len}; "

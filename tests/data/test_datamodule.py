@@ -367,3 +367,10 @@ def test_ddp_trainer_ranks_read_what_explicit_ranks_predict(tmp_path: Path) -> N
         assert seen[rank] == [_starts(next(it)) for _ in range(4)]
     flat = [s for rank in seen for row in rank for s in row]
     assert len(flat) == len(set(flat)) == 2 * 4 * B
+
+
+def test_val_shards_smaller_than_one_window(tmp_path: Path) -> None:
+    train, _ = _shards(tmp_path)
+    tiny = write_shard(tmp_path / "tiny_val.bin", np.arange(5))
+    with pytest.raises(ValueError, match="val shards hold only 5 tokens, less than one window"):
+        TokenShardDataModule(train, tiny, seq_len=T, batch_size=B)
