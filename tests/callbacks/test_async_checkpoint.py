@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TinyModule, make_batches, make_trainer
 
 from lightning_opt.callbacks import AsyncCheckpoint
+from tests.callbacks.conftest import TinyModule, make_batches, make_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 

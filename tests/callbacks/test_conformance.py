@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TinyModule, make_batches, make_trainer
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 
@@ -21,6 +20,7 @@ from lightning_opt.callbacks import (
     NaNSkip,
     SpeedMonitor,
 )
+from tests.callbacks.conftest import TinyModule, make_batches, make_trainer
 
 
 def _make(name: str, tmp_path: Any) -> Callback:

@@ -2,10 +2,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ManualModule, TinyModule, assert_same, make_batches, make_trainer, snapshot
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_opt.callbacks import NaNSkip
+from tests.callbacks.conftest import (
+    ManualModule,
+    TinyModule,
+    assert_same,
+    make_batches,
+    make_trainer,
+    snapshot,
+)
 
 
 def _fit(tmp_path, module, callbacks):
