@@ -63,3 +63,15 @@ def test_raw_novel_tokenizes_to_a_span_of_the_shared_train_shard() -> None:
         assert train[start - 1] == 50256  # the document separator
         np.testing.assert_array_equal(train[start : start + len(ids)], ids)
         assert start + len(ids) == len(train) or train[start + len(ids)] == 50256
+
+
+def test_gpt2_without_a_file_downloads_or_says_how_to_work_offline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # nothing cached
+    try:
+        enc = gpt2_encoding()
+    except RuntimeError as err:  # offline (this machine, CI without internet)
+        assert "--bpe-file" in str(err) and "--tokenizer byte" in str(err)
+    else:  # online: tiktoken downloaded the same vocabulary
+        assert enc.encode("Hello world") == [15496, 995]
