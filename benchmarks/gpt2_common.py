@@ -1,0 +1,459 @@
+"""Shared pieces of the GPT-2 benchmarks: environment record, token data on the device, the bare PyTorch
+training loop, the Lightning Trainer run, validation, and fault-tolerant variant running.
+
+The same data order, validation set and clock rules are used by every runner:
+
+- training data: the train shard cut into ``seq_len`` windows read in order (micro-batch ``p`` holds
+  windows ``[p*B, (p+1)*B)``, wrapping per epoch), exactly what ``TokenShardDataModule(shuffle=False)``
+  yields;
+- validation: the first ``val_tokens`` tokens of the val shard in ``seq_len`` windows, evaluated eagerly
+  (no compile) under the run's autocast, excluded from the training clock;
+- clock: device-synchronised at the end of optimizer step ``warm`` and at the end; tokens/s is measured
+  between the two, and compile time is the excess of the first ``warm`` steps over ``warm`` steady steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import platform
+import re
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from lightning_opt.data.shards import read_shard  # noqa: E402
+from lightning_opt.models.gpt2 import GPT, GPTConfig  # noqa: E402
+from lightning_opt.optim.combined import CombinedOptimizer  # noqa: E402
+from lightning_opt.optim.factory import OptimConfig, build_optimizer  # noqa: E402
+from lightning_opt.optim.schedules import ScheduleConfig  # noqa: E402
+
+H100_BF16_PEAK_FLOPS = 989.4e12  # H100 SXM dense bf16
+DATA_DIR = ROOT / ".data" / "novels"
+SHARED_DATA_DIR = Path("/work/shared/data/novels")
+VAL_TOKENS = 1_048_576
+
+
+# ------------------------------------------------------------------------------------------------
+# environment and results
+
+
+def device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def device_slug() -> str:
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def env_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "device": device_name(),
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "peak_bf16_flops": H100_BF16_PEAK_FLOPS,
+    }
+    for mod in ("lightning", "triton", "flash_attn", "bitsandbytes"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:
+            info[mod] = None
+    return info
+
+
+def default_out(name: str) -> Path:
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d")
+    return ROOT / "benchmarks" / "results" / f"{name}_{device_slug()}_{date}.json"
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def find_shards(data_dir: str | None = None) -> tuple[Path, Path]:
+    """The novels shards: ``--data-dir``, else ``.data/novels``, else the shared folder."""
+    for d in [Path(data_dir)] if data_dir else [DATA_DIR, SHARED_DATA_DIR]:
+        train, val = d / "novels_train_000000.bin", d / "novels_val_000000.bin"
+        if train.exists() and val.exists():
+            return train, val
+    raise FileNotFoundError(
+        f"novels shards not found in {data_dir or [str(DATA_DIR), str(SHARED_DATA_DIR)]}: copy "
+        "novels_{train,val}_000000.bin there or pass --data-dir"
+    )
+
+
+class Deadline:
+    """Wall-clock budget of a whole benchmark call: variants that would not fit are skipped, not started."""
+
+    def __init__(self, seconds: float) -> None:
+        self.t0 = time.perf_counter()
+        self.seconds = seconds
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.t0)
+
+
+def guarded(name: str, fn: Callable[[], dict[str, Any]], deadline: Deadline | None = None,
+            need_s: float = 0.0) -> dict[str, Any]:
+    """Run one variant; an exception (out-of-memory included) is recorded, never raised."""
+    if deadline is not None and deadline.left() < need_s:
+        print(f"[{name}] skipped: {deadline.left():.0f}s left, needs about {need_s:.0f}s", flush=True)
+        return {"name": name, "skipped": f"time budget: {deadline.left():.0f}s left, needed ~{need_s:.0f}s"}
+    print(f"[{name}] start ({deadline.left():.0f}s left)" if deadline else f"[{name}] start", flush=True)
+    t0 = time.perf_counter()
+    try:
+        out = fn()
+        out = {"name": name, **out}
+    except Exception as err:  # noqa: BLE001 - one variant must not stop the others
+        oom = isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+        out = {"name": name, "error": f"{type(err).__name__}: {str(err)[:2000]}", "oom": oom,
+               "traceback": traceback.format_exc()[-4000:]}
+        print(f"[{name}] FAILED: {out['error'][:300]}", flush=True)
+    out["wall_s"] = round(time.perf_counter() - t0, 2)
+    cleanup()
+    return out
+
+
+def cleanup() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    with contextlib.suppress(Exception):
+        torch._dynamo.reset()
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def autocast(dev: torch.device, amp: str):
+    if amp == "bf16":
+        return torch.autocast(dev.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def load_yaml_config(name: str) -> tuple[GPTConfig, OptimConfig, ScheduleConfig, dict[str, Any]]:
+    """Model, optimizer and schedule of ``recipes/configs/gpt2/<name>.yaml`` (the recipe's own config)."""
+    import yaml
+
+    raw = yaml.safe_load((ROOT / "recipes" / "configs" / "gpt2" / f"{name}.yaml").read_text())
+    m = raw["model"]
+    return (GPTConfig(**m["model_config"]), OptimConfig(**m.get("optim", {})),
+            ScheduleConfig(**m.get("schedule", {})), raw)
+
+
+# ------------------------------------------------------------------------------------------------
+# data
+
+
+class Tokens:
+    """Train and val tokens held on the device as int32 (the novels shard is 66 MB that way)."""
+
+    def __init__(self, train_path: Path, val_path: Path, dev: torch.device, val_tokens: int = VAL_TOKENS,
+                 train_tokens: int | None = None, vocab_mod: int | None = None) -> None:
+        train = read_shard(train_path)
+        if train_tokens is not None:
+            train = train[:train_tokens]
+        val = read_shard(val_path)
+        self.val_tokens = min(val_tokens, len(val) - 1)
+        train = np.asarray(train, dtype=np.int32)
+        val = np.asarray(val[: self.val_tokens + 1], dtype=np.int32)
+        if vocab_mod is not None:  # smoke runs: a small vocabulary keeps tiny models fast on a CPU
+            train, val = train % vocab_mod, val % vocab_mod
+        self.train = torch.from_numpy(train).to(dev)
+        self.val = torch.from_numpy(val).to(dev)
+        self.device = dev
+
+    def train_batch(self, position: int, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch number ``position`` in TokenShardDataModule's order (contiguous windows)."""
+        per_epoch = ((len(self.train) - 1) // seq_len) // batch
+        start = (position % per_epoch) * batch * seq_len
+        buf = self.train[start : start + batch * seq_len + 1]
+        return buf[:-1].view(batch, seq_len).long(), buf[1:].view(batch, seq_len).long()
+
+    @torch.no_grad()
+    def evaluate(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], seq_len: int,
+                 batch: int, amp: str) -> float:
+        """Mean loss over the fixed val windows; one host sync at the end."""
+        n_windows = self.val_tokens // seq_len
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for lo in range(0, n_windows, batch):
+            b = min(batch, n_windows - lo)
+            buf = self.val[lo * seq_len : (lo + b) * seq_len + 1]
+            x, y = buf[:-1].view(b, seq_len).long(), buf[1:].view(b, seq_len).long()
+            with autocast(self.device, amp):
+                total += loss_fn(x, y).double() * b
+        return float(total / n_windows)
+
+
+# ------------------------------------------------------------------------------------------------
+# runs
+
+
+@dataclass
+class RunSpec:
+    """One training run: model, optimizer, schedule, batch geometry and how it is timed."""
+
+    model: GPTConfig
+    optim: OptimConfig
+    schedule: ScheduleConfig
+    steps: int = 20
+    micro_batch: int = 32
+    accum: int = 1
+    seq_len: int = 1024
+    compile: bool = True
+    amp: str = "bf16"
+    clip: float | None = None
+    warm: int = 3
+    val_every: int = 0
+    val_batch: int = 32
+    seed: int = 0
+    # [(from_step, seq_len)]: a sequence-length curriculum at a fixed number of tokens per micro-batch
+    seq_schedule: list[tuple[int, int]] = field(default_factory=list)
+    stop_at_loss: float | None = None  # stop once a validation reaches this loss (time to target)
+    deadline_s: float | None = None  # checked at validations: stop once the clock passed this
+
+    def seq_at(self, step: int) -> int:
+        t = self.seq_len
+        for start, length in self.seq_schedule:
+            if step >= start:
+                t = length
+        return t
+
+    def describe(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tokens_per_step"] = self.micro_batch * self.accum * self.seq_len
+        return d
+
+
+def schedule_for(spec: RunSpec) -> ScheduleConfig:
+    s = spec.schedule
+    return ScheduleConfig(name=s.name, warmup_steps=min(s.warmup_steps, spec.steps), total_steps=spec.steps,
+                          decay_fraction=s.decay_fraction, min_ratio=s.min_ratio)
+
+
+def build_model_and_optimizer(spec: RunSpec, dev: torch.device):
+    """The model and the optimizer exactly as GPT2SpeedrunModule builds them (same roles, same factory)."""
+    torch.manual_seed(spec.seed)
+    model = GPT(spec.model).to(dev)
+    head = [] if spec.model.tie_embeddings else [model.lm_head.weight]
+    opts = build_optimizer(model, spec.optim, hidden=model.hidden_matrices(), embeddings=None, head=head)
+    opt = opts[0] if len(opts) == 1 else CombinedOptimizer(opts)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule_for(spec))
+    return model, opt, sched
+
+
+class Clock:
+    """Training clock with validation excluded; synchronises the device only where it reads the time."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self.dev = dev
+        sync(dev)
+        self.t0 = time.perf_counter()
+        self.paused = 0.0
+        self.t_warm: float | None = None
+        self._pause_start = 0.0
+
+    def now(self) -> float:
+        sync(self.dev)
+        return time.perf_counter() - self.t0 - self.paused
+
+    def pause(self) -> float:
+        t = self.now()
+        self._pause_start = time.perf_counter()
+        return t
+
+    def resume(self) -> None:
+        self.paused += time.perf_counter() - self._pause_start
+
+
+def summarize(spec: RunSpec, model: torch.nn.Module, clock_end: float, t_warm: float | None, steps_done: int,
+              tokens_done: int, curve: list[dict[str, Any]], dev: torch.device, extra: dict[str, Any]) -> dict:
+    warm = min(spec.warm, steps_done)
+    out: dict[str, Any] = {"steps": steps_done, "tokens": tokens_done, "train_s_total": round(clock_end, 3)}
+    timed_steps = steps_done - warm
+    if t_warm is not None and timed_steps > 0:
+        step_s = (clock_end - t_warm) / timed_steps
+        tps = spec.micro_batch * spec.accum * spec.seq_len / step_s
+        out.update(step_ms=round(1000 * step_s, 2), tokens_per_s=round(tps, 1),
+                   compile_s=round(max(0.0, t_warm - warm * step_s), 2) if spec.compile else 0.0,
+                   first_steps_s=round(t_warm, 2))
+        # speedrun rules: compile excluded from the training time
+        out["train_s"] = round(clock_end - t_warm + warm * step_s, 3)
+        fpt = model.flops_per_token(spec.seq_len) if hasattr(model, "flops_per_token") else extra.pop("fpt", None)
+        if fpt:
+            out["flops_per_token"] = fpt
+            out["mfu"] = round(fpt * tps / H100_BF16_PEAK_FLOPS, 4)
+        for row in curve:  # re-express curve times on the compile-free clock
+            if row["step"] >= warm:
+                row["train_s"] = round(row["clock_s"] - t_warm + warm * step_s, 3)
+            else:
+                row["train_s"] = round(row["step"] * step_s, 3)
+    out["val_curve"] = curve
+    out["final_val_loss"] = curve[-1]["val_loss"] if curve else None
+    out["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None
+    out.update(extra)
+    return out
+
+
+def train_bare(spec: RunSpec, data: Tokens) -> dict[str, Any]:
+    """The bare PyTorch loop: our model, our optimizer, torch.compile, autocast; nothing else."""
+    dev = data.device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    model, opt, sched = build_model_and_optimizer(spec, dev)
+    if spec.compile:
+        model.compile(dynamic=False)
+    val_fn = model.forward  # eager: validation must not trigger a second compile
+    clock = Clock(dev)
+    curve: list[dict[str, Any]] = []
+    t_warm = None
+    position, tokens, step = 0, 0, 0
+    stopped = None
+    for step in range(spec.steps):
+        t = spec.seq_at(step)
+        b = spec.micro_batch * spec.seq_len // t
+        for _ in range(spec.accum):
+            x, y = data.train_batch(position, b, t)
+            position += 1
+            with autocast(dev, spec.amp):
+                loss = model(x, y)
+            (loss / spec.accum).backward()
+            tokens += b * t
+        if spec.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        done = step + 1
+        if done == spec.warm:
+            t_warm = clock.now()
+        if spec.val_every and (done % spec.val_every == 0 or done == spec.steps):
+            stopped = _validate(spec, model, val_fn, data, clock, curve, done, tokens)
+            if stopped:
+                break
+    if not spec.val_every:
+        stopped = _validate(spec, model, val_fn, data, clock, curve, step + 1, tokens)
+    end = curve[-1]["clock_s"] if curve else clock.now()
+    return summarize(spec, model, end, t_warm, step + 1, tokens, curve, dev,
+                     {"runner": "bare", "stopped": stopped, "spec": spec.describe()})
+
+
+def _validate(spec: RunSpec, model, val_fn, data: Tokens, clock: Clock, curve: list, step: int,
+              tokens: int) -> str | None:
+    t = clock.pause()
+    model.eval()
+    loss = data.evaluate(val_fn, spec.seq_len, spec.val_batch, spec.amp)
+    model.train()
+    clock.resume()
+    curve.append({"step": step, "tokens": tokens, "clock_s": round(t, 3), "val_loss": round(loss, 5)})
+    print(f"    step {step:>5}  val_loss {loss:.4f}  clock {t:.1f}s", flush=True)
+    if not math.isfinite(loss):
+        return "non-finite loss"
+    if spec.stop_at_loss is not None and loss <= spec.stop_at_loss:
+        return "target reached"
+    if spec.deadline_s and t > spec.deadline_s:
+        return "deadline"
+    return None
+
+
+def train_lightning(spec: RunSpec, data: Tokens, train_path: Path, logger: str = "tensorboard",
+                    log_dir: str | None = None) -> dict[str, Any]:
+    """Our recipe path: GPT2SpeedrunModule + TokenShardDataModule + Trainer (bf16-mixed, compile)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_opt.data.datamodule import TokenShardDataModule
+    from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
+
+    dev = data.device
+    if spec.seq_schedule:
+        raise ValueError("the Lightning runner does not do sequence-length curricula")
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    torch.manual_seed(spec.seed)
+    module = GPT2SpeedrunModule(spec.model, spec.optim, schedule_for(spec), compile=spec.compile)
+    dm = TokenShardDataModule(str(train_path), None, seq_len=spec.seq_len, batch_size=spec.micro_batch,
+                              shuffle=False)
+    curve: list[dict[str, Any]] = []
+    state: dict[str, Any] = {"t_warm": None, "last": 0, "stopped": None, "tokens": 0}
+
+    class Timing(Callback):
+        def on_train_start(self, trainer, pl_module):
+            state["clock"] = Clock(dev)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            state["tokens"] += batch[0].numel()
+            done = trainer.global_step
+            if done == state["last"]:
+                return  # mid accumulation
+            state["last"] = done
+            clock: Clock = state["clock"]
+            if done == spec.warm:
+                state["t_warm"] = clock.now()
+            if spec.val_every and (done % spec.val_every == 0 or done == spec.steps):
+                model = pl_module.model
+                stop = _validate(spec, model, model.forward, data, clock, curve, done, state["tokens"])
+                if stop:
+                    state["stopped"] = stop
+                    trainer.should_stop = True
+
+        def on_train_end(self, trainer, pl_module):
+            state["end"] = state["clock"].now()
+
+    if logger == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        lg: Any = TensorBoardLogger(save_dir=log_dir or str(ROOT / "runs" / "bench"), name="gpt2_bench")
+    else:
+        lg = False
+    trainer = L.Trainer(
+        accelerator="cuda" if dev.type == "cuda" else "cpu", devices=1,
+        precision="bf16-mixed" if spec.amp == "bf16" else "32-true",
+        max_steps=spec.steps, accumulate_grad_batches=spec.accum, gradient_clip_val=spec.clip,
+        logger=lg, log_every_n_steps=10, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Timing()],
+    )
+    trainer.fit(module, datamodule=dm)
+    if not spec.val_every:
+        clock = state["clock"]
+        _validate(spec, module.model, module.model.forward, data, clock, curve, trainer.global_step,
+                  state["tokens"])
+        curve[-1]["clock_s"] = round(state["end"], 3)
+    end = curve[-1]["clock_s"] if curve else state["end"]
+    return summarize(spec, module.model, end, state["t_warm"], trainer.global_step, module.tokens_seen, curve,
+                     dev, {"runner": "lightning", "stopped": state["stopped"], "logger": logger,
+                           "spec": spec.describe()})
+
+
+def with_model(spec: RunSpec, **model_changes: Any) -> RunSpec:
+    return replace(spec, model=replace(spec.model, **model_changes))

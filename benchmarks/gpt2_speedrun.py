@@ -1,0 +1,192 @@
+"""GPT-2 124M side by side on one GPU: our bare PyTorch loop, our Lightning recipe path, and nanoGPT.
+
+In one process, on the novels shards, for a fixed number of optimizer steps (same data order, same
+tokens per step = 32 x 1024 x 16 = 524,288, like nanoGPT's train.py and the speedrun):
+
+- ``ours-speedrun-bare`` / ``ours-speedrun-lightning``: ``gpt2-124m-speedrun`` (the recipe's YAML: RoPE,
+  RMSNorm, QK-norm, ReLU^2, value embeddings, U-net, soft-cap, Muon + Adam) in a bare loop (our model and
+  optimizer factory, ``torch.compile``, bf16 autocast) and through ``GPT2SpeedrunModule`` +
+  ``TokenShardDataModule`` + ``Trainer(precision="bf16-mixed")`` with compile;
+- ``ours-classic-bare`` / ``ours-classic-lightning``: ``gpt2-124m-classic`` (fused AdamW, clip 1.0);
+- ``nanogpt``: Karpathy's nanoGPT ``model.py`` trained as its ``bench.py`` does (see
+  ``benchmarks/peers/nanogpt_runner.py``), imported from the git-ignored ``.peers/nanoGPT/``;
+- ``ours-speedrun-chunkedce-bare``: the speedrun with the chunked soft-capped cross-entropy (if time is left).
+
+Reports tokens/s and MFU (compile excluded; compile time separately), peak memory, val loss on the first
+1,048,576 val tokens (a few points along the way, excluded from the clock), the Lightning overhead and the
+ratio to nanoGPT. Every variant is fault-tolerant (errors and OOM are recorded, the next one runs).
+
+    python benchmarks/gpt2_speedrun.py                 # the GPU run (about 6 minutes on an H100)
+    python benchmarks/gpt2_speedrun.py --smoke         # tiny models on CPU, under a minute
+
+Writes ``benchmarks/results/gpt2_speedrun_<device>_<date>.json`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+
+import torch  # noqa: E402
+from gpt2_common import (  # noqa: E402
+    Deadline,
+    RunSpec,
+    Tokens,
+    default_out,
+    device,
+    env_info,
+    find_shards,
+    guarded,
+    load_yaml_config,
+    train_bare,
+    train_lightning,
+    with_model,
+    write_json,
+)
+from nanogpt_runner import train_nanogpt  # noqa: E402
+
+SMOKE_SHAPE = dict(n_layer=2, n_head=2, n_embd=64)
+SMOKE_VOCAB = 512
+
+
+def make_specs(args: argparse.Namespace) -> dict[str, RunSpec]:
+    sp_model, sp_optim, sp_sched, _ = load_yaml_config("gpt2-124m-speedrun")
+    cl_model, cl_optim, cl_sched, _ = load_yaml_config("gpt2-124m-classic")
+    common = dict(steps=args.steps, micro_batch=args.micro_batch, accum=args.accum, seq_len=args.seq_len,
+                  compile=not args.no_compile, amp=args.amp, warm=args.warm, val_every=args.val_every,
+                  val_batch=args.micro_batch)
+    # the classic config warms up for 100 of 1000 steps: keep that proportion in a short run
+    cl_sched = replace(cl_sched, warmup_steps=max(1, args.steps // 10))
+    speedrun = RunSpec(sp_model, sp_optim, sp_sched, **common)
+    classic = RunSpec(cl_model, cl_optim, cl_sched, clip=1.0, **common)
+    if args.smoke:
+        small = dict(SMOKE_SHAPE, block_size=args.seq_len, vocab_size=SMOKE_VOCAB, vocab_multiple=1)
+        speedrun = with_model(speedrun, **small, n_value_embeds=1)
+        classic = with_model(classic, **small)
+    return {"speedrun": speedrun, "classic": classic}
+
+
+def ratio(a: dict, b: dict, key: str = "tokens_per_s") -> float | None:
+    if a.get(key) and b.get(key):
+        return round(a[key] / b[key], 4)
+    return None
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny models on CPU; proves the script end to end")
+    p.add_argument("--data-dir", default=None, help="folder with novels_{train,val}_000000.bin")
+    p.add_argument("--steps", type=int, default=16, help="optimizer steps per run")
+    p.add_argument("--warm", type=int, default=3, help="steps excluded from tokens/s (compile happens here)")
+    p.add_argument("--micro-batch", type=int, default=32)
+    p.add_argument("--accum", type=int, default=16, help="micro-batches per optimizer step")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--val-every", type=int, default=4, help="validate every N steps (off the clock)")
+    p.add_argument("--val-tokens", type=int, default=1_048_576)
+    p.add_argument("--amp", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--only", default=None, help="comma-separated variant names to run")
+    p.add_argument("--lightning-logger", default="tensorboard", choices=["tensorboard", "none"])
+    p.add_argument("--deadline-s", type=float, default=500.0, help="skip variants that would end past this")
+    p.add_argument("--end-unix", type=float, default=None, help="absolute end time (overrides --deadline-s)")
+    p.add_argument("--need-s", type=float, default=75.0, help="seconds one variant needs (for skipping)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    if args.smoke:
+        args.steps, args.warm, args.micro_batch, args.accum, args.seq_len = 4, 1, 4, 2, 64
+        args.val_every, args.val_tokens, args.no_compile, args.need_s = 2, 4096, True, 0.0
+        args.amp = "fp32"  # CPUs have no fast bf16 matmul
+        args.lightning_logger = "none"
+    budget = args.deadline_s if args.end_unix is None else args.end_unix - time.time()
+    deadline = Deadline(budget)
+    dev = device()
+    train_path, val_path = find_shards(args.data_dir)
+    data = Tokens(train_path, val_path, dev, val_tokens=args.val_tokens,
+                  train_tokens=1_000_000 if args.smoke else None, vocab_mod=SMOKE_VOCAB if args.smoke else None)
+    specs = make_specs(args)
+    log_dir = tempfile.mkdtemp(prefix="gpt2_bench_tb_")
+    if args.smoke:  # the Lightning DataModule reads files: give it the same small-vocabulary tokens
+        from lightning_opt.data.shards import write_shard
+
+        train_path = Path(log_dir) / "smoke_train.bin"
+        write_shard(train_path, data.train.cpu().numpy().astype("uint16"))
+    sp, cl = specs["speedrun"], specs["classic"]
+    nano_shape = SMOKE_SHAPE if args.smoke else None
+    variants = {
+        "ours-speedrun-bare": lambda: train_bare(sp, data),
+        "ours-speedrun-lightning": lambda: train_lightning(sp, data, train_path, args.lightning_logger, log_dir),
+        "nanogpt": lambda: train_nanogpt(replace(cl, clip=1.0), data, nano_shape,
+                                         vocab_size=SMOKE_VOCAB if args.smoke else 50304),
+        "ours-classic-bare": lambda: train_bare(cl, data),
+        "ours-classic-lightning": lambda: train_lightning(cl, data, train_path, args.lightning_logger, log_dir),
+        "ours-speedrun-chunkedce-bare": lambda: train_bare(with_model(sp, loss_impl="chunked"), data),
+    }
+    if args.only:
+        keep = set(args.only.split(","))
+        variants = {k: v for k, v in variants.items() if k in keep}
+
+    out_path = Path(args.out) if args.out else default_out("gpt2_speedrun_smoke" if args.smoke else "gpt2_speedrun")
+    payload: dict[str, Any] = {"benchmark": "gpt2_speedrun", "env": env_info(), "smoke": args.smoke,
+                               "data": {"train": str(train_path), "val": str(val_path),
+                                        "train_tokens": len(data.train), "val_tokens": data.val_tokens},
+                               "settings": vars(args), "results": {}}
+    for name, fn in variants.items():
+        payload["results"][name] = guarded(name, fn, deadline, args.need_s)
+        payload["summary"] = summarize(payload["results"])
+        write_json(out_path, payload)  # after every variant: a later crash keeps what was measured
+    print_table(payload)
+    print(f"wrote {out_path}")
+    return payload
+
+
+def summarize(results: dict[str, dict]) -> dict[str, Any]:
+    g = {k: v for k, v in results.items() if "tokens_per_s" in v}
+    s: dict[str, Any] = {}
+    for kind in ("speedrun", "classic"):
+        bare, light = g.get(f"ours-{kind}-bare", {}), g.get(f"ours-{kind}-lightning", {})
+        r = ratio(light, bare)
+        s[f"lightning_over_bare_{kind}"] = r
+        s[f"lightning_overhead_pct_{kind}"] = None if r is None else round(100 * (1 - r), 2)
+    nano = g.get("nanogpt", {})
+    for name in g:
+        if name != "nanogpt":
+            s[f"{name}_over_nanogpt"] = ratio(g[name], nano)
+    s["goal_lightning_overhead_le_2pct"] = (
+        None if s.get("lightning_overhead_pct_speedrun") is None else s["lightning_overhead_pct_speedrun"] <= 2.0
+    )
+    best = s.get("ours-speedrun-lightning_over_nanogpt")
+    s["goal_speedrun_ge_1p1x_nanogpt"] = None if best is None else best >= 1.1
+    return s
+
+
+def print_table(payload: dict[str, Any]) -> None:
+    rows = payload["results"]
+    print()
+    print(f"{'variant':32} {'tok/s':>10} {'MFU':>6} {'step ms':>8} {'compile s':>9} {'peak GB':>8} "
+          f"{'val loss':>9}  note")
+    for name, r in rows.items():
+        if "tokens_per_s" not in r:
+            print(f"{name:32} {r.get('error') or r.get('skipped') or 'no timing'}"[:160])
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+        peak = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") is not None else "-"
+        val = f"{r['final_val_loss']:.4f}" if r.get("final_val_loss") is not None else "-"
+        print(f"{name:32} {r['tokens_per_s']:>10,.0f} {mfu:>6} {r['step_ms']:>8.1f} {r.get('compile_s', 0):>9.1f} "
+              f"{peak:>8} {val:>9}  {r.get('stopped') or ''}")
+    for k, v in payload.get("summary", {}).items():
+        print(f"  {k}: {v}")
+    print(f"device: {payload['env']['device']}  torch {payload['env']['torch']}  lightning {payload['env']['lightning']}")
+
+
+if __name__ == "__main__":
+    torch.set_float32_matmul_precision("high")
+    main()
