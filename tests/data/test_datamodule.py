@@ -374,3 +374,12 @@ def test_val_shards_smaller_than_one_window(tmp_path: Path) -> None:
     tiny = write_shard(tmp_path / "tiny_val.bin", np.arange(5))
     with pytest.raises(ValueError, match="val shards hold only 5 tokens, less than one window"):
         TokenShardDataModule(train, tiny, seq_len=T, batch_size=B)
+
+
+def test_shuffled_windows_hold_the_right_tokens_across_shard_boundaries(tmp_path: Path) -> None:
+    train, val = _shards(tmp_path, pieces=7)  # many boundaries
+    dm = TokenShardDataModule(train, val, seq_len=T, batch_size=B, shuffle=True)
+    for x, y in dm.train_dataloader():
+        expected = x[:, :1] + torch.arange(T)  # token value == stream position
+        assert torch.equal(x, expected) and torch.equal(y, expected + 1)
+        assert bool((x[:, 0] % T == 0).all())
