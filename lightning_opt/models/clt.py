@@ -555,8 +555,9 @@ def preactivation_loss(pre: torch.Tensor, threshold: torch.Tensor | None = None)
 
     Pushes dead features' pre-activations up towards firing; ``threshold`` is ``[L, F]`` (JumpReLU) or 0.
     """
-    gap = -pre.float() if threshold is None else threshold[:, None, :].float() - pre.float()
-    return F.relu(gap).sum() / pre.shape[1]
+    # relu(th - pre) = -min(pre - th, 0): one temporary in pre's dtype, fp32 accumulation
+    shifted = pre if threshold is None else pre - threshold[:, None, :].to(pre.dtype)
+    return -shifted.clamp(max=0).sum(dtype=torch.float32) / pre.shape[1]
 
 
 def auxk_loss(

@@ -1,0 +1,324 @@
+"""CLT training step: lightning_opt vs crosslayer-coding, side by side in one run.
+
+Shapes (issue 9): 12 layers x 768, 4096 tokens per step, global BatchTopK k=200, bf16 autocast, AdamW,
+synthetic activations; 4096 / 8192 / 16384 / 32768 features per layer. Per feature count it measures:
+
+* ``ours_dense``: ``CLT`` forward (batched encoder, exact global BatchTopK), dense decode, MSE + tanh
+  sparsity + pre-activation loss, backward, fused AdamW.
+* ``ours_sparse``: the same with the sparse decode (``ops.sparse_decode``: Triton on CUDA).
+* ``select_ours`` / ``select_torch_topk`` / ``select_global_topk``: the BatchTopK selection alone on the bf16
+  pre-activations ``[12 * 4096 * F]`` (ours = ``ops.topk.batch_topk_rows``; ``torch.topk`` of k*tokens; the
+  strategies helper's ``global_batch_topk`` with ``group=None``).
+* ``peer``: crosslayer-coding's own ``CrossLayerTranscoder`` + ``LossManager.compute_total_loss`` step
+  (its trainer's step: activations, total loss, backward, AdamW; sparsity and pre-activation terms on), and
+  its BatchTopK helper alone. Runs in a subprocess per size (own memory accounting, OOM isolated), only
+  when ``.peers/crosslayer-coding`` exists (``git clone https://github.com/curt-tigges/crosslayer-coding
+  .peers/crosslayer-coding``; it needs only torch for these modules). Otherwise "peer not run".
+
+Step time: median of CUDA-event intervals over ``--steps`` steps after ``--warmup``. Peak memory:
+``torch.cuda.max_memory_allocated`` over the measured steps (process-wide peak incl. parameters, grads,
+AdamW state).
+
+    python benchmarks/clt_step.py                   # CUDA, about 3 min on an H100
+    python benchmarks/clt_step.py --smoke           # CPU, seconds (tiny shapes; checks the script runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+PEER_DIR = os.path.join(ROOT, ".peers", "crosslayer-coding")
+
+from lightning_opt.models.clt import (  # noqa: E402
+    CLT,
+    CLTConfig,
+    preactivation_loss,
+    tanh_sparsity_penalty_sparse,
+)
+from lightning_opt.ops.topk import batch_topk_rows  # noqa: E402
+
+SPARSITY, PREACT = 1e-3, 3e-6
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def time_fn(fn: Callable[[], Any], dev: torch.device, warmup: int, steps: int) -> dict[str, float]:
+    """Median/mean milliseconds of ``fn`` between CUDA events (wall clock on CPU)."""
+    for _ in range(warmup):
+        fn()
+    _sync(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        ev[0].record()
+        for i in range(steps):
+            fn()
+            ev[i + 1].record()
+        _sync(dev)
+        ms = [ev[i].elapsed_time(ev[i + 1]) for i in range(steps)]
+        peak = torch.cuda.max_memory_allocated(dev)
+    else:
+        ms = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            fn()
+            ms.append((time.perf_counter() - t) * 1e3)
+        peak = 0
+    return {"median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms), "peak_memory_gb": peak / 1e9}
+
+
+def synthetic(n: int, layers: int, d: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(n, layers, d, device=dev, generator=g)
+    y = torch.randn(n, layers, d, device=dev, generator=g)
+    return x, y
+
+
+def ours_step(nf: int, args: argparse.Namespace, dev: torch.device, sparse: bool) -> dict[str, Any]:
+    cfg = CLTConfig(n_layers=args.layers, d_model=args.d_model, n_features=nf, activation="batchtopk_global", k=args.k)
+    with torch.device(dev):
+        clt = CLT(cfg)
+    opt = torch.optim.AdamW(clt.parameters(), lr=1e-4, fused=dev.type == "cuda")
+    x, y = synthetic(args.tokens, args.layers, args.d_model, dev)
+    amp = dev.type == "cuda"
+
+    def step() -> None:
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+            out = clt(x, dense=not sparse)
+            mse = (out.recon - y).pow(2).mean()
+            sp = tanh_sparsity_penalty_sparse(out.indices, out.values, clt.decoder_norms(), args.tokens)
+            loss = mse + SPARSITY * sp + PREACT * preactivation_loss(out.pre)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    res = time_fn(step, dev, args.warmup, args.steps)
+    del clt, opt
+    return res
+
+
+def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
+    """BatchTopK selection alone on bf16 pre-activations [L * N * F] (ours, torch.topk, global_batch_topk)."""
+    n_keep = args.k * args.tokens
+    g = torch.Generator(device=dev).manual_seed(1)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    pre = torch.randn(args.layers * args.tokens * nf, device=dev, generator=g).to(dtype)
+    out: dict[str, Any] = {}
+    variants: dict[str, Callable[[], Any]] = {
+        "select_ours": lambda: batch_topk_rows(pre.view(1, -1), n_keep),
+        "select_torch_topk": lambda: torch.topk(pre, n_keep, sorted=False),
+    }
+    try:
+        from lightning_opt.ops.global_topk import global_batch_topk
+
+        variants["select_global_topk"] = lambda: global_batch_topk(pre.view(args.tokens, -1), args.k)
+    except ImportError as err:
+        out["select_global_topk"] = {"error": repr(err)}
+    for name, fn in variants.items():
+        try:
+            out[name] = time_fn(fn, dev, 2, args.select_steps)
+        except Exception as err:  # one failing variant must not kill the others
+            out[name] = {"error": repr(err)}
+    # exactness: same kept multiset as torch.topk
+    try:
+        idx, vals = batch_topk_rows(pre.view(1, -1), n_keep)
+        ref = torch.topk(pre.float(), n_keep, sorted=False).values
+        out["select_exact"] = bool(idx.numel() == n_keep and torch.equal(vals.float().sort().values, ref.sort().values))
+    except Exception as err:
+        out["select_exact"] = repr(err)
+    del pre
+    return out
+
+
+# ------------------------------------------------------------------ peer
+def peer_worker(args: argparse.Namespace) -> None:
+    """Time crosslayer-coding's own step in this (sub)process; print one JSON line."""
+    sys.path.insert(0, PEER_DIR)
+    from clt.config import CLTConfig as PeerConfig
+    from clt.config import TrainingConfig
+    from clt.models.activations import _apply_batch_topk_helper
+    from clt.models.clt import CrossLayerTranscoder
+    from clt.training.losses import LossManager
+
+    dev = torch.device(args.device)
+    nf, layers, d, n = args.peer_features, args.layers, args.d_model, args.tokens
+    amp = dev.type == "cuda"
+    res: dict[str, Any] = {}
+    try:
+        cfg = PeerConfig(num_features=nf, num_layers=layers, d_model=d, activation_fn="batchtopk", batchtopk_k=args.k)
+        model = CrossLayerTranscoder(cfg, process_group=None, device=dev)
+        tcfg = TrainingConfig(
+            learning_rate=1e-4, training_steps=1000, train_batch_size_tokens=n, activation_path="unused",
+            precision="bf16" if amp else "fp32", sparsity_lambda=SPARSITY, preactivation_coef=PREACT,
+            aux_loss_factor=None, normalization_method="none",
+        )
+        losses = LossManager(tcfg, clt_config=cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        x, y = synthetic(n, layers, d, dev)
+        inputs = {i: x[:, i].contiguous() for i in range(layers)}
+        targets = {i: y[:, i].contiguous() for i in range(layers)}
+        state = {"step": 0}
+        dead = torch.zeros(layers, nf, dtype=torch.bool, device=dev)  # what its trainer passes early on
+
+        def step() -> None:
+            # what its trainer does per step (clt/training/trainer.py): activations, total loss, backward, AdamW
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+                acts = model.get_feature_activations(inputs)
+                loss, _ = losses.compute_total_loss(model, inputs, targets, state["step"], 1000,
+                                                    precomputed_activations=acts, dead_neuron_mask=dead)
+            loss.backward()
+            opt.step()
+            # its trainer drops the cached decoder norms after each step (they hold the previous graph)
+            model.decoder_module._cached_decoder_norms = None
+            state["step"] += 1
+
+        res["peer_step"] = time_fn(step, dev, args.warmup, args.steps)
+        with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+            pre, _ = model._encode_all_layers(inputs)
+            res["peer_select"] = time_fn(
+                lambda: _apply_batch_topk_helper(pre, cfg, dev, torch.float32, 0, None), dev, 2, args.select_steps
+            )
+    except torch.cuda.OutOfMemoryError as err:
+        res["peer_step" if "peer_step" not in res else "peer_select"] = {"error": "out of memory", "detail": str(err)[:200]}
+    except Exception as err:
+        res["peer_error"] = {"error": repr(err), "trace": traceback.format_exc()[-1500:]}
+    print("PEER_JSON " + json.dumps(res), flush=True)
+
+
+def run_peer(nf: int, args: argparse.Namespace) -> dict[str, Any]:
+    if not os.path.isdir(os.path.join(PEER_DIR, "clt")):
+        return {"peer": "peer not run (.peers/crosslayer-coding missing)"}
+    cmd = [sys.executable, os.path.abspath(__file__), "--peer-worker", "--peer-features", str(nf),
+           "--layers", str(args.layers), "--d-model", str(args.d_model), "--tokens", str(args.tokens),
+           "--k", str(args.k), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--select-steps", str(args.select_steps), "--device", args.device]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout)
+    except subprocess.TimeoutExpired:
+        return {"peer": f"peer timed out after {args.peer_timeout}s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("PEER_JSON "):
+            return json.loads(line[len("PEER_JSON "):])
+    return {"peer": f"peer failed (rc={proc.returncode})", "stderr": proc.stderr[-2000:]}
+
+
+# ------------------------------------------------------------------ main
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (seconds)")
+    p.add_argument("--features", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--d-model", type=int, default=768)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--k", type=int, default=200)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--select-steps", type=int, default=10)
+    p.add_argument("--variants", nargs="+", default=["ours_dense", "ours_sparse", "select", "peer"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--peer-timeout", type=int, default=240)
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "clt_step.json"))
+    p.add_argument("--peer-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--peer-features", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if args.peer_worker:
+        peer_worker(args)
+        return
+    if args.smoke:
+        args.features, args.layers, args.d_model, args.tokens, args.k = [64, 128], 3, 16, 64, 4
+        args.steps, args.warmup, args.select_steps = 2, 1, 2
+        if args.out.endswith("clt_step.json"):
+            args.out = args.out.replace("clt_step.json", "clt_step_smoke.json")
+    dev = torch.device(args.device)
+    results: dict[str, Any] = {}
+    for nf in args.features:
+        row: dict[str, Any] = {}
+        for variant in args.variants:
+            try:
+                if variant in ("ours_dense", "ours_sparse"):
+                    row[variant] = ours_step(nf, args, dev, sparse=variant == "ours_sparse")
+                elif variant == "select":
+                    row.update(selection(nf, args, dev))
+                elif variant == "peer":
+                    row.update(run_peer(nf, args))
+            except torch.cuda.OutOfMemoryError as err:
+                row[variant] = {"error": "out of memory", "detail": str(err)[:200]}
+            except Exception as err:  # one failing variant must not kill the others
+                row[variant] = {"error": repr(err), "trace": traceback.format_exc()[-1500:]}
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        results[str(nf)] = row
+        print(f"features {nf}: " + json.dumps({k: v.get("median_ms", v) if isinstance(v, dict) else v
+                                               for k, v in row.items()}), flush=True)
+
+    def ms(row: dict, key: str) -> float | None:
+        v = row.get(key)
+        return v.get("median_ms") if isinstance(v, dict) else None
+
+    ratios = {}
+    for nf, row in results.items():
+        peer, peer_sel = ms(row, "peer_step"), ms(row, "peer_select")
+        best = min([t for t in (ms(row, "ours_dense"), ms(row, "ours_sparse")) if t is not None], default=None)
+        ratios[nf] = {
+            "step_speedup_vs_peer": peer / best if peer and best else None,
+            "select_speedup_vs_peer": peer_sel / ms(row, "select_ours") if peer_sel and ms(row, "select_ours") else None,
+        }
+    report = {
+        "benchmark": "clt_step",
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.machine()})",
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "shapes": {"layers": args.layers, "d_model": args.d_model, "tokens": args.tokens, "k": args.k},
+        "loss": f"MSE + {SPARSITY} * tanh sparsity + {PREACT} * pre-activation loss (both sides)",
+        "results": results,
+        "ratios": ratios,
+    }
+    try:
+        import lightning
+
+        report["versions"]["lightning"] = lightning.__version__
+    except ImportError:
+        pass
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"\n{'features':>9} | {'ours dense':>10} | {'ours sparse':>11} | {'peer step':>9} | {'speedup':>7} | "
+          f"{'sel ours':>8} | {'sel topk':>8} | {'sel peer':>8} | {'peak GB ours/peer':>17}")
+    for nf, row in results.items():
+        def f(key: str) -> str:
+            v = ms(row, key)
+            return f"{v:.1f}" if v is not None else ("OOM" if "memory" in str(row.get(key, "")) else "-")
+
+        peaks = []
+        for key in ("ours_dense", "ours_sparse", "peer_step"):
+            v = row.get(key)
+            peaks.append(f"{v['peak_memory_gb']:.1f}" if isinstance(v, dict) and "peak_memory_gb" in v else "-")
+        sp = ratios[nf]["step_speedup_vs_peer"]
+        print(f"{nf:>9} | {f('ours_dense'):>10} | {f('ours_sparse'):>11} | {f('peer_step'):>9} | "
+              f"{(f'{sp:.2f}x' if sp else '-'):>7} | {f('select_ours'):>8} | {f('select_torch_topk'):>8} | "
+              f"{f('peer_select'):>8} | {'/'.join(peaks):>17}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
