@@ -109,9 +109,7 @@ def ours_step(nf: int, args: argparse.Namespace, dev: torch.device, sparse: bool
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    res = time_fn(step, dev, args.warmup, args.steps)
-    del clt, opt
-    return res
+    return time_fn(step, dev, args.warmup, args.steps)
 
 
 def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
@@ -143,7 +141,6 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
         out["select_exact"] = bool(idx.numel() == n_keep and torch.equal(vals.float().sort().values, ref.sort().values))
     except Exception as err:
         out["select_exact"] = repr(err)
-    del pre
     return out
 
 
@@ -305,7 +302,7 @@ def main() -> None:
     print(f"\n{'features':>9} | {'ours dense':>10} | {'ours sparse':>11} | {'peer step':>9} | {'speedup':>7} | "
           f"{'sel ours':>8} | {'sel topk':>8} | {'sel peer':>8} | {'peak GB ours/peer':>17}")
     for nf, row in results.items():
-        def f(key: str) -> str:
+        def f(key: str, row: dict = row) -> str:
             v = ms(row, key)
             return f"{v:.1f}" if v is not None else ("OOM" if "memory" in str(row.get(key, "")) else "-")
 
