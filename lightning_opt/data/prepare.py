@@ -37,7 +37,7 @@ class ShardWriter:
 
     def __init__(self, out_dir: Path, prefix: str, split: str, shard_tokens: int) -> None:
         self.out_dir, self.prefix, self.split, self.shard_tokens = out_dir, prefix, split, shard_tokens
-        self.buf = np.empty(shard_tokens, dtype=np.uint16)
+        self.pending: list[np.ndarray] = []  # grows to one shard at most, so small runs stay small
         self.fill = 0
         self.files: list[Path] = []
         self.tokens = 0
@@ -45,7 +45,7 @@ class ShardWriter:
     def add(self, tokens: np.ndarray) -> None:
         while len(tokens):
             take = min(len(tokens), self.shard_tokens - self.fill)
-            self.buf[self.fill : self.fill + take] = tokens[:take]
+            self.pending.append(tokens[:take])
             self.fill += take
             tokens = tokens[take:]
             if self.fill == self.shard_tokens:
@@ -54,13 +54,19 @@ class ShardWriter:
     def _flush(self) -> None:
         if self.fill:
             path = self.out_dir / f"{self.prefix}_{self.split}_{len(self.files):06d}.bin"
-            self.files.append(write_shard(path, self.buf[: self.fill]))
+            self.files.append(write_shard(path, np.concatenate(self.pending)))
             self.tokens += self.fill
-            self.fill = 0
+            self.pending, self.fill = [], 0
 
     def close(self) -> list[Path]:
         self._flush()
         return self.files
+
+    def remove(self) -> None:
+        """Delete the shards written so far (after a failed run)."""
+        for path in self.files:
+            path.unlink(missing_ok=True)
+        self.files, self.pending, self.fill = [], [], 0
 
 
 def _check_out_dir(out_dir: Path, prefix: str, overwrite: bool) -> None:
@@ -109,36 +115,41 @@ def write_documents(
         writers[split].add(tokens)
         counts[split] += 1
 
-    first: np.ndarray | None = None  # held until we know whether it is the only document
-    index = 0
-    for chunk in _chunks(documents, batch_docs):
-        texts = [normalize_text(t) for t in chunk]
-        if isinstance(tokenizer, GPT2Tokenizer):
-            encoded: Iterable[list[int]] = tokenizer.encode_batch(texts)
-        else:
-            encoded = map(tokenizer.encode, texts)
-        for ids in encoded:
-            tokens = np.concatenate([eot, np.asarray(ids, dtype=np.uint16)])
-            if index == 0:
-                first = tokens
+    try:
+        first: np.ndarray | None = None  # held until we know whether it is the only document
+        index = 0
+        for chunk in _chunks(documents, batch_docs):
+            texts = [normalize_text(t) for t in chunk]
+            if isinstance(tokenizer, GPT2Tokenizer):
+                encoded: Iterable[list[int]] = tokenizer.encode_batch(texts)
             else:
-                if index == 1:
-                    route(0, first)  # type: ignore[arg-type]
-                route(index, tokens)
-            index += 1
-    if index == 0:
-        raise ValueError("no documents to tokenize; check the input files / dataset")
-    if index == 1:  # a single document: its tail is the validation set
-        cut = len(first) - int(len(first) * val_fraction)  # type: ignore[arg-type]
-        writers["train"].add(first[:cut])  # type: ignore[index]
-        writers["val"].add(first[cut:])  # type: ignore[index]
-        counts = {"train": 1, "val": int(cut < len(first))}  # type: ignore[arg-type]
-    if val_fraction > 0 and counts["val"] == 0:
-        raise ValueError(
-            f"{index} documents and val_fraction={val_fraction} give no validation document; pass more "
-            f"documents, a larger --val-fraction (>= {1 / index:.3g}), or --val-fraction 0"
-        )
-    files = {s: [p.name for p in w.close()] for s, w in writers.items()}
+                encoded = map(tokenizer.encode, texts)
+            for ids in encoded:
+                tokens = np.concatenate([eot, np.asarray(ids, dtype=np.uint16)])
+                if index == 0:
+                    first = tokens
+                else:
+                    if index == 1:
+                        route(0, first)  # type: ignore[arg-type]
+                    route(index, tokens)
+                index += 1
+        if index == 0:
+            raise ValueError("no documents to tokenize; check the input files / dataset")
+        if index == 1:  # a single document: its tail is the validation set
+            cut = len(first) - int(len(first) * val_fraction)  # type: ignore[arg-type]
+            writers["train"].add(first[:cut])  # type: ignore[index]
+            writers["val"].add(first[cut:])  # type: ignore[index]
+            counts = {"train": 1, "val": int(cut < len(first))}  # type: ignore[arg-type]
+        if val_fraction > 0 and counts["val"] == 0:
+            raise ValueError(
+                f"{index} documents and val_fraction={val_fraction} give no validation document; pass more "
+                f"documents, a larger --val-fraction (>= {1 / index:.3g}), or --val-fraction 0"
+            )
+        files = {s: [p.name for p in w.close()] for s, w in writers.items()}
+    except BaseException:
+        for w in writers.values():  # no half-made shard set is left to be picked up by a glob
+            w.remove()
+        raise
     meta = {
         "source": source,
         "tokenizer": tokenizer.name,

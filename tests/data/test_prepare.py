@@ -94,8 +94,20 @@ def test_prepare_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     out = str(tmp_path / "o")
     assert main(["prepare", "--input", str(src / "*.md"), "--out-dir", out, "--tokenizer", "byte"]) == 1
     assert "matches no files" in capsys.readouterr().err
-    assert main(["prepare", "--input", str(src / "*.txt"), "--out-dir", out, "--tokenizer", "byte"]) == 1
+    argv = [
+        "prepare",
+        "--input",
+        str(src / "*.txt"),
+        "--out-dir",
+        out,
+        "--tokenizer",
+        "byte",
+        "--shard-tokens",
+        "1",
+    ]
+    assert main(argv) == 1
     assert "give no validation document" in capsys.readouterr().err
+    assert not list(Path(out).glob("*.bin")), "a failed run must not leave shards behind"
     (src / "bad.txt").write_bytes(b"\xff\xfe bad")
     assert main(["prepare", "--input", str(src / "bad.txt"), "--out-dir", out, "--tokenizer", "byte"]) == 1
     assert "bad.txt' is not valid UTF-8" in capsys.readouterr().err
