@@ -1,0 +1,258 @@
+"""Time to target: the modded-nanogpt record script of 2025-01-04 vs our speedrun recipe, same GPU, same budget.
+
+1. The record script (the code at the top of its log, exported to the git-ignored ``.peers/modded-nanogpt/``
+   and patched by ``benchmarks/peers/patch_record.py`` in only its data paths, iteration count and val
+   token count) runs on one GPU through ``torchrun`` for ``--steps`` iterations of 524,288 tokens (127 =
+   4 passes over the novels train shard). Its final val loss is the target.
+2. Ours (``gpt2-124m-speedrun`` through GPT2SpeedrunModule + TokenShardDataModule + Trainer, bf16-mixed,
+   compile, 32 x 1024 x 16 = 524,288 tokens per step, the same number of steps) validates every
+   ``--ours-val-every`` steps off the clock and stops when it reaches the target.
+
+Clocks: compile and validation excluded for both. The record script resets its clock after step 10 and so
+leaves 10 steps out; ``record_train_s_adjusted`` adds them back at its steady step time, as our clock counts
+every step. The two val losses are over the same first ``--val-tokens`` val tokens, but the record evaluates
+with its own attention (64k-token sequences, document-causal sliding window) and ours with 1024-token
+windows, so equal numbers mean comparable, not identical, models.
+
+    python benchmarks/gpt2_record.py                  # GPU, about 8 minutes on an H100
+    python benchmarks/gpt2_record.py --steps 64       # half the budget if the call must be shorter
+    python benchmarks/gpt2_record.py --smoke          # CPU: patch + log parsing + our side on a tiny model
+
+Writes ``benchmarks/results/gpt2_record_<device>_<date>.json`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+
+import torch  # noqa: E402
+from gpt2_common import (  # noqa: E402
+    Deadline,
+    RunSpec,
+    Tokens,
+    default_out,
+    device,
+    env_info,
+    find_shards,
+    guarded,
+    load_yaml_config,
+    train_bare,
+    train_lightning,
+    with_model,
+    write_json,
+)
+from patch_record import write_patched  # noqa: E402
+
+RECORD_TOKENS_PER_STEP = 8 * 64 * 1024
+_VAL = re.compile(r"step:(\d+)/(\d+) val_loss:([\d.]+|nan) train_time:(\d+)ms")
+_TRAIN = re.compile(r"step:(\d+)/(\d+) train_time:(\d+)ms step_avg:([\d.]+|nan)ms")
+_PEAK = re.compile(r"peak memory consumption: (\d+) MiB")
+
+
+def parse_record_log(text: str, warm_reset: int = 10) -> dict[str, Any]:
+    """Numbers from the record script's console output (its ``print0(..., console=True)`` lines)."""
+    vals = [(int(s), float(v), int(t) / 1000) for s, _, v, t in _VAL.findall(text)]
+    trains = [(int(s), int(t) / 1000, float(a)) for s, _, t, a in _TRAIN.findall(text)]
+    out: dict[str, Any] = {"val_points": len(vals), "train_lines": len(trains)}
+    steady = [a for s, _, a in trains if s > warm_reset + 1 and a == a]  # a == a: not NaN
+    step_s = steady[-1] / 1000 if steady else None
+    if step_s:
+        out["step_ms"] = round(1000 * step_s, 2)
+        out["tokens_per_s"] = round(RECORD_TOKENS_PER_STEP / step_s, 1)
+    first = next((t for s, t, _ in trains if s == 1), None)
+    if first is not None and step_s:
+        out["first_step_s"] = round(first, 2)  # includes compile (and the step-0 validation compile)
+        out["compile_s"] = round(max(0.0, first - step_s), 2)
+    curve = []
+    for step, loss, t in vals:
+        # its clock restarts after step `warm_reset`: add those steps back at the steady step time
+        adj = t + (warm_reset * step_s if step_s and step > warm_reset else 0.0)
+        curve.append({"step": step, "tokens": step * RECORD_TOKENS_PER_STEP, "val_loss": loss,
+                      "record_clock_s": round(t, 3), "train_s": round(adj, 3)})
+    out["val_curve"] = curve
+    if curve:
+        out["final_val_loss"] = curve[-1]["val_loss"]
+        out["steps"] = curve[-1]["step"]
+        out["record_train_s"] = curve[-1]["record_clock_s"]
+        out["record_train_s_adjusted"] = curve[-1]["train_s"]
+    peak = _PEAK.findall(text)
+    if peak:
+        out["peak_mem_gb"] = round(int(peak[-1]) / 1024, 2)
+    return out
+
+
+def run_record(train: Path, val: Path, steps: int, val_tokens: int, timeout_s: float) -> dict[str, Any]:
+    script = write_patched(str(train.resolve()), str(val.resolve()), steps, val_tokens)
+    workdir = tempfile.mkdtemp(prefix="record_run_")  # it writes logs/<uuid>.txt into the working dir
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script)]
+    print("  $ " + " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own process group: a timeout kills the workers too
+    lines: list[str] = []
+
+    def pump() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if "val_loss" in line or "peak memory" in line or re.match(r"step:(1|10|50|100)/", line) \
+                    or "Error" in line or "error" in line:
+                print("  | " + line.rstrip()[:300], flush=True)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=max(1.0, timeout_s))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    reader.join(timeout=5)
+    text = "".join(lines)
+    out = parse_record_log(text)
+    out.update(returncode=proc.returncode, timed_out=timed_out, command=" ".join(cmd), script=str(script),
+               log_tail=text[-3000:])
+    if timed_out:
+        out["error"] = f"record script stopped after the {timeout_s:.0f}s it was given"
+    elif proc.returncode != 0:
+        out["error"] = f"record script exited with {proc.returncode}"
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--steps", type=int, default=127, help="iterations of 524,288 tokens for both")
+    p.add_argument("--val-tokens", type=int, default=1_048_576)
+    p.add_argument("--ours-val-every", type=int, default=8)
+    p.add_argument("--ours-runner", default="lightning", choices=["lightning", "bare"])
+    p.add_argument("--reserve-s", type=float, default=230.0, help="seconds kept for our run after the record")
+    p.add_argument("--deadline-s", type=float, default=530.0)
+    p.add_argument("--end-unix", type=float, default=None)
+    p.add_argument("--target", type=float, default=None, help="use this target (skips the record run)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    budget = args.deadline_s if args.end_unix is None else args.end_unix - time.time()
+    deadline = Deadline(budget)
+    dev = device()
+    train_path, val_path = find_shards(args.data_dir)
+    out_path = Path(args.out) if args.out else default_out("gpt2_record_smoke" if args.smoke else "gpt2_record")
+    payload: dict[str, Any] = {"benchmark": "gpt2_record", "env": env_info(), "smoke": args.smoke,
+                               "settings": vars(args), "results": {}}
+
+    # 1. the record script
+    if args.target is not None:
+        record: dict[str, Any] = {"name": "record-2025-01-04", "skipped": "--target given", "final_val_loss": args.target}
+    elif args.smoke or dev.type != "cuda":
+        # it needs CUDA and NCCL: on CPU prove the patch and the log parsing instead
+        record = guarded("record-2025-01-04", lambda: _smoke_record(train_path, val_path, args))
+    else:
+        record = guarded("record-2025-01-04", lambda: run_record(
+            train_path, val_path, args.steps, args.val_tokens, deadline.left() - args.reserve_s), deadline, 60)
+    payload["results"]["record"] = record
+    write_json(out_path, payload)
+    target = record.get("final_val_loss")
+
+    # 2. ours, same budget, stop at the target
+    sp_model, sp_optim, sp_sched, _ = load_yaml_config("gpt2-124m-speedrun")
+    spec = RunSpec(sp_model, sp_optim, sp_sched, steps=args.steps, micro_batch=32, accum=16, seq_len=1024,
+                   compile=True, amp="bf16", warm=3, val_every=args.ours_val_every, stop_at_loss=target)
+    vocab_mod = None
+    if args.smoke:
+        vocab_mod = 512
+        spec = with_model(replace(spec, steps=6, micro_batch=4, accum=2, seq_len=64, compile=False, amp="fp32",
+                                  warm=1, val_every=2, stop_at_loss=None),
+                          n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=512, vocab_multiple=1,
+                          n_value_embeds=1)
+    data = Tokens(train_path, val_path, dev, val_tokens=4096 if args.smoke else args.val_tokens,
+                  train_tokens=1_000_000 if args.smoke else None, vocab_mod=vocab_mod)
+    lightning_train = train_path
+    if args.smoke:
+        from lightning_opt.data.shards import write_shard
+
+        lightning_train = Path(tempfile.mkdtemp()) / "smoke_train.bin"
+        write_shard(lightning_train, data.train.cpu().numpy().astype("uint16"))
+    spec = replace(spec, deadline_s=max(30.0, deadline.left() - 45))
+    if args.ours_runner == "lightning":
+        ours = guarded("ours-speedrun-lightning", lambda: train_lightning(spec, data, lightning_train, "none"),
+                       deadline, 30)
+    else:
+        ours = guarded("ours-speedrun-bare", lambda: train_bare(spec, data), deadline, 30)
+    payload["results"]["ours"] = ours
+    payload["summary"] = summarize(record, ours, target)
+    write_json(out_path, payload)
+    print_table(payload)
+    print(f"wrote {out_path}")
+    return payload
+
+
+def _smoke_record(train: Path, val: Path, args: argparse.Namespace) -> dict[str, Any]:
+    script = write_patched(str(train.resolve()), str(val.resolve()), args.steps, args.val_tokens)
+    text = script.read_text()
+    log = "\n".join(
+        [f"step:0/{args.steps} val_loss:10.8258 train_time:0ms step_avg:nanms",
+         f"step:1/{args.steps} train_time:60000ms step_avg:nanms"]
+        + [f"step:{s}/{args.steps} train_time:{(s - 10) * 1100}ms step_avg:1100.00ms" for s in range(11, 20)]
+        + [f"step:{args.steps}/{args.steps} val_loss:4.5000 train_time:{(args.steps - 10) * 1100}ms "
+           "step_avg:1100.00ms", "peak memory consumption: 30000 MiB"])
+    out = parse_record_log(log)
+    out.update(smoke=True, patched_script=str(script), patched_lines=int(f"num_iterations = {args.steps}" in text))
+    return out
+
+
+def summarize(record: dict, ours: dict, target: float | None) -> dict[str, Any]:
+    s: dict[str, Any] = {"target_val_loss": target}
+    rec_t = record.get("record_train_s_adjusted")
+    hit = next((row for row in ours.get("val_curve", []) if target is not None and row["val_loss"] <= target), None)
+    s["ours_reached_target"] = hit is not None
+    s["ours_time_to_target_s"] = hit["train_s"] if hit else None
+    s["ours_steps_to_target"] = hit["step"] if hit else None
+    s["record_time_s_adjusted"] = rec_t
+    s["record_time_s_as_it_reports"] = record.get("record_train_s")
+    if hit and rec_t:
+        s["time_ratio_ours_over_record"] = round(hit["train_s"] / rec_t, 4)
+        s["goal_le_0p75"] = s["time_ratio_ours_over_record"] <= 0.75
+    if ours.get("tokens_per_s") and record.get("tokens_per_s"):
+        s["tokens_per_s_ratio_ours_over_record"] = round(ours["tokens_per_s"] / record["tokens_per_s"], 4)
+    return s
+
+
+def print_table(payload: dict[str, Any]) -> None:
+    print()
+    print(f"{'run':28} {'tok/s':>10} {'step ms':>8} {'compile s':>9} {'peak GB':>8} {'final val':>9} {'train s':>8}")
+    for name, r in payload["results"].items():
+        if r.get("error") and "tokens_per_s" not in r:
+            print(f"{name:28} {r['error'][:120]}")
+            continue
+        tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
+        step = f"{r['step_ms']:.1f}" if r.get("step_ms") else "-"
+        peak = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") else "-"
+        val = f"{r['final_val_loss']:.4f}" if r.get("final_val_loss") is not None else "-"
+        ts = r.get("record_train_s_adjusted") or r.get("train_s")
+        print(f"{name:28} {tps:>10} {step:>8} {r.get('compile_s') or 0:>9.1f} {peak:>8} {val:>9} "
+              f"{(ts or 0):>8.1f}")
+    for k, v in payload.get("summary", {}).items():
+        print(f"  {k}: {v}")
+
+
+if __name__ == "__main__":
+    torch.set_float32_matmul_precision("high")
+    main()
