@@ -62,6 +62,8 @@ class LossClamp(Callback):
         self._count: torch.Tensor | None = None  # clamped backward calls this run, on device
         self._base = 0  # clamps from earlier runs (restored state)
         self.metrics: dict[str, float] = {}
+        self._host: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
 
     @property
     def clamped_total(self) -> int:
@@ -87,10 +89,20 @@ class LossClamp(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.global_step % log_every(trainer, None) == 0:
-            # The count lives on the device; reading it (one sync) happens only at log steps.
-            self.metrics = {"loss_clamp/clamped": float(self.clamped_total)}
+        if self._count is None or trainer.global_step % log_every(trainer, None) != 0:
+            return
+        # The count lives on the device. Log the copy started at the previous log step if it has
+        # landed (no wait), then start a new non-blocking copy: the metric lags one interval.
+        if self._host is not None and (self._event is None or self._event.query()):
+            self.metrics = {"loss_clamp/clamped": float(self._base + int(self._host))}
             log_metrics(trainer, self.metrics)
+        cuda = self._count.device.type == "cuda"
+        self._host = torch.empty((), dtype=torch.int64, pin_memory=cuda)
+        self._host.copy_(self._count, non_blocking=True)
+        self._event = None
+        if cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -99,10 +111,10 @@ class LossClamp(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._base = int(state_dict["clamped_total"])
-        self._count = None
+        self._count = self._host = None
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._count is not None:
             self._base = self.clamped_total
-            self._count = None
+            self._count = self._host = None

@@ -324,6 +324,13 @@ class NaNSkip(Callback):
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
 
     @override
+    def on_before_zero_grad(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        # Automatic optimization zeroes grads at the start of each accumulation window: flags
+        # left from a step that never reached our wrapper (a GradScaler skip) must not carry over.
+        self._loss_bad = None
+        self._loss_sum = None
+
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

@@ -104,3 +104,16 @@ def test_optimizer_step_is_unwrapped_after_fit(tmp_path):
     t = _fit(tmp_path, m, [NaNSkip()])
     assert "step" not in t.optimizers[0].__dict__ or not hasattr(t.optimizers[0].step, "_lightning_opt_nan_skip")
     assert torch.isfinite(next(m.parameters())).all()
+
+
+def test_gradient_accumulation_skips_the_whole_window(tmp_path):
+    batches = make_batches(8)
+    skip = NaNSkip()
+    m = TinyModule(batches=batches, nan_at=(3,))  # window (2, 3) holds the NaN
+    t1 = make_trainer(tmp_path, [skip], accumulate_grad_batches=2)
+    t1.fit(m)
+    ref = TinyModule(batches=[b for i, b in enumerate(batches) if i not in (2, 3)])
+    t2 = make_trainer(tmp_path, [], accumulate_grad_batches=2)
+    t2.fit(ref)
+    assert_same(snapshot(m, t1), snapshot(ref, t2))
+    assert skip.skipped_total == 1 and skip.steps_seen == 4
