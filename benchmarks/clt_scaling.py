@@ -1,0 +1,396 @@
+"""CLT training throughput on 1 vs 2 GPUs with each lightning_opt strategy (same global batch).
+
+A 12-layer CLT (d_model 768, k=200 active features per token over all layers, BatchTopK over the whole
+batch) trains on random activations with a real ``Trainer`` (bf16-mixed, fused Adam, sparse decode), at
+8192, 16384 and 32768 features per layer, 4096 tokens per optimizer step:
+
+- ``ours_1gpu``: one GPU, the whole batch, local BatchTopK;
+- ``ours_global_batchtopk_2gpu``: ``GlobalBatchTopKStrategy``, 2048 tokens per GPU, exact global BatchTopK;
+- ``ours_decoder_sharding_2gpu``: ``DecoderShardingStrategy``, both GPUs see the 4096 tokens, each decodes
+  half of d_model;
+- ``peer_crosslayer_coding_{1,2}gpu``: crosslayer-coding's model (tensor-parallel) when ``.peers/crosslayer-coding``
+  and ``benchmarks/peers/clt_tp_runner.py`` exist.
+
+Reported per variant: median step time (interval between batch starts, CUDA events), tokens/s, speedup over
+the 1-GPU run of the same size, mean active features per token over the global batch (must be k), bytes moved
+by our collectives per step (measured at the Python collectives) plus DDP's gradient all-reduce payload
+(computed), and peak memory. Each variant runs in fresh processes; one failing variant is recorded and the
+others still run.
+
+    python benchmarks/clt_scaling.py            # 2 CUDA GPUs, about 3 minutes on H100s
+    python benchmarks/clt_scaling.py --smoke    # CPU + gloo, 2 processes, under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _ByteCounter:
+    """Counts payload bytes of the Python-level collectives (ours); DDP's C++ reducer is not seen here."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.bytes = 0
+        self._dist = dist
+        self._orig: dict[str, Any] = {}
+        for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast"):
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                self._orig[name] = fn
+                setattr(dist, name, self._wrap(name, fn))
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            first = args[0] if args else None
+            if isinstance(first, torch.Tensor):
+                self.bytes += first.numel() * first.element_size()
+            elif isinstance(first, list):
+                self.bytes += sum(t.numel() * t.element_size() for t in first)
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def _build_module(args: argparse.Namespace, n_features: int, tokens_per_rank: int, device_type: str) -> Any:
+    import lightning.pytorch as pl
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, Dataset
+
+    from lightning_opt.models.clt import CLT, CLTConfig
+    from lightning_opt.ops.global_topk import batch_topk_threshold_sparse
+
+    class _Steps(Dataset):
+        def __len__(self) -> int:
+            return 10_000
+
+        def __getitem__(self, i: int) -> int:
+            return i
+
+    class BenchCLT(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            cfg = CLTConfig(
+                n_layers=args.layers,
+                d_model=args.d_model,
+                n_features=n_features,
+                activation="batchtopk_global",
+                k=args.k,
+            )
+            self.clt = CLT(cfg)
+            self.l0: list[float] = []
+
+        def setup(self, stage: str) -> None:
+            # A pool of random activations on the device; each step reads a window (no loader cost).
+            gen = torch.Generator(device="cpu").manual_seed(1234 + self.global_rank)
+            pool = 2 * tokens_per_rank
+            self.register_buffer(
+                "pool_x",
+                torch.randn(pool, args.layers, args.d_model, generator=gen).to(self.device),
+                persistent=False,
+            )
+            self.register_buffer(
+                "pool_y",
+                torch.randn(pool, args.layers, args.d_model, generator=gen).to(self.device),
+                persistent=False,
+            )
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            start = (batch_idx % 2) * tokens_per_rank
+            x = self.pool_x[start : start + tokens_per_rank]
+            y = self.pool_y[start : start + tokens_per_rank]
+            clt = self.clt
+            pre = clt.encode(x)
+            L, N, nf = pre.shape
+            idx, vals = batch_topk_threshold_sparse(pre.reshape(N, L * nf), args.k, clt.topk_group)
+            recon = clt.decode_sparse(idx, F.relu(vals), N)
+            if clt.d_out_slice is not None:
+                y = y[..., clt.d_out_slice[0] : clt.d_out_slice[1]]
+            self.l0.append(idx.numel() / N)  # idx.numel() is known on the host (nonzero sized it)
+            return F.mse_loss(recon.float(), clt.normalize_targets(y).float())
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=1e-4, fused=device_type == "cuda")
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(_Steps(), batch_size=1)
+
+    return BenchCLT()
+
+
+class _StepTimer:
+    def __init__(self, device_type: str, warmup: int, counter: _ByteCounter | None = None) -> None:
+        import lightning.pytorch as pl
+
+        outer = self
+
+        class Cb(pl.Callback):
+            def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+                outer.mark()
+
+            def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+                outer.mark()
+
+        self.callback = Cb()
+        self.device_type = device_type
+        self.warmup = warmup
+        self.counter = counter
+        self.events: list[Any] = []
+        self.bytes: list[int] = []
+
+    def bytes_per_step(self) -> float:
+        """Bytes our collectives moved per measured step (setup broadcasts and warm-up excluded)."""
+        if not self.bytes or len(self.bytes) <= self.warmup + 1:
+            return 0.0
+        return (self.bytes[-1] - self.bytes[self.warmup]) / (len(self.bytes) - 1 - self.warmup)
+
+    def mark(self) -> None:
+        self.bytes.append(self.counter.bytes if self.counter else 0)
+        if self.device_type == "cuda":
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.events.append(e)
+        else:
+            import time
+
+            self.events.append(time.perf_counter())
+
+    def step_ms(self) -> float:
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()
+            times = [a.elapsed_time(b) for a, b in zip(self.events[:-1], self.events[1:])]
+        else:
+            times = [(b - a) * 1e3 for a, b in zip(self.events[:-1], self.events[1:])]
+        return statistics.median(times[self.warmup :])
+
+
+def _run_ours(
+    variant: str, rank: int, world: int, args: argparse.Namespace, n_features: int
+) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    from lightning_opt.strategies import DecoderShardingStrategy, GlobalBatchTopKStrategy
+
+    device_type = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if variant == "ours_global_batchtopk_2gpu":
+        strategy: Any = GlobalBatchTopKStrategy()
+        tokens_per_rank = args.tokens // world
+    elif variant == "ours_decoder_sharding_2gpu":
+        strategy = DecoderShardingStrategy()
+        tokens_per_rank = args.tokens
+    else:
+        strategy, tokens_per_rank = "auto", args.tokens
+    module = _build_module(args, n_features, tokens_per_rank, device_type)
+    counter = _ByteCounter() if world > 1 else None
+    timer = _StepTimer(device_type, args.warmup, counter)
+    if device_type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    trainer = pl.Trainer(
+        accelerator="gpu" if device_type == "cuda" else "cpu",
+        devices=world,
+        strategy=strategy,
+        precision="bf16-mixed" if device_type == "cuda" else "32-true",
+        max_steps=args.warmup + args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[timer.callback],
+    )
+    trainer.fit(module)
+    step_ms = timer.step_ms()
+    n_params = sum(p.numel() for p in module.parameters())
+    l0 = module.l0[-1]
+    if variant == "ours_global_batchtopk_2gpu":
+        t = torch.tensor([l0 * tokens_per_rank], dtype=torch.float64, device=trainer.strategy.root_device)
+        dist.all_reduce(t)  # global active entries / global tokens
+        l0 = float(t) / args.tokens
+    ours_bytes = timer.bytes_per_step()
+    ddp_bytes = n_params * 4 if variant == "ours_global_batchtopk_2gpu" else 0
+    return {
+        "variant": variant,
+        "features_per_layer": n_features,
+        "world": world,
+        "tokens_per_step": args.tokens,
+        "step_ms": step_ms,
+        "tokens_per_s": args.tokens / (step_ms / 1e3),
+        "active_per_token": l0,
+        "collective_bytes_per_step_ours": ours_bytes,
+        "ddp_grad_allreduce_bytes_per_step": ddp_bytes,
+        "params": n_params,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device_type == "cuda" else None,
+    }
+
+
+def _run_peer(rank: int, world: int, args: argparse.Namespace, n_features: int) -> dict[str, Any]:
+    sys.path.insert(0, os.path.join(HERE, "..", ".peers", "crosslayer-coding"))
+    from benchmarks.peers.clt_tp_runner import peer_step_times
+
+    res = peer_step_times(
+        n_features=n_features, tokens=args.tokens, k=args.k, n_layers=args.layers, d_model=args.d_model,
+        steps=args.steps, warmup=args.warmup, smoke=args.smoke,
+    )  # fmt: skip
+    res.update(variant=f"peer_crosslayer_coding_{world}gpu", features_per_layer=n_features, world=world)
+    res.setdefault("tokens_per_step", args.tokens)
+    if "step_ms" in res:
+        res["tokens_per_s"] = args.tokens / (res["step_ms"] / 1e3)
+    return res
+
+
+def _worker(
+    rank: int, world: int, port: int, variant: str, args: argparse.Namespace, n_features: int, out: str
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), RANK=str(rank),
+        WORLD_SIZE=str(world), NODE_RANK="0",
+    )  # fmt: skip
+    import torch.distributed as dist
+
+    use_cuda = torch.cuda.is_available() and not args.smoke
+    if use_cuda:
+        torch.cuda.set_device(rank)
+    if world > 1 or variant.startswith("peer"):
+        backend = "nccl" if use_cuda else "gloo"
+        kw = {"device_id": torch.device("cuda", rank)} if use_cuda else {}
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=5), **kw)
+    try:
+        if variant.startswith("peer"):
+            result = _run_peer(rank, world, args, n_features)
+        else:
+            result = _run_ours(variant, rank, world, args, n_features)
+    except Exception as err:  # recorded; the other variants still run
+        result = {"variant": variant, "features_per_layer": n_features, "world": world}
+        result["error"] = f"{type(err).__name__}: {err}"
+        result["traceback"] = traceback.format_exc(limit=6)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny CLT on CPU with 2 gloo processes")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/clt_scaling.json)")
+    parser.add_argument("--features", type=int, nargs="+", default=[8192, 16384, 32768])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--k", type=int, default=200)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--d-model", type=int, default=768)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-peer", action="store_true", help="skip crosslayer-coding")
+    args = parser.parse_args()
+    if args.smoke:
+        args.features, args.tokens, args.k, args.layers, args.d_model = [64], 64, 4, 3, 16
+        args.steps, args.warmup = 2, 1
+    gpus = torch.cuda.device_count() if not args.smoke else 2
+    peer_ok = (
+        not args.no_peer
+        and os.path.isdir(os.path.join(HERE, "..", ".peers", "crosslayer-coding"))
+        and os.path.exists(os.path.join(HERE, "peers", "clt_tp_runner.py"))
+    )
+    variants = [("ours_1gpu", 1)]
+    if gpus >= 2:
+        variants += [("ours_global_batchtopk_2gpu", 2), ("ours_decoder_sharding_2gpu", 2)]
+    if peer_ok:
+        variants += [("peer_crosslayer_coding_1gpu", 1)] + (
+            [("peer_crosslayer_coding_2gpu", 2)] if gpus >= 2 else []
+        )
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n_features in args.features:
+            for variant, world in variants:
+                path = os.path.join(tmp, f"{variant}_{n_features}.json")
+                try:
+                    mp.spawn(
+                        _worker,
+                        args=(world, _free_port(), variant, args, n_features, path),
+                        nprocs=world,
+                        join=True,
+                    )
+                    with open(path) as f:
+                        row = json.load(f)
+                except Exception as err:
+                    row = {"variant": variant, "features_per_layer": n_features, "world": world}
+                    row["error"] = f"{type(err).__name__}: {str(err)[-2000:]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    for row in rows:  # speedup over the 1-GPU run of the same code and size
+        base_name = "peer_crosslayer_coding_1gpu" if row["variant"].startswith("peer") else "ours_1gpu"
+        base = next(
+            (
+                r
+                for r in rows
+                if r["variant"] == base_name and r["features_per_layer"] == row["features_per_layer"]
+            ),
+            None,
+        )
+        if base and "tokens_per_s" in base and "tokens_per_s" in row:
+            row["speedup_vs_1gpu"] = row["tokens_per_s"] / base["tokens_per_s"]
+    import lightning
+
+    out = args.out or os.path.join(
+        HERE, "results", "clt_scaling_smoke.json" if args.smoke else "clt_scaling.json"
+    )
+    result = {
+        "benchmark": "clt_scaling",
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available() and not args.smoke
+        else platform.processor() or "cpu",
+        "gpus": gpus,
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "command": " ".join([sys.executable, *sys.argv]),
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "rows": rows,
+    }
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(
+        f"\n{'variant':32} {'F/layer':>8} {'step ms':>9} {'tok/s':>10} {'x 1gpu':>7} {'L0':>7} {'our MB':>8} {'DDP MB':>8}"
+    )
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:32} {r['features_per_layer']:>8} ERROR {r['error'][:80]}")
+            continue
+        print(
+            f"{r['variant']:32} {r['features_per_layer']:>8} {r['step_ms']:9.2f} {r['tokens_per_s']:10.0f} "
+            f"{r.get('speedup_vs_1gpu', float('nan')):7.2f} {r.get('active_per_token', float('nan')):7.1f} "
+            f"{r.get('collective_bytes_per_step_ours', 0) / 1e6:8.2f} "
+            f"{r.get('ddp_grad_allreduce_bytes_per_step', 0) / 1e6:8.1f}"
+        )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
