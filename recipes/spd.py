@@ -25,6 +25,64 @@ from lightning_opt.cli import RecipeCLI, device_name, run_dir, write_metrics  # 
 from lightning_opt.modules.spd import SPDModule  # noqa: E402
 
 
+def plot_decomposition(model: SPDModule, path: Path) -> Path | None:
+    """Components vs features for toy targets: single-feature causal importances of each layer
+    (rows: features, columns: subcomponents, best-matched order), and for TMS the target's feature
+    directions next to the subcomponents of ``linear1``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lightning_opt.models import spd as S
+    from lightning_opt.models.toy import ResidMLPConfig, TMSConfig
+
+    cfg = getattr(model.spd.target, "config", None)
+    if not isinstance(cfg, (TMSConfig, ResidMLPConfig)):
+        return None
+    spd = model.spd
+    with torch.no_grad():
+        device = next(spd.parameters()).device
+        _, inputs = spd.target_forward(torch.eye(cfg.n_features, device=device) * 0.75)
+        ci = spd.causal_importances(inputs).lower
+    tms = isinstance(cfg, TMSConfig) and "linear1" in spd.layers and cfg.n_hidden == 2
+    n_panels = len(ci) + (2 if tms else 0)
+    fig, axes = plt.subplots(1, n_panels, figsize=(3.2 * n_panels, 3.2), squeeze=False)
+    axes = list(axes[0])
+    if tms:
+        layer = spd.layers["linear1"]
+        W = layer.weight.detach().cpu()  # [n_features, 2]
+        sub = (layer.V.detach().cpu().unsqueeze(-1) * layer.U.detach().cpu().unsqueeze(0))  # [n, C, 2]
+        norms = sub.norm(dim=-1).sum(0)
+        keep = [int(c) for c in norms.argsort(descending=True)[: cfg.n_features]]
+        colors = plt.cm.tab10.colors
+        for ax, title in zip(axes[:2], ("target W columns", f"top {len(keep)} subcomponents")):
+            ax.set_title(title, fontsize=9)
+            ax.set_aspect("equal")
+            ax.set_xlim(-1.6, 1.6)
+            ax.set_ylim(-1.6, 1.6)
+        for j in range(cfg.n_features):
+            axes[0].arrow(0, 0, float(W[j, 0]), float(W[j, 1]), color=colors[j % 10], width=0.02)
+        for c in keep:
+            for j in range(cfg.n_features):
+                v = sub[j, c]
+                if v.norm() > 0.05:
+                    axes[1].arrow(0, 0, float(v[0]), float(v[1]), color=colors[j % 10], width=0.02)
+        axes = axes[2:]
+    for ax, (name, g) in zip(axes, ci.items()):
+        g = g.detach().float().cpu()
+        g = g[:, S.greedy_identity_permutation(g)][:, : max(cfg.n_features, 1) + 5]
+        im = ax.imshow(g, vmin=0, vmax=1, cmap="Blues", aspect="auto")
+        ax.set_title(f"CI {name}", fontsize=9)
+        ax.set_xlabel("subcomponent (matched order)")
+        ax.set_ylabel("input feature")
+    fig.colorbar(im, ax=axes[-1], fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(args: list[str] | None = None) -> dict:
     cli = RecipeCLI(SPDModule, args=args, run=False, save_config_kwargs={"overwrite": True})
     trainer, model = cli.trainer, cli.model
@@ -41,6 +99,8 @@ def main(args: list[str] | None = None) -> dict:
     }
     path = run_dir(trainer) / cli.config.get("metrics_file", "metrics.json")
     write_metrics(path, metrics)
+    if trainer.is_global_zero:
+        plot_decomposition(model, run_dir(trainer) / "components.png")
     if trainer.is_global_zero:
         keys = [k for k in ("mmcs", "ml2r", "ci_l0", "recon/stochastic", "ce/ci", "kl/ci") if k in metrics]
         print("  ".join(f"{k} {metrics[k]:.4f}" for k in keys))

@@ -1,0 +1,282 @@
+"""SPD training-step time: ours (lightning_opt) side by side with goodfire's ``spd`` in one run.
+
+    python benchmarks/spd_step.py                 # CUDA: full measurement -> benchmarks/results/spd_step.json
+    python benchmarks/spd_step.py --smoke         # CPU, tiny sizes, seconds: checks that everything runs
+
+Workloads (same target weights, same hyperparameters for both implementations):
+
+* ``resid_mlp1``: the paper's 1-layer residual MLP (100 features, d_embed 1000, 50 neurons), C=100 on
+  ``mlp_in`` and ``mlp_out``, scalar CI MLPs [16], importance p=2 (1e-5) + stochastic + layerwise
+  reconstruction (MSE), batch 2048: goodfire's ``resid_mlp1_config.yaml``.
+* ``lm``: our GPT (4 layers, d 256, vocab 4096, seq 128, batch 16) with MLP and attention projections
+  decomposed, shared CI MLP [550], importance p 2->0.3 with the log term, stochastic-subset and
+  PGD-subset reconstruction (KL), faithfulness 1e6: goodfire's ``ss_llama_simple_mlp`` recipe scaled down.
+
+Variants: ``peer`` (their ComponentModel + compute_total_loss, bf16 autocast as their default and
+fp32), ``ours_eager`` (module replacement, cached target weights, no per-step host syncs), ``ours_bf16``,
+``ours_compiled_bf16`` (``torch.compile`` of the whole forward + losses, fused AdamW). Host syncs per
+step are counted with ``torch.cuda.set_sync_debug_mode``. One failing variant is recorded and skipped.
+Needs ``.peers/spd`` (their checkout) and ``.peers/site`` (einops, jaxtyping) for the peer variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import spd_peer_runner as peer  # noqa: E402
+
+from lightning_opt.models import spd as S  # noqa: E402
+from lightning_opt.modules.spd import PGDConfig, SPDLossConfig, SPDModule, SPDTrainConfig  # noqa: E402
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------------------------------
+# Workloads: (target, batches, our configs, their config)
+# --------------------------------------------------------------------------------------------------
+
+
+def resid_mlp1(device: str, smoke: bool) -> dict[str, Any]:
+    from lightning_opt.models.toy import ResidMLP, ResidMLPConfig, sparse_feature_batch
+
+    n, d, h, bs, C = (20, 64, 10, 64, 20) if smoke else (100, 1000, 50, 2048, 100)
+    torch.manual_seed(0)
+    target = ResidMLP(ResidMLPConfig(n_features=n, d_embed=d, d_mlp=h)).requires_grad_(False).eval()
+    g = torch.Generator().manual_seed(1)
+    batches = [sparse_feature_batch(bs, n, 0.01, (-1.0, 1.0), g).to(device) for _ in range(4)]
+    patterns = [("layers.*.mlp_in", C), ("layers.*.mlp_out", C)]
+    spd = S.SPDConfig(components=[{"pattern": p, "C": c} for p, c in patterns], ci_fn="mlp", ci_hidden=[16])
+    loss = SPDLossConfig(importance_minimality=1e-5, p=2.0, stochastic_recon=1.0, stochastic_recon_layerwise=1.0, output="mse")
+    theirs = {
+        "ci_fn_type": "mlp",
+        "ci_fn_hidden_dims": [16],
+        "lr": 2e-3,
+        "output_loss_type": "mse",
+        "steps": 20_000,
+        "loss_metric_configs": [
+            {"classname": "ImportanceMinimalityLoss", "coeff": 1e-5, "pnorm": 2.0, "beta": 0.0},
+            {"classname": "StochasticReconLayerwiseLoss", "coeff": 1.0},
+            {"classname": "StochasticReconLoss", "coeff": 1.0},
+        ],
+    }
+    return {"target": target, "batches": batches, "patterns": patterns, "spd": spd, "loss": loss, "lr": 2e-3, "theirs": theirs}
+
+
+def lm(device: str, smoke: bool) -> dict[str, Any]:
+    from lightning_opt.models.gpt2 import GPT, GPTConfig
+
+    if smoke:
+        shape = {"vocab_size": 64, "n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16}
+        bs, T, Cs, hid = 2, 16, (16, 16, 8, 8), [16]
+    else:
+        shape = {"vocab_size": 4096, "n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 128}
+        bs, T, Cs, hid = 16, 128, (650, 600, 300, 300), [550]
+    torch.manual_seed(0)
+    target = GPT(GPTConfig(**shape)).requires_grad_(False).eval()
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, shape["vocab_size"], (bs, T), generator=g).to(device) for _ in range(4)]
+    patterns = [
+        ("blocks.*.mlp.c_fc", Cs[0]),
+        ("blocks.*.mlp.c_proj", Cs[1]),
+        ("blocks.*.attn.c_attn", Cs[2]),
+        ("blocks.*.attn.c_proj", Cs[3]),
+    ]
+    spd = S.SPDConfig(components=[{"pattern": p, "C": c} for p, c in patterns], ci_fn="shared_mlp", ci_hidden=hid)
+    loss = SPDLossConfig(
+        faithfulness=1e6, importance_minimality=2e-3, p=2.0, p_final=0.3, p_anneal_start=0.0, p_anneal_end=1.0, beta=0.1,
+        stochastic_recon=0.0, stochastic_recon_layerwise=0.0, stochastic_recon_subset=0.5, pgd_recon_subset=0.5,
+        pgd=PGDConfig(n_steps=1, step_size=1.0, init="random", scope="shared"), output="kl",
+    )
+    theirs = {
+        "ci_fn_type": "shared_mlp",
+        "ci_fn_hidden_dims": hid,
+        "lr": 2e-4,
+        "output_loss_type": "kl",
+        "steps": 400_000,
+        "loss_metric_configs": [
+            {"classname": "ImportanceMinimalityLoss", "coeff": 2e-3, "pnorm": 2.0, "beta": 0.1,
+             "p_anneal_start_frac": 0.0, "p_anneal_final_p": 0.3, "p_anneal_end_frac": 1.0},
+            {"classname": "StochasticReconSubsetLoss", "coeff": 0.5},
+            {"classname": "PGDReconSubsetLoss", "coeff": 0.5, "init": "random", "step_size": 1.0, "n_steps": 1,
+             "mask_scope": "shared_across_batch"},
+            {"classname": "FaithfulnessLoss", "coeff": 1e6},
+        ],
+    }
+    return {"target": target, "batches": batches, "patterns": patterns, "spd": spd, "loss": loss, "lr": 2e-4, "theirs": theirs}
+
+
+# --------------------------------------------------------------------------------------------------
+# Steps
+# --------------------------------------------------------------------------------------------------
+
+
+def our_step(w: dict[str, Any], device: str, bf16: bool, compiled: bool, steps: int, smoke: bool = False) -> Any:
+    m = SPDModule(
+        target=copy.deepcopy(w["target"]),
+        spd=copy.deepcopy(w["spd"]),
+        loss=copy.deepcopy(w["loss"]),
+        train=SPDTrainConfig(lr=w["lr"], autocast_bf16=bf16, faithfulness_warmup_steps=0),
+    ).to(device)
+    params = m.spd.component_parameters() + m.spd.ci_parameters()
+    fused = compiled and device.startswith("cuda")
+    opt = torch.optim.AdamW(params, lr=w["lr"], weight_decay=0.0, fused=fused)
+    # smoke: trace with dynamo (graph breaks, guards) but skip inductor's slow CPU code generation
+    fn = torch.compile(m.compute_losses, backend="eager" if smoke else "inductor") if compiled else m.compute_losses
+    frac = torch.zeros((), device=device)
+    state = {"step": 0}
+
+    def step(batch: Any) -> torch.Tensor:
+        frac.fill_(state["step"] / steps)
+        loss, _terms = fn(batch, frac)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        state["step"] += 1
+        return loss.detach()
+
+    return step
+
+
+def peer_step(w: dict[str, Any], device: str, bf16: bool) -> Any:
+    cfg = dict(w["theirs"], autocast_bf16=bf16)
+    return peer.build_step(copy.deepcopy(w["target"]).to(device), w["patterns"], cfg, device)
+
+
+def count_syncs(step: Any, batch: Any, device: str) -> int | None:
+    """Host-device synchronisations in one step (CUDA only)."""
+    if not device.startswith("cuda"):
+        return None
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(batch)
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(c.message) for c in caught)
+
+
+def run_variant(name: str, make: Any, w: dict[str, Any], device: str, warmup: int, iters: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"variant": name}
+    try:
+        t0 = time.perf_counter()
+        step = make()
+        batches = w["batches"]
+        for i in range(warmup):
+            step(batches[i % len(batches)])
+        _sync(device)
+        row["setup_and_warmup_s"] = time.perf_counter() - t0
+        row["syncs_per_step"] = count_syncs(step, batches[0], device)
+        _sync(device)
+        t0 = time.perf_counter()
+        last = None
+        for i in range(iters):
+            last = step(batches[i % len(batches)])
+        _sync(device)
+        row["step_ms"] = 1000 * (time.perf_counter() - t0) / iters
+        row["final_loss"] = float(last) if last is not None else None
+        if device.startswith("cuda"):
+            row["peak_mem_mb"] = torch.cuda.max_memory_allocated() / 2**20
+            torch.cuda.reset_peak_memory_stats()
+    except Exception as err:  # one failing variant must not kill the others
+        row["error"] = f"{type(err).__name__}: {err}"
+        row["traceback"] = traceback.format_exc()[-2000:]
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU-sized shapes and 2 iterations")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "spd_step.json"))
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--workloads", default="resid_mlp1,lm")
+    ap.add_argument("--no-peer", action="store_true", help="skip goodfire's spd")
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    iters, warmup = (2, 1) if args.smoke else (args.iters, args.warmup)
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "command": " ".join([sys.executable, *sys.argv]),
+        "smoke": args.smoke,
+        "iters": iters,
+        "warmup": warmup,
+        "workloads": {},
+    }
+    try:
+        import lightning
+
+        results["lightning"] = lightning.__version__
+    except ImportError:
+        pass
+    try:
+        results["peer_stubbed_imports"] = [] if args.no_peer else peer.install()
+        results["peer_commit"] = (peer.PEER_DIR / "COMMIT").read_text().strip() if (peer.PEER_DIR / "COMMIT").exists() else None
+    except Exception as err:
+        results["peer_error"] = f"{type(err).__name__}: {err}"
+    builders = {"resid_mlp1": resid_mlp1, "lm": lm}
+    for wname in args.workloads.split(","):
+        w = builders[wname](device, args.smoke)
+        steps = int(w["theirs"]["steps"])
+        variants = []
+        if not args.no_peer and "peer_error" not in results:
+            variants += [("peer_bf16", lambda w=w: peer_step(w, device, True)), ("peer_fp32", lambda w=w: peer_step(w, device, False))]
+        variants += [
+            ("ours_eager_fp32", lambda w=w, steps=steps: our_step(w, device, False, False, steps)),
+            ("ours_eager_bf16", lambda w=w, steps=steps: our_step(w, device, True, False, steps)),
+            ("ours_compiled_bf16", lambda w=w, steps=steps: our_step(w, device, True, True, steps, args.smoke)),
+        ]
+        rows = [run_variant(n, mk, w, device, warmup, iters) for n, mk in variants]
+        by = {r["variant"]: r for r in rows}
+        ratios = {}
+        for ours, base in [
+            ("ours_compiled_bf16", "peer_bf16"),
+            ("ours_eager_bf16", "peer_bf16"),
+            ("ours_eager_fp32", "peer_fp32"),
+            ("ours_compiled_bf16", "ours_eager_bf16"),
+        ]:
+            if "step_ms" in by.get(ours, {}) and "step_ms" in by.get(base, {}):
+                ratios[f"{base}/{ours}"] = by[base]["step_ms"] / by[ours]["step_ms"]
+        results["workloads"][wname] = {"rows": rows, "speedup": ratios}
+    print(f"\nSPD step time on {results['device']} (iters={iters})")
+    print(f"{'workload':<12}{'variant':<22}{'ms/step':>10}{'syncs':>7}{'loss':>12}")
+    for wname, res in results["workloads"].items():
+        for r in res["rows"]:
+            ms = f"{r['step_ms']:.2f}" if "step_ms" in r else "ERROR"
+            syncs = "-" if r.get("syncs_per_step") is None else str(r["syncs_per_step"])
+            loss = f"{r['final_loss']:.4g}" if r.get("final_loss") is not None else r.get("error", "")[:40]
+            print(f"{wname:<12}{r['variant']:<22}{ms:>10}{syncs:>7}{loss:>12}")
+        for k, v in res["speedup"].items():
+            print(f"{'':<12}speedup {k}: {v:.2f}x")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
