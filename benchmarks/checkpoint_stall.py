@@ -136,9 +136,9 @@ def run(variant: str, args: argparse.Namespace, outdir: str) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--steps", type=int, default=110)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--save-at", type=int, default=20)
+    p.add_argument("--steps", type=int, default=130)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--save-at", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "checkpoint_stall.json"))

@@ -20,6 +20,8 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_opt.callbacks._logging import log_metrics
+
 _STEP_RE = re.compile(r"step=(\d+)")
 
 
@@ -254,6 +256,7 @@ class AsyncCheckpoint(Checkpoint):
         self.last_path: str | None = None
         self.saves = 0
         self.stall_seconds: list[float] = []  # loop time spent inside each save call
+        self.metrics: dict[str, float] = {}
         self._staging = _Staging()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -264,6 +267,12 @@ class AsyncCheckpoint(Checkpoint):
     # -- hooks ----------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        sharded = ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy")
+        if any(cls.__name__ in sharded for cls in type(trainer.strategy).__mro__):
+            raise NotImplementedError(
+                f"AsyncCheckpoint: {type(trainer.strategy).__name__} shards the state; sharded async saving "
+                "(torch.distributed.checkpoint.async_save) is not implemented yet. Use ModelCheckpoint with it."
+            )
         if self.dirpath is None:
             self.dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
         self.dirpath = os.path.abspath(self.dirpath)
@@ -374,6 +383,12 @@ class AsyncCheckpoint(Checkpoint):
             strategy.checkpoint_io = original
         self._last_save_time = time.monotonic()
         self.stall_seconds.append(time.perf_counter() - t0)
+        self.metrics = {
+            "checkpoint/loop_stall_ms": self.stall_seconds[-1] * 1e3,
+            "checkpoint/saves": float(self.saves),
+            "checkpoint/staged_gib": self._staging.bytes / 2**30,
+        }
+        log_metrics(trainer, self.metrics)
         return path
 
     def _submit(self, checkpoint: dict[str, Any], path: str) -> None:
