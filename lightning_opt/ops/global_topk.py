@@ -90,6 +90,9 @@ def _kth_largest(pool: torch.Tensor, kth: int) -> torch.Tensor:
     """The ``kth`` largest value of a 1-D tensor (``1 <= kth <= pool.numel()``)."""
     if _KTH_METHOD == "sort":
         return torch.sort(pool, descending=True).values[kth - 1]
+    rest = pool.numel() - kth + 1
+    if rest < kth:  # the kth largest is the rest-th smallest: select the smaller side
+        return torch.topk(pool, rest, largest=False, sorted=False).values.max()
     return torch.topk(pool, kth, sorted=False).values.min()
 
 
