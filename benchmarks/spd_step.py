@@ -159,6 +159,52 @@ def peer_step(w: dict[str, Any], device: str, bf16: bool) -> Any:
     return peer.build_step(copy.deepcopy(w["target"]).to(device), w["patterns"], cfg, device)
 
 
+@torch.no_grad()
+def parity(w: dict[str, Any], device: str) -> dict[str, Any]:
+    """Same parameters in both implementations -> the same CI and loss values (deterministic terms).
+
+    Copies V, U and the scalar CI MLPs of goodfire's model into ours, then compares causal
+    importances, importance minimality, faithfulness and CI-masked reconstruction on one batch.
+    """
+    from spd.metrics import ci_masked_recon_loss, faithfulness_loss, importance_minimality_loss
+
+    theirs = peer_step(w, device, False).model
+    ours = SPDModule(target=copy.deepcopy(w["target"]), spd=copy.deepcopy(w["spd"]), loss=copy.deepcopy(w["loss"]),
+                     train=SPDTrainConfig(faithfulness_warmup_steps=0)).to(device)
+    for name in ours.spd.layer_names:
+        layer, comp = ours.spd.layers[name], theirs.components[name]
+        layer.V.copy_(comp.V)
+        layer.U.copy_(comp.U)
+        mine = ours.spd.ci_fns[name.replace(".", "-")].mlp
+        lin = [m for m in theirs.ci_fns[name].layers if hasattr(m, "W")]
+        for i, m in enumerate(lin):
+            mine.weights[i].copy_(m.W)
+            mine.biases[i].copy_(m.b)
+    x = w["batches"][0]
+    out_t = theirs(x, cache_type="input")
+    ci_t = theirs.calc_causal_importances(pre_weight_acts=out_t.cache, sampling="continuous")
+    target, inputs = ours.spd.target_forward(x)
+    ci_o = ours.spd.causal_importances(inputs)
+    lc = ours.loss_cfg
+    res = {
+        "target_out_max_abs_diff": float((target - out_t.output).abs().max()),
+        "ci_lower_max_abs_diff": max(float((ci_o.lower[n] - ci_t.lower_leaky[n]).abs().max()) for n in ours.spd.layer_names),
+        "importance_minimality": [
+            float(S.importance_minimality_loss(ci_o.upper, lc.p, lc.beta, lc.eps)),
+            float(importance_minimality_loss(ci_upper_leaky=ci_t.upper_leaky, current_frac_of_training=0.0, eps=lc.eps,
+                                             pnorm=lc.p, beta=lc.beta, p_anneal_start_frac=1.0, p_anneal_final_p=None,
+                                             p_anneal_end_frac=1.0)),
+        ],
+        "faithfulness": [float(S.faithfulness_loss(ours.spd.weight_deltas())), float(faithfulness_loss(theirs.calc_weight_deltas()))],
+        "ci_masked_recon": [
+            float(S.recon_loss(ours.spd.masked_forward(x, masks=dict(ci_o.lower)), target, lc.output)),
+            float(ci_masked_recon_loss(model=theirs, output_loss_type=lc.output, batch=x, target_out=out_t.output, ci=ci_t.lower_leaky)),
+        ],
+    }
+    res["max_rel_diff"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in (res[k] for k in ("importance_minimality", "faithfulness", "ci_masked_recon")))
+    return res
+
+
 def count_syncs(step: Any, batch: Any, device: str) -> int | None:
     """Host-device synchronisations in one step (CUDA only)."""
     if not device.startswith("cuda"):
@@ -261,6 +307,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if "step_ms" in by.get(ours, {}) and "step_ms" in by.get(base, {}):
                 ratios[f"{base}/{ours}"] = by[base]["step_ms"] / by[ours]["step_ms"]
         results["workloads"][wname] = {"rows": rows, "speedup": ratios}
+        if wname == "resid_mlp1" and not args.no_peer and "peer_error" not in results:
+            try:
+                results["workloads"][wname]["parity"] = parity(w, device)
+            except Exception as err:
+                results["workloads"][wname]["parity"] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-2000:]}
     print(f"\nSPD step time on {results['device']} (iters={iters})")
     print(f"{'workload':<12}{'variant':<22}{'ms/step':>10}{'syncs':>7}{'loss':>12}")
     for wname, res in results["workloads"].items():
@@ -271,6 +322,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{wname:<12}{r['variant']:<22}{ms:>10}{syncs:>7}{loss:>12}")
         for k, v in res["speedup"].items():
             print(f"{'':<12}speedup {k}: {v:.2f}x")
+        if "parity" in res:
+            print(f"{'':<12}parity (same parameters, ours vs theirs): {json.dumps(res['parity'])[:300]}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
