@@ -84,6 +84,7 @@ class DecoderShardingStrategy(DDPStrategy):
         self._sharded: dict[str, tuple[int, ...]] = {}  # state-dict key -> full shape
         self._clts: list[torch.nn.Module] = []
         self._loss_sum_calls = 0
+        self._full_now = False  # module temporarily whole (evaluation inside fit)
         self._failed = False
         self.grad_bytes_per_step = 0
 
@@ -210,27 +211,68 @@ class DecoderShardingStrategy(DDPStrategy):
         clt.decode_sparse = sharded_decode_sparse
         clt.decode = sharded_decode
 
-    def _unshard(self) -> None:
+    def _set_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Point the sharded entries at ``tensors`` (parameters keep their identity for the optimizer)."""
         module = self.lightning_module
-        if module is None or not self._sharded:
-            return
-        full = self._gather_state(module.state_dict(keep_vars=True), detach=True)
+        assert module is not None
         with torch.no_grad():
-            for name in self._sharded:
+            for name, value in tensors.items():
                 owner_name, _, attr = name.rpartition(".")
                 owner = module.get_submodule(owner_name) if owner_name else module
                 current = getattr(owner, attr)
                 if isinstance(current, torch.nn.Parameter):
-                    current.data = full[name]
+                    current.data = value
                 else:
-                    setattr(owner, attr, full[name])
+                    setattr(owner, attr, value)
+
+    def _gather_full(self) -> None:
+        """Make the module whole: gather every decoder shard; decode runs unsharded."""
+        module = self.lightning_module
+        if module is None or not self._sharded or self._full_now:
+            return
+        state = module.state_dict(keep_vars=True)
+        self._set_tensors({name: self._gather_last(state[name].detach()) for name in self._sharded})
         for clt in self._clts:
             clt.d_out_slice = None
             for attr in ("decode", "decode_sparse"):
                 with suppress(AttributeError):
                     delattr(clt, attr)
-            attach_topk_group(clt, None)
-        self._sharded = {}
+        self._full_now = True
+
+    def _reshard(self) -> None:
+        """Back to this rank's slice after an evaluation on the whole module."""
+        module = self.lightning_module
+        if module is None or not self._full_now:
+            return
+        state = module.state_dict(keep_vars=True)
+        sliced = {}
+        for name, full in self._sharded.items():
+            start, stop = self._slice(full[-1])
+            sliced[name] = state[name].detach()[..., start:stop].contiguous()
+        self._set_tensors(sliced)
+        for clt in self._clts:
+            clt.d_out_slice = self._slice(clt.config.d_model)
+            self._wrap_decode(clt)
+        self._full_now = False
+
+    # Evaluation runs on the whole module: the module's metrics compare with full-width targets.
+    @override
+    def on_validation_start(self) -> None:
+        self._gather_full()
+
+    @override
+    def on_validation_end(self) -> None:
+        assert self.lightning_module is not None
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            self._reshard()
+
+    @override
+    def on_test_start(self) -> None:
+        self._gather_full()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._gather_full()
 
     # ---------------------------------------------------------------- training
     @override
@@ -271,12 +313,8 @@ class DecoderShardingStrategy(DDPStrategy):
         dist.all_gather(parts, t.contiguous(), group=self._model_group)
         return torch.cat(parts, dim=-1)
 
-    def _gather_state(self, state: dict[str, Any], detach: bool = False) -> dict[str, Any]:
-        out = dict(state)
-        for name in self._sharded:
-            t = state[name].detach() if detach else state[name]
-            out[name] = self._gather_last(t)
-        return out
+    def _gather_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {**state, **{name: self._gather_last(state[name]) for name in self._sharded}}
 
     def _slice_state(self, state: dict[str, Any]) -> dict[str, Any]:
         out = dict(state)
@@ -303,7 +341,9 @@ class DecoderShardingStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
         state = self.lightning_module.state_dict()
-        return self._gather_state(state) if self.checkpoint_format == "consolidated" else state
+        if self.checkpoint_format == "consolidated":
+            return state if self._full_now else self._gather_state(state)
+        return self._slice_state(state) if self._full_now else state
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -313,12 +353,13 @@ class DecoderShardingStrategy(DDPStrategy):
         assert self.lightning_module is not None
         opt = getattr(optimizer, "_optimizer", optimizer)
         names = self._param_names(opt)
-        params = dict(self.lightning_module.named_parameters())
         new_state = {}
         for idx, entry in state["state"].items():
             name = names[idx]
             if name in self._sharded:
-                shard_shape = params[name].shape
+                # Optimizer moments stay sharded even while the module is whole for evaluation.
+                full = self._sharded[name]
+                shard_shape = torch.Size((*full[:-1], full[-1] // self.mp_size))
                 entry = {
                     k: self._gather_last(v) if isinstance(v, torch.Tensor) and v.shape == shard_shape else v
                     for k, v in entry.items()
@@ -386,5 +427,8 @@ class DecoderShardingStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         if not self._failed and dist.is_available() and dist.is_initialized():
-            self._unshard()
+            self._gather_full()
+        for clt in self._clts:
+            attach_topk_group(clt, None)
+        self._sharded, self._full_now = {}, False
         super().teardown()

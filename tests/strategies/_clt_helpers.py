@@ -43,6 +43,7 @@ class TinyCLTModule(pl.LightningModule):
         self.optimizer_kind = optimizer
         self.batch_size = batch_size
         self.losses: list[float] = []
+        self.val_shapes: list[tuple[int, ...]] = []
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -62,6 +63,15 @@ class TinyCLTModule(pl.LightningModule):
             loss = F.mse_loss(out.recon, y)
         self.losses.append(float(loss.detach()))
         return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        # Full-width targets: under DecoderShardingStrategy evaluation runs on the gathered module.
+        x, y = batch
+        self.val_shapes.append(tuple(self.clt(x).recon.shape))
+        self.log("val_mse", F.mse_loss(self.clt(x).recon, y), sync_dist=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(*make_data()), batch_size=self.batch_size)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_kind == "adam":
@@ -85,6 +95,7 @@ def trainer_kwargs(tmp_path: Any, **overrides: Any) -> dict[str, Any]:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        limit_val_batches=1,
         use_distributed_sampler=False,
         default_root_dir=str(tmp_path),
     )

@@ -55,7 +55,11 @@ def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
         m = TinyCLTModule(loss="mse", optimizer="adam", lr=0.01, batch_size=8)
         ckpt = ModelCheckpoint(dirpath=root / "consolidated", every_n_train_steps=2, save_top_k=-1)
         _fit(m, DecoderShardingStrategy(), root, callbacks=[ckpt], enable_checkpointing=True)
-        return {"state": _state(m), "ckpt": str(root / "consolidated" / "epoch=0-step=2.ckpt")}
+        return {
+            "state": _state(m),
+            "ckpt": str(root / "consolidated" / "epoch=0-step=2.ckpt"),
+            "val_shapes": m.val_shapes,
+        }
 
     def sharded_fvu() -> dict[str, Any]:
         m = TinyCLTModule(loss="fvu", batch_size=8)

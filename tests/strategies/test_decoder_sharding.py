@@ -18,6 +18,10 @@ def test_fit_matches_single_process_and_module_is_whole_after_fit(strategy_runs:
     reference = fit_single(_adam_module(), tmp_path)
     # Full-width tensors again after fit (the strategy gathers the shards at teardown).
     assert_states_close(result["state"], reference)
+    # Validation inside fit (after step 2) ran on the whole module, and training went on sharded.
+    assert result["val_shapes"] and all(
+        s[-1] == reference["clt.b_dec"].shape[-1] for s in result["val_shapes"]
+    )
 
 
 def test_fvu_through_loss_hooks_matches_single_process(strategy_runs: dict, tmp_path) -> None:
