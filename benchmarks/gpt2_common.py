@@ -261,10 +261,18 @@ def schedule_for(spec: RunSpec) -> ScheduleConfig:
                           decay_fraction=s.decay_fraction, min_ratio=s.min_ratio)
 
 
-def build_model_and_optimizer(spec: RunSpec, dev: torch.device):
-    """The model and the optimizer exactly as GPT2SpeedrunModule builds them (same roles, same factory)."""
+def build_model_and_optimizer(spec: RunSpec, dev: torch.device, init_on_device: bool = False):
+    """The model and the optimizer exactly as GPT2SpeedrunModule builds them (same roles, same factory).
+
+    The module builds the model on the CPU (same seed, same numbers as here); ``init_on_device`` builds it
+    on the GPU directly (seconds faster, other random numbers) for runs that are not compared with it.
+    """
     torch.manual_seed(spec.seed)
-    model = GPT(spec.model).to(dev)
+    if init_on_device:
+        with dev:
+            model = GPT(spec.model)
+    else:
+        model = GPT(spec.model).to(dev)
     head = [] if spec.model.tie_embeddings else [model.lm_head.weight]
     opts = build_optimizer(model, spec.optim, hidden=model.hidden_matrices(), embeddings=None, head=head)
     opt = opts[0] if len(opts) == 1 else CombinedOptimizer(opts)
@@ -325,12 +333,12 @@ def summarize(spec: RunSpec, model: torch.nn.Module, clock_end: float, t_warm: f
     return out
 
 
-def train_bare(spec: RunSpec, data: Tokens) -> dict[str, Any]:
+def train_bare(spec: RunSpec, data: Tokens, init_on_device: bool = False) -> dict[str, Any]:
     """The bare PyTorch loop: our model, our optimizer, torch.compile, autocast; nothing else."""
     dev = data.device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    model, opt, sched = build_model_and_optimizer(spec, dev)
+    model, opt, sched = build_model_and_optimizer(spec, dev, init_on_device)
     if spec.compile:
         model.compile(dynamic=False)
     val_fn = model.forward  # eager: validation must not trigger a second compile

@@ -289,7 +289,8 @@ class GPT(nn.Module):
     """GPT-2 language model.
 
     ``model(idx)`` returns logits ``[B, T, vocab_size]``; ``model(idx, targets)`` returns the mean
-    cross-entropy loss (plus the auxiliary multi-token and mixture-of-experts terms when enabled).
+    cross-entropy loss, plus the auxiliary multi-token and mixture-of-experts terms when enabled and the
+    model is in training mode (in eval mode it is the plain next-token loss, comparable across options).
 
     Example:
         >>> model = GPT(GPTConfig(vocab_size=256, n_layer=2, n_head=2, n_embd=32, block_size=64))
@@ -396,6 +397,8 @@ class GPT(nn.Module):
         if targets is None:
             return self._logits(h)[..., : cfg.vocab_size]
         loss = self._loss(h, targets)
+        if not self.training:  # evaluation reports the plain next-token loss, comparable across options
+            return loss
         if self.mtp:
             aux = [self._loss(head(h)[:, :-j], targets[:, j:]) for j, head in enumerate(self.mtp, start=1)]
             loss = loss + cfg.mtp_weight * torch.stack(aux).mean()

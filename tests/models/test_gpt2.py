@@ -146,3 +146,18 @@ def test_grad_checkpoint_same_gradients():
     ckpt(x, x).backward()
     for (name, pa), pb in zip(base.named_parameters(), ckpt.parameters()):
         torch.testing.assert_close(pb.grad, pa.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("extra", [dict(mtp_heads=2), dict(moe_experts=2)])
+def test_eval_loss_is_plain_next_token_loss(extra):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**BASE, **extra))
+    x = torch.randint(0, 300, (2, 16))
+    y = x.roll(-1, 1)
+    train_loss = model(x, y)
+    model.eval()
+    with torch.no_grad():
+        eval_loss = model(x, y)
+        plain = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    torch.testing.assert_close(eval_loss, plain)
+    assert train_loss.item() > eval_loss.item()  # the auxiliary terms are positive

@@ -1,0 +1,195 @@
+"""Generate ``docs/benchmarks/gpt2.md`` and its plot from the GPT-2 benchmark JSON files (no typed numbers).
+
+Reads the newest non-smoke ``benchmarks/results/gpt2_{speedrun,record,ablation}_*.json`` (or the files
+given), writes the markdown page and ``docs/benchmarks/img/gpt2_val_vs_time.png`` (val loss against
+training seconds, ours and the peers). A missing result leaves a "GPU figures: pending" line in its section.
+
+    python benchmarks/gpt2_report.py
+    python benchmarks/gpt2_report.py --speedrun R1.json --record R2.json --ablation R3.json --doc /tmp/x.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "docs" / "benchmarks" / "gpt2.md"
+
+
+def newest(kind: str) -> Path | None:
+    files = [f for f in RESULTS.glob(f"gpt2_{kind}_*.json") if "_smoke" not in f.name]
+    return max(files, key=lambda f: (f.stem.rsplit("_", 1)[-1], f.stat().st_mtime)) if files else None
+
+
+def load(path: str | Path | None) -> tuple[dict[str, Any] | None, Path | None]:
+    if path is None:
+        return None, None
+    p = Path(path)
+    return json.loads(p.read_text()), p
+
+
+def fmt(v: Any, spec: str = "", dash: str = "-") -> str:
+    if v is None:
+        return dash
+    try:
+        return format(v, spec)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def rel(path: Path, doc: Path) -> str:
+    return os.path.relpath(path.resolve(), doc.parent.resolve())
+
+
+def env_line(d: dict[str, Any], path: Path, doc: Path) -> str:
+    e = d["env"]
+    return (f"Device: **{e['device']}**, torch {e['torch']}, lightning {e.get('lightning')}, triton "
+            f"{e.get('triton')}, flash-attn {e.get('flash_attn') or 'not installed'}, bitsandbytes "
+            f"{e.get('bitsandbytes') or 'not installed'}; {e['date_utc']}. Command: `{e['command']}`. "
+            f"Raw numbers: [{path.name}]({rel(path, doc)})." + (" **Smoke run (CPU, tiny model): numbers are "
+                                                                 "not meaningful.**" if d.get("smoke") else ""))
+
+
+def speedrun_section(d: dict[str, Any] | None, path: Path | None, doc: Path) -> list[str]:
+    out = ["## Throughput: ours (bare loop and Lightning) vs nanoGPT", ""]
+    if d is None:
+        return out + ["GPU figures: pending (run `python benchmarks/gpt2_speedrun.py` on an H100).", ""]
+    s = d["settings"]
+    out += [env_line(d, path, doc), "",
+            f"{s['steps']} optimizer steps of {s['micro_batch']} x {s['seq_len']} x {s['accum']} = "
+            f"{s['micro_batch'] * s['seq_len'] * s['accum']:,} tokens, same data order for every run; tokens/s "
+            f"over the steps after the first {s['warm']} (compile excluded, reported separately); MFU against "
+            "989.4 TFLOP/s (H100 SXM dense bf16); val loss on the first "
+            f"{d['data']['val_tokens']:,} val tokens, off the clock.", "",
+            "| variant | tokens/s | MFU | ms/step | compile s | peak GB | final val loss | note |",
+            "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for name, r in d["results"].items():
+        if "tokens_per_s" not in r:
+            out.append(f"| {name} | - | - | - | - | - | - | {(r.get('error') or r.get('skipped') or '')[:120]} |")
+            continue
+        out.append(f"| {name} | {r['tokens_per_s']:,.0f} | {fmt(r.get('mfu') and 100 * r['mfu'], '.1f')}% | "
+                   f"{fmt(r.get('step_ms'), '.1f')} | {fmt(r.get('compile_s'), '.1f')} | "
+                   f"{fmt(r.get('peak_mem_gb'), '.1f')} | {fmt(r.get('final_val_loss'), '.4f')} | "
+                   f"{r.get('stopped') or ''} |")
+    sm = d.get("summary", {})
+    out += ["", "| ratio / goal | value |", "|---|---|"]
+    out += [f"| {k} | {v} |" for k, v in sm.items()]
+    return out + [""]
+
+
+def record_section(d: dict[str, Any] | None, path: Path | None, doc: Path) -> list[str]:
+    out = ["## Time to target: the 2025-01-04 record script vs ours", ""]
+    if d is None:
+        return out + ["GPU figures: pending (run `python benchmarks/gpt2_record.py` on an H100).", ""]
+    rec, ours = d["results"].get("record", {}), d["results"].get("ours", {})
+    out += [env_line(d, path, doc), "",
+            f"Budget: {d['settings']['steps']} steps of 524,288 tokens. Target: the record script's final val "
+            "loss. Compile and validation excluded for both; the record's own clock leaves its first 10 steps "
+            "out, the adjusted time adds them back at its steady step time.", "",
+            "| run | tokens/s | ms/step | compile s | peak GB | final val loss | train s |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, r in (("record 2025-01-04 (1 GPU)", rec), ("ours (gpt2-124m-speedrun, Lightning)", ours)):
+        if r.get("error") and "tokens_per_s" not in r:
+            out.append(f"| {name} | {r['error'][:150]} | | | | | |")
+            continue
+        t = r.get("record_train_s_adjusted") or r.get("train_s")
+        out.append(f"| {name} | {fmt(r.get('tokens_per_s'), ',.0f')} | {fmt(r.get('step_ms'), '.1f')} | "
+                   f"{fmt(r.get('compile_s'), '.1f')} | {fmt(r.get('peak_mem_gb'), '.1f')} | "
+                   f"{fmt(r.get('final_val_loss'), '.4f')} | {fmt(t, '.1f')} |")
+    out += ["", "| ratio / goal | value |", "|---|---|"]
+    out += [f"| {k} | {v} |" for k, v in d.get("summary", {}).items()]
+    return out + [""]
+
+
+def ablation_section(d: dict[str, Any] | None, path: Path | None, doc: Path) -> list[str]:
+    out = ["## Ablation table", ""]
+    if d is None:
+        return out + ["GPU figures: pending (run `python benchmarks/gpt2_ablation.py` on an H100).", ""]
+    out += [env_line(d, path, doc), ""] + [f"- {n}" for n in d.get("notes", [])] + [
+        "", "| row | toggle | tokens/s | d tokens/s | peak GB | val loss | d val loss | verdict |",
+        "|---|---|---:|---:|---:|---:|---:|---|"]
+    for name, r in d["rows"].items():
+        out.append(
+            f"| {name} | {r.get('toggle', '')} | {fmt(r.get('tokens_per_s'), ',.0f')} | "
+            f"{fmt(r.get('d_tokens_per_s_pct'), '+.1f')}% | {fmt(r.get('peak_mem_gb'), '.1f')} | "
+            f"{fmt(r.get('final_val_loss'), '.4f')} | {fmt(r.get('d_val_loss'), '+.4f')} | "
+            f"{r.get('verdict', '')}{' (fallback: ' + r['fallback'][0][:100] + ')' if r.get('fallback') else ''} |")
+    return out + [""]
+
+
+def plot(speedrun: dict | None, record: dict | None, img: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    series = []
+    if speedrun:
+        for name, r in speedrun["results"].items():
+            if r.get("val_curve"):
+                series.append((f"{name} (throughput run)", r["val_curve"], "-"))
+    if record:
+        for key, label in (("record", "record 2025-01-04"), ("ours", "ours (time-to-target run)")):
+            r = record["results"].get(key, {})
+            if r.get("val_curve"):
+                series.append((label, [row for row in r["val_curve"] if row.get("step", 1) > 0], "--"))
+    if not series:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, curve, style in series:
+        pts = [(row["train_s"], row["val_loss"]) for row in curve if row.get("train_s") is not None]
+        if pts:
+            ax.plot(*zip(*pts), style, marker="o", ms=3, label=label)
+    ax.set_xlabel("training seconds (compile and validation excluded)")
+    ax.set_ylabel("val loss")
+    ax.set_title("GPT-2 124M on the novels shards, one GPU")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    img.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(img, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> Path:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--speedrun", default=None)
+    p.add_argument("--record", default=None)
+    p.add_argument("--ablation", default=None)
+    p.add_argument("--doc", default=str(DOC))
+    a = p.parse_args(argv)
+    doc = Path(a.doc)
+    sp, sp_path = load(a.speedrun or newest("speedrun"))
+    rc, rc_path = load(a.record or newest("record"))
+    ab, ab_path = load(a.ablation or newest("ablation"))
+    img = doc.parent / "img" / "gpt2_val_vs_time.png"
+    has_plot = plot(sp, rc, img)
+    lines = [
+        "# GPT-2 benchmarks", "",
+        "<!-- generated by benchmarks/gpt2_report.py from the JSON files linked below; do not edit by hand -->", "",
+        "How our GPT-2 speedrun recipe compares with a bare PyTorch loop (Lightning's overhead), with nanoGPT and "
+        "with the modded-nanogpt record script of 2025-01-04, on one GPU in one call, and what each architecture "
+        "or systems toggle does. Scripts: `benchmarks/gpt2_speedrun.py`, `benchmarks/gpt2_record.py`, "
+        "`benchmarks/gpt2_ablation.py` (each has `--smoke`); the peers' code is read from the git-ignored "
+        "`.peers/` folder and never committed. See [docs/gpt2.md](../gpt2.md) for the model and recipe.", "",
+    ]
+    lines += speedrun_section(sp, sp_path, doc)
+    lines += record_section(rc, rc_path, doc)
+    lines += ["## Val loss vs training time", ""]
+    lines += ([f"![val loss vs training seconds](img/{img.name})", ""] if has_plot
+              else ["GPU figures: pending (the plot is drawn from the speedrun and record results).", ""])
+    lines += ablation_section(ab, ab_path, doc)
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text("\n".join(lines))
+    return doc
+
+
+if __name__ == "__main__":
+    print(main())
