@@ -30,6 +30,30 @@ def make_clt(seed: int = 0, **overrides: Any) -> CLT:
     return CLT(CLTConfig(**cfg))
 
 
+def make_clt_module() -> pl.LightningModule:
+    """The project's CLTModule with a tiny CLT (same init on every rank)."""
+    from lightning_opt.modules.clt import CLTModule
+
+    torch.manual_seed(0)
+    cfg = CLTConfig(
+        n_layers=N_LAYERS, d_model=D_MODEL, n_features=N_FEATURES, activation="batchtopk_global", k=K
+    )
+    return CLTModule(clt=cfg, eval_replacement=False)
+
+
+def loader(batch_size: int, replicas: int = 1, rank: int = 0) -> DataLoader:
+    """In-order batches; with replicas > 1 this rank's share, as the strategy's sampler kwargs say."""
+    data = TensorDataset(*make_data())
+    sampler = (
+        DistributedSampler(data, num_replicas=replicas, rank=rank, shuffle=False) if replicas > 1 else None
+    )
+    return DataLoader(data, batch_size=batch_size, sampler=sampler)
+
+
+def params_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.named_parameters()}
+
+
 class TinyCLTModule(pl.LightningModule):
     """MSE (mean over the local output columns) or pooled FVU through the strategy's loss hooks."""
 

@@ -81,8 +81,31 @@ def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
         _fit(m, DecoderShardingStrategy(model_parallel_size=1), root)
         return {"state": _state(m)}
 
+    def clt_module(strategy_name: str) -> Callable[[], dict[str, Any]]:
+        def run() -> dict[str, Any]:
+            import torch.distributed as dist
+            from _clt_helpers import loader, make_clt_module, params_of
+
+            module = make_clt_module()
+            if strategy_name == "global":
+                strategy, data = GlobalBatchTopKStrategy(), loader(8, WORLD, dist.get_rank())
+            else:
+                strategy, data = DecoderShardingStrategy(), loader(8)
+            import lightning.pytorch as pl
+            from _clt_helpers import trainer_kwargs
+
+            trainer = pl.Trainer(
+                strategy=strategy, devices=WORLD, **trainer_kwargs(root, limit_val_batches=0)
+            )
+            trainer.fit(module, train_dataloaders=data)
+            return {"params": params_of(module)}
+
+        return run
+
     return {
         "equivalence": lambda: run_equivalence(),
+        "clt_module_global": clt_module("global"),
+        "clt_module_sharded": clt_module("sharded"),
         "global_mse": global_mse,
         "global_fvu": global_fvu,
         "sharded_mse_consolidated": sharded_mse_consolidated,

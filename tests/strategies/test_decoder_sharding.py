@@ -65,3 +65,14 @@ def test_bad_arguments_raise() -> None:
         DecoderShardingStrategy(checkpoint_format="zip")
     with pytest.raises(ValueError, match="model_parallel_size"):
         DecoderShardingStrategy(model_parallel_size=0)
+
+
+def test_project_clt_module_trains_sharded_like_one_process(strategy_runs: dict, tmp_path) -> None:
+    import lightning.pytorch as pl
+    from _clt_helpers import loader, make_clt_module, params_of, trainer_kwargs
+
+    module = make_clt_module()
+    pl.Trainer(devices=1, **trainer_kwargs(tmp_path, limit_val_batches=0)).fit(
+        module, train_dataloaders=loader(8)
+    )
+    assert_states_close(strategy_runs["clt_module_sharded"]["params"], params_of(module))

@@ -6,7 +6,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _clt_helpers import TinyCLTModule, assert_states_close, fit_single, make_clt, make_data, trainer_kwargs
+from _clt_helpers import (
+    TinyCLTModule,
+    assert_states_close,
+    fit_single,
+    loader,
+    make_clt,
+    make_clt_module,
+    make_data,
+    params_of,
+    trainer_kwargs,
+)
 
 from lightning_opt.strategies import GlobalBatchTopKStrategy
 from lightning_opt.strategies._collectives import sum_forward
@@ -101,3 +111,15 @@ def test_strategy_refuses_a_model_without_topk_group(tmp_path) -> None:
     finally:  # the 1-rank DDP group must not leak into later tests of this process
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_project_clt_module_trains_under_the_strategy_like_one_big_batch(
+    strategy_runs: dict, tmp_path
+) -> None:
+    import lightning.pytorch as pl
+
+    module = make_clt_module()
+    pl.Trainer(devices=1, **trainer_kwargs(tmp_path, limit_val_batches=0)).fit(
+        module, train_dataloaders=loader(16)
+    )
+    assert_states_close(strategy_runs["clt_module_global"]["params"], params_of(module))
