@@ -463,5 +463,25 @@ def train_lightning(spec: RunSpec, data: Tokens, train_path: Path, logger: str =
                            "spec": spec.describe()})
 
 
+def oom_retry(run: Callable[[RunSpec], dict[str, Any]], spec: RunSpec, tries: int = 2) -> dict[str, Any]:
+    """Run; on out-of-memory halve the micro-batch and double accumulation (same tokens per step), and say so."""
+    notes = []
+    for _ in range(tries + 1):
+        try:
+            out = run(spec)
+            if notes:
+                out["oom_fallback"] = notes
+            return out
+        except torch.OutOfMemoryError as err:
+            if spec.micro_batch < 2:
+                raise
+            notes.append(f"OOM at micro_batch={spec.micro_batch}: {str(err)[:200]}")
+            print(f"    OOM at micro-batch {spec.micro_batch}; retrying with {spec.micro_batch // 2}", flush=True)
+            cleanup()
+            spec = replace(spec, micro_batch=spec.micro_batch // 2, accum=spec.accum * 2,
+                           val_batch=max(1, spec.val_batch // 2))
+    raise RuntimeError("; ".join(notes))
+
+
 def with_model(spec: RunSpec, **model_changes: Any) -> RunSpec:
     return replace(spec, model=replace(spec.model, **model_changes))

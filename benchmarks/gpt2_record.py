@@ -100,14 +100,15 @@ def run_record(train: Path, val: Path, steps: int, val_tokens: int, timeout_s: f
     workdir = tempfile.mkdtemp(prefix="record_run_")  # it writes logs/<uuid>.txt into the working dir
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script)]
     print("  $ " + " ".join(cmd), flush=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # lines arrive as printed, and survive a timeout kill
     proc = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its own process group: a timeout kills the workers too
+                            start_new_session=True, env=env)  # its own process group: a timeout kills the workers too
     lines: list[str] = []
 
     def pump() -> None:
         for line in proc.stdout:  # type: ignore[union-attr]
             lines.append(line)
-            if "val_loss" in line or "peak memory" in line or re.match(r"step:(1|10|50|100)/", line) \
+            if "val_loss" in line or "peak memory" in line or re.search(r"step:(1|10|50|100)/", line) \
                     or "Error" in line or "error" in line:
                 print("  | " + line.rstrip()[:300], flush=True)
 

@@ -46,6 +46,7 @@ from gpt2_common import (  # noqa: E402
     find_shards,
     guarded,
     load_yaml_config,
+    oom_retry,
     train_bare,
     train_lightning,
     with_model,
@@ -121,14 +122,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         write_shard(train_path, data.train.cpu().numpy().astype("uint16"))
     sp, cl = specs["speedrun"], specs["classic"]
     nano_shape = SMOKE_SHAPE if args.smoke else None
+    nano_vocab = SMOKE_VOCAB if args.smoke else 50304
+
+    def lightning(s: RunSpec) -> dict[str, Any]:
+        return train_lightning(s, data, train_path, args.lightning_logger, log_dir)
+
     variants = {
-        "ours-speedrun-bare": lambda: train_bare(sp, data),
-        "ours-speedrun-lightning": lambda: train_lightning(sp, data, train_path, args.lightning_logger, log_dir),
-        "nanogpt": lambda: train_nanogpt(replace(cl, clip=1.0), data, nano_shape,
-                                         vocab_size=SMOKE_VOCAB if args.smoke else 50304),
-        "ours-classic-bare": lambda: train_bare(cl, data),
-        "ours-classic-lightning": lambda: train_lightning(cl, data, train_path, args.lightning_logger, log_dir),
-        "ours-speedrun-chunkedce-bare": lambda: train_bare(with_model(sp, loss_impl="chunked"), data),
+        "ours-speedrun-bare": lambda: oom_retry(lambda s: train_bare(s, data), sp),
+        "ours-speedrun-lightning": lambda: oom_retry(lightning, sp),
+        "nanogpt": lambda: oom_retry(lambda s: train_nanogpt(s, data, nano_shape, vocab_size=nano_vocab), cl),
+        "ours-classic-bare": lambda: oom_retry(lambda s: train_bare(s, data), cl),
+        "ours-classic-lightning": lambda: oom_retry(lightning, cl),
+        "ours-speedrun-chunkedce-bare": lambda: oom_retry(
+            lambda s: train_bare(s, data), with_model(sp, loss_impl="chunked")),
     }
     if args.only:
         keep = set(args.only.split(","))
