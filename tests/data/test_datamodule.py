@@ -256,27 +256,33 @@ def _trainer(tmp_path: Path, max_steps: int, **kw) -> pl.Trainer:
     )
 
 
-def test_resume_through_trainer_fit_checkpoint(tmp_path: Path) -> None:
-    # 301 tokens: 37 windows of 8 -> 9 steps per epoch at batch 4; 12 steps cross an epoch boundary.
-    train, val = _shards(tmp_path, n_train=301, pieces=2)
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_resume_through_trainer_fit_checkpoint(tmp_path: Path, accumulate: int) -> None:
+    # 321 tokens: 40 windows of 8 -> 10 batches per epoch at batch 4 (even, so accumulation never
+    # meets a short epoch end); 12 steps cross an epoch boundary.
+    train, val = _shards(tmp_path, n_train=321, pieces=2)
     kw = dict(seq_len=T, batch_size=B, val_tokens=64, shuffle=True, seed=9)
+    acc = dict(accumulate_grad_batches=accumulate)
 
     full = _Recorder()
-    _trainer(tmp_path / "a", 12).fit(full, datamodule=TokenShardDataModule(train, val, **kw))
-    assert len(full.seen) == 12
+    _trainer(tmp_path / "a", 12, **acc).fit(full, datamodule=TokenShardDataModule(train, val, **kw))
+    assert len(full.seen) == 12 * accumulate
 
     ckpt_dir = tmp_path / "ckpt"
     first = _Recorder()
     cb = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=5, save_top_k=-1)
-    _trainer(tmp_path / "b", 7, callbacks=[cb]).fit(first, datamodule=TokenShardDataModule(train, val, **kw))
+    _trainer(tmp_path / "b", 7, callbacks=[cb], **acc).fit(
+        first, datamodule=TokenShardDataModule(train, val, **kw)
+    )
     ckpt = next(ckpt_dir.glob("*step=5*.ckpt"))
-    assert torch.load(ckpt, weights_only=False)["TokenShardDataModule"]["position"] == 5
+    consumed = 5 * accumulate  # micro-batches
+    assert torch.load(ckpt, weights_only=False)["TokenShardDataModule"]["position"] == consumed
 
     second = _Recorder()
-    _trainer(tmp_path / "c", 12).fit(
+    _trainer(tmp_path / "c", 12, **acc).fit(
         second, datamodule=TokenShardDataModule(train, val, **kw), ckpt_path=ckpt
     )
-    assert first.seen[:5] + second.seen == full.seen
+    assert first.seen[:consumed] + second.seen == full.seen
 
 
 @pytest.mark.gpu
