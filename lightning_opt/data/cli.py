@@ -18,7 +18,9 @@ from lightning_opt.data.prepare import DEFAULT_SHARD_TOKENS
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lightning-opt-data", description="Make, fetch and inspect token shards.")
+    p = argparse.ArgumentParser(
+        prog="lightning-opt-data", description="Make, fetch and inspect token shards."
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     pr = sub.add_parser("prepare", help="tokenize text into FineWeb-format train/val shards")
