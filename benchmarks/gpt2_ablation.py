@@ -120,6 +120,9 @@ def rows(steps: int, classic_heads: int = 12) -> list[Row]:
         ("compile_chunked_ce", "torch.compile + chunked cross-entropy",
          lambda s: with_model(replace(s, compile=True), loss_impl="chunked"),
          "compare with the compile row"),
+        ("compile_fp8_head", "torch.compile + chunked cross-entropy with the head in FP8",
+         lambda s: with_model(replace(s, compile=True), loss_impl="chunked_fp8"),
+         "compare with the compile row; H100-class GPUs only"),
     ]
 
 

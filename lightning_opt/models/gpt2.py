@@ -22,7 +22,7 @@ from lightning_opt.ops.cross_entropy import linear_cross_entropy
 _MLPS = ("gelu", "relu2", "swiglu")
 _NORMS = ("layernorm", "rmsnorm")
 _POS = ("learned", "rope")
-_LOSS_IMPLS = ("torch", "chunked")
+_LOSS_IMPLS = ("torch", "chunked", "chunked_fp8")
 
 
 @dataclass
@@ -56,7 +56,9 @@ class GPTConfig:
         attn_backend: ``auto``, ``flash``, ``sdpa`` or ``math`` (see :mod:`lightning_opt.ops.attention`).
         init_std: standard deviation of the normal initialisation.
         loss_impl: ``torch`` (logits, then ``F.cross_entropy``) or ``chunked``
-            (:func:`~lightning_opt.ops.cross_entropy.linear_cross_entropy`: never holds all float32 logits).
+            (:func:`~lightning_opt.ops.cross_entropy.linear_cross_entropy`: never holds all float32 logits)
+            or ``chunked_fp8`` (the same with the head matmuls in FP8 via ``torch._scaled_mm``; H100-class
+            GPUs, training loss only: ``model(idx)`` logits stay in the autocast dtype).
         loss_chunk_size: tokens per chunk for ``chunked``.
         grad_checkpoint: recompute each block in the backward pass (activation checkpointing) to save memory.
     """
@@ -415,8 +417,9 @@ class GPT(nn.Module):
 
     def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         cfg = self.config
-        if cfg.loss_impl == "chunked":
-            return linear_cross_entropy(h, self.lm_head.weight, targets, cfg.logit_softcap, cfg.loss_chunk_size)
+        if cfg.loss_impl != "torch":
+            return linear_cross_entropy(h, self.lm_head.weight, targets, cfg.logit_softcap, cfg.loss_chunk_size,
+                                        fp8=cfg.loss_impl == "chunked_fp8")
         logits = self._logits(h)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 

@@ -66,3 +66,41 @@ def test_bad_arguments():
         linear_cross_entropy(h, w[:, :3], y)
     with pytest.raises(ValueError, match="disagree"):
         linear_cross_entropy(h, w, y[:-1])
+
+
+def _fp8_supported() -> bool:
+    try:
+        one = torch.ones(())
+        a = torch.zeros(16, 16).to(torch.float8_e5m2)
+        b = torch.zeros(16, 16).to(torch.float8_e4m3fn)
+        torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _fp8_supported(), reason="torch._scaled_mm (fp8) not available on this device")
+@pytest.mark.parametrize("softcap", [None, 15.0])
+def test_fp8_close_to_reference(softcap):
+    # fp8 keeps 3 (e4m3) and 2 (e5m2) mantissa bits: compare loosely, but well below a broken-scale error
+    h, w, y = _inputs(n=96, c=64, v=128, dtype=torch.float32)
+    ref = softcap_cross_entropy(h @ w.t(), y, softcap)
+    gh_ref, gw_ref = torch.autograd.grad(ref, (h, w))
+    out = linear_cross_entropy(h, w, y, softcap, chunk_size=32, fp8=True)
+    gh, gw = torch.autograd.grad(out, (h, w))
+    assert abs(out.item() - ref.item()) / ref.item() < 0.03
+    cos = torch.nn.functional.cosine_similarity
+    assert cos(gh.flatten(), gh_ref.flatten(), dim=0) > 0.98
+    assert cos(gw.flatten(), gw_ref.flatten(), dim=0) > 0.98
+    # a zero head (zero-initialised, as in the speedrun config) must not produce NaN
+    zero = torch.zeros_like(w, requires_grad=True)
+    loss = linear_cross_entropy(h, zero, y, softcap, chunk_size=32, fp8=True)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(zero.grad).all()
+    torch.testing.assert_close(loss, torch.log(torch.tensor(128.0)), atol=1e-4, rtol=0)
+
+
+def test_fp8_needs_multiples_of_16():
+    h, w, y = _inputs(c=16, v=50, dtype=torch.float32)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        linear_cross_entropy(h, w, y, fp8=True)
