@@ -129,10 +129,17 @@ class RecipeCLI(LightningCLI):
             # the offline demo corpus: Python's own documentation, tokenized on first use and cached
             from lightning_opt.data.corpus import default_corpus_shards
 
+            from lightning_opt.data.shards import read_shard
+
             train, val = default_corpus_shards()
             data.train_files = str(train)
             if data.get("val_files") in (None, "builtin"):
                 data.val_files = str(val)
+                available = len(read_shard(val)) - 1
+                if data.get("val_tokens") is not None and data.val_tokens > available:
+                    print(f"note: the built-in corpus has {available} val tokens; val_tokens={data.val_tokens} "
+                          f"is lowered to all of them. Point data.val_files at your shards for a larger val set.")
+                    data.val_tokens = None
         if cfg.trainer.get("precision") is None:
             on_gpu = torch.cuda.is_available() and cfg.trainer.get("accelerator") in (None, "auto", "gpu", "cuda")
             cfg.trainer.precision = "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"

@@ -415,6 +415,9 @@ class TokenShardDataModule(pl.LightningDataModule):
             batch_size=None,  # the dataset yields whole batches: one contiguous read each, no collate
             num_workers=self.num_workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
+            # its own generator: creating an iterator must not draw from the global RNG, or a resumed
+            # run's dropout masks shift by one draw (the datasets never use the base seed)
+            generator=torch.Generator().manual_seed(self.seed),
             **kwargs,
         )
 
