@@ -154,6 +154,18 @@ def topk_variants(args: argparse.Namespace, device: torch.device) -> list[dict[s
                 "topk", lambda x=x: batch_topk_threshold_sparse(x, k)
             ),
         }
+        # Phases of the default path, to see where the time goes.
+        flat = x.view(-1)
+        lo = global_topk._lower_bound(flat, k / features).to(dtype)
+        cand = torch.nonzero(flat >= lo).squeeze(1)
+        variants["phase: sampled bound"] = lambda flat=flat: global_topk._lower_bound(flat, k / features)
+        variants["phase: candidates (x >= lo, nonzero)"] = lambda flat=flat, lo=lo: torch.nonzero(flat >= lo)
+        variants["phase: K-th largest of candidates"] = lambda c=flat[cand]: global_topk._kth_largest(
+            c, budget
+        )
+        variants["phase: dense output (zeros + index_put)"] = lambda flat=flat, cand=cand: torch.zeros_like(
+            flat
+        ).index_put((cand,), flat[cand])
         baseline = None
         for name, fn in variants.items():
             row: dict[str, Any] = {"part": "select", "variant": name, "dtype": str(dtype), "K": budget}
