@@ -292,9 +292,14 @@ class AsyncCheckpoint(Checkpoint):
         if not trainer.is_global_zero or self._prewarm_thread is not None:
             return
         objects = [pl_module.state_dict(), *[opt.state_dict() for opt in trainer.optimizers]]
-        self._prewarm_thread = threading.Thread(
-            target=self._staging.prewarm, args=(objects,), name="AsyncCheckpoint-prewarm", daemon=True
-        )
+        device = trainer.strategy.root_device
+
+        def run() -> None:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            self._staging.prewarm(objects)
+
+        self._prewarm_thread = threading.Thread(target=run, name="AsyncCheckpoint-prewarm", daemon=True)
         self._prewarm_thread.start()
 
     @override
@@ -329,18 +334,17 @@ class AsyncCheckpoint(Checkpoint):
             rank_zero_info(f"AsyncCheckpoint: the pending save failed too: {err}")
         if not self.config.save_on_exception or self.dirpath is None:
             return
-        if trainer.global_step in (0, self.last_saved_step):
+        if trainer.global_step in (0, self.last_saved_step) or not trainer.is_global_zero:
             return
         path = self._path(trainer.global_step, "-exception")
-        # No barrier: other ranks may not have failed. Rank 0 writes its local (full) state.
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        if trainer.is_global_zero:
-            self._submit(checkpoint, path)
-            try:
-                self.wait()
-                rank_zero_info(f"AsyncCheckpoint: saved {path} after {type(exception).__name__}")
-            except Exception as err:
-                rank_zero_info(f"AsyncCheckpoint: could not save after the exception: {err}")
+        # No barrier and nothing on other ranks (they may not have failed): rank 0 dumps its
+        # local, full (DDP-replicated) state and waits for the write, as the process is ending.
+        try:
+            self._submit(trainer._checkpoint_connector.dump_checkpoint(weights_only=False), path)
+            self.wait()
+            rank_zero_info(f"AsyncCheckpoint: saved {path} after {type(exception).__name__}")
+        except Exception as err:
+            rank_zero_info(f"AsyncCheckpoint: could not save after the exception: {err}")
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -353,10 +353,13 @@ class NaNSkip(Callback):
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # The checkpoint must hold schedulers as of the last *decided* step: resolve (one read at
-        # save time) and refresh the scheduler states Lightning collected just before this hook.
+        # save time) and refresh what Lightning collected before this hook: the scheduler states
+        # and the optimizers' param_groups, whose "lr" the deferred scheduler step just changed.
         self.resolve()
         if "lr_schedulers" in checkpoint and trainer.lr_scheduler_configs:
             checkpoint["lr_schedulers"] = [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
+        if "optimizer_states" in checkpoint:
+            checkpoint["optimizer_states"] = [trainer.strategy.optimizer_state(o) for o in trainer.optimizers]
         checkpoint.setdefault("callbacks", {})[self.state_key] = self.state_dict()
 
     @override

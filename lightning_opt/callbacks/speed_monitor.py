@@ -179,6 +179,9 @@ class SpeedMonitor(Callback):
         self._batches += 1
         if self._current is not None:
             self._current.end = self._event()
+            if self._current.before_opt is self._current.start:
+                # No optimizer step in this batch (gradient accumulation): all of it is fwd+bwd.
+                self._current.before_opt = self._current.end
             self._pending.append(self._current)
             self._current = None
         if trainer.global_step % log_every(trainer, self.config.log_every_n_steps) == 0 and self._batches:

@@ -172,3 +172,36 @@ def test_sigterm_writes_a_checkpoint(tmp_path):
     assert len(exc) == 1, os.listdir(ck)
     loaded = torch.load(ck / exc[0], weights_only=False)
     assert loaded["global_step"] >= 4
+
+
+def test_every_minutes(tmp_path):
+    class Slow(TinyModule):
+        def training_step(self, batch, batch_idx):
+            time.sleep(0.03)
+            return super().training_step(batch, batch_idx)
+
+    cb = AsyncCheckpoint(dirpath=str(tmp_path / "ck"), every_minutes=0.1 / 60, decide_every_n_steps=1,
+                         keep_last_k=None, save_on_train_end=False)
+    make_trainer(tmp_path, [cb]).fit(Slow(batches=make_batches(12)))  # ~0.4 s: a save every ~0.1 s
+    assert 2 <= cb.saves <= 6, cb.saves
+
+
+def test_resume_with_nan_skip_decision_pending_at_save(tmp_path):
+    """Device-mode NaNSkip defers each scheduler step until the step's flag is read; a save right
+    after a good step must store the scheduler with that step applied, so the resumed run
+    matches the uninterrupted one (batch 2 is skipped, batch 3's decision is pending at the save)."""
+    from lightning_opt.callbacks import NaNSkip
+
+    batches = make_batches(8)
+    full = TinyModule(batches=batches, nan_at=(2,))
+    make_trainer(tmp_path / "a", [NaNSkip()]).fit(full)
+
+    first = TinyModule(batches=batches, nan_at=(2,))
+    cb = AsyncCheckpoint(dirpath=str(tmp_path / "ck"), every_n_steps=4, save_on_train_end=False)
+    make_trainer(tmp_path / "b", [NaNSkip(), cb], max_steps=5).fit(first)  # saves after batch 3
+    second = TinyModule(batches=batches, nan_at=(2,))
+    t = make_trainer(tmp_path / "c", [NaNSkip(), AsyncCheckpoint(every_n_steps=100, save_on_train_end=False)])
+    t.fit(second, ckpt_path=str(tmp_path / "ck" / "step=000000004.ckpt"))
+    assert t.lr_scheduler_configs[0].scheduler.last_epoch == 7  # 8 batches, 1 skipped
+    for a, b in zip(full.parameters(), second.parameters()):
+        assert torch.equal(a, b)
