@@ -97,7 +97,7 @@ def _kth_largest(pool: torch.Tensor, kth: int) -> torch.Tensor:
 
 
 def _select(
-    x: torch.Tensor, k: int, group: dist.ProcessGroup | None
+    x: torch.Tensor, k: int, group: dist.ProcessGroup | None, tokens_total: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Candidate flat indices (ascending) of this rank's ``x`` and a keep mask over them.
 
@@ -108,6 +108,8 @@ def _select(
         raise ValueError(f"global_batch_topk expects x of shape [tokens, features], got {tuple(x.shape)}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"k must be a non-negative int (active features per token), got {k!r}")
+    if tokens_total is not None and (isinstance(tokens_total, bool) or not isinstance(tokens_total, int)):
+        raise ValueError(f"tokens_total must be an int or None, got {tokens_total!r}")
     tokens, features = x.shape
     flat = x.detach().reshape(-1)
     n = flat.numel()
@@ -115,24 +117,30 @@ def _select(
     device = x.device
     empty_idx = torch.empty(0, dtype=torch.long, device=device)
 
-    has_bound = n > 0 and k < features
-    lo_local = _lower_bound(flat, k / features) if has_bound else None
+    # Expected kept fraction of this rank's entries (only sizes the sample bound; exactness never depends on it).
+    frac = k / features if tokens_total is None else k * tokens_total / max(1, n * world)
+    lo_local = _lower_bound(flat, frac) if n > 0 and frac < 1 else None
     if world > 1:
-        head = torch.tensor([float(tokens), float("inf")], dtype=torch.float64, device=device)
+        head = torch.tensor([float(tokens), float(n), float("inf")], dtype=torch.float64, device=device)
         if lo_local is not None:
-            head[1] = lo_local
+            head[2] = lo_local
         gathered = _all_gather(head, group, world)
         # Host sync: K = k * tokens_total sizes the selection.
-        tokens_total = int(gathered[:, 0].sum())
-        lo = gathered[:, 1].min().to(x.dtype)
+        totals = gathered[:, :2].sum(0).tolist()
+        numel_total = int(totals[1])
+        tokens_total = int(totals[0]) if tokens_total is None else tokens_total
+        lo = gathered[:, 2].min().to(x.dtype)
     else:
-        tokens_total = tokens
+        numel_total = n
+        tokens_total = tokens if tokens_total is None else tokens_total
         lo = None if lo_local is None else lo_local.to(x.dtype)
     big_k = k * tokens_total
     if big_k == 0:
         return empty_idx, None
-    if big_k >= tokens_total * features:
+    if big_k >= numel_total:
         return torch.arange(n, device=device), None
+    if lo is None:  # no bound estimated (not reached with n > 0 and K < numel): use the exact fallback
+        lo = torch.tensor(float("inf"), dtype=x.dtype, device=device)
 
     # Candidates at or above the sampled bound. nonzero syncs with the host once: the candidate count sizes
     # every buffer after it.
@@ -173,7 +181,9 @@ def _select(
     return idx, keep
 
 
-def global_batch_topk(x: torch.Tensor, k: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def global_batch_topk(
+    x: torch.Tensor, k: int, group: dist.ProcessGroup | None = None, tokens_total: int | None = None
+) -> torch.Tensor:
     """Keep the ``k * tokens_total`` largest entries over all ranks' batches; zero the rest.
 
     Args:
@@ -182,6 +192,8 @@ def global_batch_topk(x: torch.Tensor, k: int, group: dist.ProcessGroup | None =
         k: mean number of active features per token.
         group: process group whose ranks share the budget; ``None`` selects locally (no communication),
             which is the usual single-process BatchTopK.
+        tokens_total: distinct tokens over the group, when ranks hold different *features* of the same tokens
+            (e.g. encoders sharded over features); default: the sum of ``x.shape[0]`` over ranks.
 
     Returns:
         A tensor like ``x`` that equals ``x`` at the kept entries and is zero elsewhere. Gradients reach the
@@ -193,7 +205,7 @@ def global_batch_topk(x: torch.Tensor, k: int, group: dist.ProcessGroup | None =
         tensor([[3., 0., 0.],
                 [0., 4., 0.]])
     """
-    idx, keep = _select(x, k, group)
+    idx, keep = _select(x, k, group, tokens_total)
     if keep is None and idx.numel() == x.numel():
         return x
     flat = x.reshape(-1)
@@ -205,14 +217,14 @@ def global_batch_topk(x: torch.Tensor, k: int, group: dist.ProcessGroup | None =
 
 
 def batch_topk_threshold_sparse(
-    x: torch.Tensor, k: int, group: dist.ProcessGroup | None = None
+    x: torch.Tensor, k: int, group: dist.ProcessGroup | None = None, tokens_total: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`global_batch_topk` but return the kept entries as ``(flat_indices, values)``.
 
     ``flat_indices`` index ``x.reshape(-1)`` and ascend; ``values`` carry gradients to ``x``. Useful to feed
     :func:`lightning_opt.ops.sparse_decode.sparse_decode` without densifying.
     """
-    idx, keep = _select(x, k, group)
+    idx, keep = _select(x, k, group, tokens_total)
     if keep is not None:
         idx = idx[keep]  # host sync: the kept count sizes the result
     return idx, x.reshape(-1)[idx]

@@ -131,6 +131,17 @@ def _worker(rank: int, world: int, port: int) -> None:
             mask = _mask(full, k)[start : start + tokens[rank]]
             if not torch.equal(x.grad, w * mask):
                 raise AssertionError(f"case {i} rank {rank}: gradient is not the kept mask")
+        # Ranks hold different features of the same tokens (encoders sharded over features).
+        full = torch.randn(24, 40, generator=torch.Generator().manual_seed(7))
+        half = full.shape[1] // world
+        part = full[:, rank * half : (rank + 1) * half].clone().requires_grad_(True)
+        out = global_batch_topk(part, 3, group=dist.group.WORLD, tokens_total=full.shape[0])
+        expected = reference_batch_topk(full, 3)[:, rank * half : (rank + 1) * half]
+        if not torch.equal(out.detach(), expected):
+            raise AssertionError(f"rank {rank}: feature-split selection differs from the reference")
+        out.sum().backward()
+        if not torch.equal(part.grad, (expected != 0).float()):
+            raise AssertionError(f"rank {rank}: feature-split gradient is not the kept mask")
     finally:
         dist.destroy_process_group()
 
