@@ -1,0 +1,65 @@
+"""The pure helpers behind the GPT-2 GPU benchmarks: the record-script patch, its log parser, time to target."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.gpt2_record import parse_record_log, time_to_target
+from benchmarks.peers.patch_record import SEPARATOR, patch, record_code
+
+# a stand-in for a record log: code with the four hyperparameters, the separator, then log lines
+CODE = """import os
+class Hyperparameters:
+    train_bin = 'data/fineweb10B/fineweb_train_*.bin' # input .bin to train on
+    val_bin = 'data/fineweb10B/fineweb_val_*.bin' # input .bin to eval validation loss on
+    num_iterations = 1390 # number of iterations to run
+    val_tokens = 10485760 # how many tokens of validation data?
+print0('=' * 100)
+"""
+LOG = CODE + SEPARATOR + "\nstep:0/1390 val_loss:10.8258 train_time:0ms step_avg:nanms\n"
+
+
+def test_patch_changes_exactly_four_values():
+    code = record_code(LOG)
+    assert code == CODE
+    out = patch(code, "/d/train.bin", "/d/val.bin", 127, 1048576)
+    changed = [(a, b) for a, b in zip(code.splitlines(), out.splitlines()) if a != b]
+    assert len(changed) == 4 and len(out.splitlines()) == len(code.splitlines())
+    assert "train_bin = '/d/train.bin' # input" in out
+    assert "num_iterations = 127 #" in out and "val_tokens = 1048576 #" in out
+
+
+@pytest.mark.parametrize("text, match", [
+    (CODE.replace("    num_iterations = 1390", "    iterations = 1390"), "iterations"),
+    (CODE + "    val_tokens = 5\n", "val tokens"),
+])
+def test_patch_refuses_other_files(text, match):
+    with pytest.raises(ValueError, match=match):
+        patch(text, "a", "b", 1, 1)
+
+
+def test_record_code_needs_separator():
+    with pytest.raises(ValueError, match="not a modded-nanogpt record log"):
+        record_code(CODE)
+
+
+def test_parse_record_log_adds_back_the_untimed_steps():
+    lines = ["step:0/20 val_loss:10.8000 train_time:0ms step_avg:nanms",
+             "step:1/20 train_time:70000ms step_avg:nanms"]
+    lines += [f"[rank0]:step:{s}/20 train_time:{(s - 10) * 1000}ms step_avg:1000.00ms" for s in range(11, 21)]
+    lines += ["step:20/20 val_loss:5.5000 train_time:10000ms step_avg:1000.00ms",
+              "peak memory consumption: 2048 MiB"]
+    out = parse_record_log("\n".join(lines))
+    assert out["tokens_per_s"] == pytest.approx(524288.0)
+    assert out["final_val_loss"] == 5.5 and out["steps"] == 20
+    assert out["record_train_s"] == 10.0 and out["record_train_s_adjusted"] == 20.0
+    assert out["compile_s"] == pytest.approx(69.0) and out["peak_mem_gb"] == 2.0
+
+
+def test_time_to_target_interpolates():
+    curve = [{"step": 8, "val_loss": 6.0, "train_s": 8.0}, {"step": 16, "val_loss": 5.0, "train_s": 16.0},
+             {"step": 24, "val_loss": 4.0, "train_s": 24.0}]
+    row, t = time_to_target(curve, 4.5)
+    assert row["step"] == 24 and t == pytest.approx(20.0)
+    assert time_to_target(curve, 3.0) == (None, None)
+    assert time_to_target(curve, 6.5)[1] == 8.0
