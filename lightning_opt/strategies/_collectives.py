@@ -7,6 +7,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_opt.ops.global_topk import _all_gather
+
 
 class _SumForward(torch.autograd.Function):
     """Forward: all-reduce sum over ``group``. Backward: the incoming gradient times ``grad_scale``.
@@ -73,3 +75,48 @@ def all_reduce_grads(params: list[torch.nn.Parameter], group: Any, world: int) -
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
     return sent
+
+
+class _GatherSparse(torch.autograd.Function):
+    """Forward: every rank gets all ranks' ``(indices, values)`` (variable counts, rank order).
+
+    Backward: the gradient of the gathered values is summed over ranks (each rank decoded its own output
+    columns from all entries) and each rank keeps the part for its own entries.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, indices: torch.Tensor, values: torch.Tensor, group: Any, world: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        count = torch.tensor([indices.numel()], dtype=torch.long, device=indices.device)
+        counts = _all_gather(count, group, world).view(-1).tolist()  # host sync: counts size the buffers
+        width = max(counts)
+        rank = dist.get_rank(group)
+        ctx.group, ctx.counts, ctx.width, ctx.rank = group, counts, width, rank
+        out_idx, out_vals = [], []
+        for t, fill in ((indices, -1), (values, 0)):
+            padded = torch.full((width,), fill, dtype=t.dtype, device=t.device)
+            padded[: t.numel()] = t
+            parts = _all_gather(padded, group, world)
+            gathered = torch.cat([parts[r, : counts[r]] for r in range(world)])
+            (out_idx if fill == -1 else out_vals).append(gathered)
+        ctx.mark_non_differentiable(out_idx[0])
+        return out_idx[0], out_vals[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad_idx: torch.Tensor | None, grad_vals: torch.Tensor) -> tuple[Any, ...]:
+        counts, width = ctx.counts, ctx.width
+        padded = grad_vals.new_zeros(len(counts), width)
+        offset = 0
+        for r, c in enumerate(counts):
+            padded[r, :c] = grad_vals[offset : offset + c]
+            offset += c
+        dist.all_reduce(padded, group=ctx.group)
+        return None, padded[ctx.rank, : counts[ctx.rank]].contiguous(), None, None
+
+
+def gather_sparse(
+    indices: torch.Tensor, values: torch.Tensor, group: Any, world: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All ranks' sparse entries in rank order; gradients of ``values`` return summed to their owners."""
+    return _GatherSparse.apply(indices, values, group, world)

@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_opt.strategies._collectives import all_reduce_grads, sum_backward, sum_forward
+from lightning_opt.strategies._collectives import all_reduce_grads, gather_sparse, sum_backward, sum_forward
 from lightning_opt.strategies.global_batch_topk import attach_topk_group
 
 __all__ = ["DecoderShardingStrategy"]
@@ -52,6 +52,9 @@ class DecoderShardingStrategy(DDPStrategy):
         model_parallel_size: ``M``, ranks per decoder group (default: all ranks, i.e. no data parallelism).
         checkpoint_format: ``"consolidated"`` or ``"sharded"``.
         global_topk: with ``D > 1``, set ``topk_group`` to the data group (big-batch BatchTopK).
+        shard_encoder: also shard the encoders over features (``n_features / M`` per rank and layer): each
+            rank encodes its features, BatchTopK runs over the union (exact), and the sparse activations are
+            all-gathered inside the decoder group. Needs ``activation="batchtopk_global"``.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (e.g. ``start_method``);
             DDP's own wrapper is not used.
     """
@@ -63,6 +66,7 @@ class DecoderShardingStrategy(DDPStrategy):
         model_parallel_size: int | None = None,
         checkpoint_format: str = "consolidated",
         global_topk: bool = True,
+        shard_encoder: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -79,6 +83,7 @@ class DecoderShardingStrategy(DDPStrategy):
         self.model_parallel_size = model_parallel_size
         self.checkpoint_format = checkpoint_format
         self.global_topk = global_topk
+        self.shard_encoder = shard_encoder
         self._model_group: Any = None
         self._data_group: Any = None
         self._sharded: dict[str, tuple[int, ...]] = {}  # state-dict key -> full shape
@@ -187,11 +192,63 @@ class DecoderShardingStrategy(DDPStrategy):
                 )
             if self.mp_size > 1:
                 clt.shard_decoder_(*self._slice(cfg.d_model))
+                if self.shard_encoder:
+                    self._shard_encoder(clt)
                 self._wrap_decode(clt)
             if self.global_topk and self.dp_size > 1:
                 attach_topk_group(clt, self._data_group)
         after = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         self._sharded = {k: before[k] for k in after if after[k] != before[k]}
+
+    def _shard_encoder(self, clt: torch.nn.Module) -> None:
+        cfg = clt.config
+        if cfg.activation != "batchtopk_global":
+            raise ValueError(
+                f"shard_encoder=True needs activation='batchtopk_global' (one budget over all features), got "
+                f"{cfg.activation!r}; use shard_encoder=False."
+            )
+        if cfg.n_features % self.mp_size:
+            raise ValueError(
+                f"n_features={cfg.n_features} is not divisible by model_parallel_size={self.mp_size}."
+            )
+        start, stop = self._slice(cfg.n_features)
+        with torch.no_grad():
+            clt.W_enc.data = clt.W_enc.data[..., start:stop].contiguous()
+            clt.b_enc.data = clt.b_enc.data[..., start:stop].contiguous()
+
+    def _wrap_forward(self, clt: torch.nn.Module) -> None:
+        """Forward with feature-sharded encoders: local encode, exact global BatchTopK, gather sparse acts."""
+        from lightning_opt.models.clt import CLTOutput
+        from lightning_opt.ops.global_topk import batch_topk_threshold_sparse
+
+        decode_sparse = type(clt).decode_sparse.__get__(clt)  # unwrapped: the gather sums the gradients
+        strategy = self
+
+        def sharded_forward(x: torch.Tensor, dense: bool | None = None) -> Any:
+            pre = clt.encode(x)  # [L, N, F / M]: this rank's features of every layer
+            n_layers, n_tokens, width = pre.shape
+            n_features = clt.config.n_features
+            if strategy.global_topk and strategy.dp_size > 1:
+                group, tokens_total = (
+                    dist.group.WORLD,
+                    int(strategy.data_sum(pre.new_tensor(float(n_tokens)))),
+                )
+            else:
+                group, tokens_total = strategy._model_group, n_tokens
+            idx, vals = batch_topk_threshold_sparse(
+                pre.reshape(n_tokens, n_layers * width), clt.config.k, group=group, tokens_total=tokens_total
+            )
+            # Local flat index in [L, N, F/M] -> global flat index in [L, N, F].
+            layer_token = torch.div(idx, width, rounding_mode="floor")
+            feature = idx - layer_token * width + strategy.model_rank * width
+            all_idx, all_vals = gather_sparse(
+                layer_token * n_features + feature, torch.relu(vals), strategy._model_group, strategy.mp_size
+            )
+            order = torch.argsort(all_idx)
+            all_idx, all_vals = all_idx[order], all_vals[order]
+            return CLTOutput(decode_sparse(all_idx, all_vals, n_tokens), pre, None, all_idx, all_vals)
+
+        clt.forward = sharded_forward
 
     def _wrap_decode(self, clt: torch.nn.Module) -> None:
         decode_sparse = clt.decode_sparse
@@ -210,6 +267,8 @@ class DecoderShardingStrategy(DDPStrategy):
 
         clt.decode_sparse = sharded_decode_sparse
         clt.decode = sharded_decode
+        if self.shard_encoder:
+            self._wrap_forward(clt)
 
     def _set_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Point the sharded entries at ``tensors`` (parameters keep their identity for the optimizer)."""
@@ -234,7 +293,7 @@ class DecoderShardingStrategy(DDPStrategy):
         self._set_tensors({name: self._gather_last(state[name].detach()) for name in self._sharded})
         for clt in self._clts:
             clt.d_out_slice = None
-            for attr in ("decode", "decode_sparse"):
+            for attr in ("decode", "decode_sparse", "forward"):
                 with suppress(AttributeError):
                     delattr(clt, attr)
         self._full_now = True

@@ -39,6 +39,9 @@ def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
 
     from lightning_opt.strategies import DecoderShardingStrategy, GlobalBatchTopKStrategy
 
+    def _adam_module() -> TinyCLTModule:
+        return TinyCLTModule(loss="mse", optimizer="adam", lr=0.01, batch_size=8)
+
     def global_mse() -> dict[str, Any]:
         m = TinyCLTModule(loss="mse", batch_size=8)
         strategy = GlobalBatchTopKStrategy()
@@ -58,6 +61,18 @@ def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
         return {
             "state": _state(m),
             "ckpt": str(root / "consolidated" / "epoch=0-step=2.ckpt"),
+            "val_shapes": m.val_shapes,
+        }
+
+    def sharded_encoder() -> dict[str, Any]:
+        m = _adam_module()
+        ckpt = ModelCheckpoint(dirpath=root / "encoder", every_n_train_steps=2, save_top_k=-1)
+        _fit(
+            m, DecoderShardingStrategy(shard_encoder=True), root, callbacks=[ckpt], enable_checkpointing=True
+        )
+        return {
+            "state": _state(m),
+            "ckpt": str(root / "encoder" / "epoch=0-step=2.ckpt"),
             "val_shapes": m.val_shapes,
         }
 
@@ -90,7 +105,7 @@ def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
             if strategy_name == "global":
                 strategy, data = GlobalBatchTopKStrategy(), loader(8, WORLD, dist.get_rank())
             else:
-                strategy, data = DecoderShardingStrategy(), loader(8)
+                strategy, data = DecoderShardingStrategy(shard_encoder=strategy_name == "encoder"), loader(8)
             import lightning.pytorch as pl
             from _clt_helpers import trainer_kwargs
 
@@ -106,6 +121,8 @@ def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
         "equivalence": lambda: run_equivalence(),
         "clt_module_global": clt_module("global"),
         "clt_module_sharded": clt_module("sharded"),
+        "clt_module_sharded_encoder": clt_module("encoder"),
+        "sharded_encoder": sharded_encoder,
         "global_mse": global_mse,
         "global_fvu": global_fvu,
         "sharded_mse_consolidated": sharded_mse_consolidated,

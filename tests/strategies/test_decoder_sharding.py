@@ -76,3 +76,25 @@ def test_project_clt_module_trains_sharded_like_one_process(strategy_runs: dict,
         module, train_dataloaders=loader(8)
     )
     assert_states_close(strategy_runs["clt_module_sharded"]["params"], params_of(module))
+
+
+def test_feature_sharded_encoders_match_single_process(strategy_runs: dict, tmp_path) -> None:
+    result = strategy_runs["sharded_encoder"]
+    assert_states_close(result["state"], fit_single(_adam_module(), tmp_path / "a"))
+    assert result["val_shapes"]
+    # The consolidated checkpoint holds full-width encoders too and loads in one process.
+    ckpt = torch.load(result["ckpt"], weights_only=False)
+    module = _adam_module()
+    module.load_state_dict(ckpt["state_dict"])
+    assert_states_close(dict(module.state_dict()), fit_single(_adam_module(), tmp_path / "b", max_steps=2))
+
+
+def test_project_clt_module_with_feature_sharded_encoders(strategy_runs: dict, tmp_path) -> None:
+    import lightning.pytorch as pl
+    from _clt_helpers import loader, make_clt_module, params_of, trainer_kwargs
+
+    module = make_clt_module()
+    pl.Trainer(devices=1, **trainer_kwargs(tmp_path, limit_val_batches=0)).fit(
+        module, train_dataloaders=loader(8)
+    )
+    assert_states_close(strategy_runs["clt_module_sharded_encoder"]["params"], params_of(module))
