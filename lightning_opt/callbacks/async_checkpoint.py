@@ -39,6 +39,7 @@ class AsyncCheckpointConfig:
     decide_every_n_steps: int = 10
     save_rng: bool = True
     prewarm: bool = True
+    overlap_copy: bool = False
 
     def __post_init__(self) -> None:
         if self.every_n_steps is not None and self.every_n_steps < 1:
@@ -65,7 +66,7 @@ class _Staging:
         # save (or ``prewarm``) no allocation happens. Pinned allocation is slow (~0.3 s/GB).
         self.pool: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}
         self.in_use: list[torch.UntypedStorage] = []
-        self.event: torch.cuda.Event | None = None
+        self.events: list[torch.cuda.Event] = []
         self.bytes = 0
 
     def prewarm(self, objects: list[Any]) -> None:
@@ -89,24 +90,37 @@ class _Staging:
             elif isinstance(obj, (list, tuple)):
                 stack.extend(obj)
 
-    def stage(self, checkpoint: Any) -> Any:
+    def stage(self, checkpoint: Any, side: torch.cuda.Stream | None = None, side_keys: set | None = None) -> Any:
+        """Copies ``checkpoint``'s tensors into host buffers; returns the same structure on them.
+
+        With ``side``, storages in ``side_keys`` (params and optimizer state) are copied on that
+        stream, after the current stream's work, so the copy overlaps later compute; the caller
+        must make the current stream wait for ``side`` before anything modifies them.
+        """
         for buf in self.in_use:  # the previous save is written (the caller waited): reuse
             self.pool.setdefault((buf.nbytes(), buf.is_pinned()), []).append(buf)
         self.in_use = []
         self._by_storage: dict[tuple[str, int], torch.UntypedStorage] = {}
         self.bytes = 0
         self._cuda = False
+        self._side, self._side_keys = side, side_keys or set()
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
         staged = self._walk(checkpoint)
-        self.event = None
+        self.events: list[torch.cuda.Event] = []
         if self._cuda:
-            self.event = torch.cuda.Event()
-            self.event.record()
+            self.events.append(torch.cuda.Event())
+            self.events[-1].record()
+            if side is not None:
+                self.events.append(torch.cuda.Event())
+                self.events[-1].record(side)
         del self._by_storage
+        self._side = None
         return staged
 
     def wait(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()  # runs in the writer thread; releases the GIL
+        for event in getattr(self, "events", []):
+            event.synchronize()  # runs in the writer thread; releases the GIL
 
     def _buffer(self, nbytes: int, pin: bool) -> torch.UntypedStorage:
         free = self.pool.get((nbytes, pin))
@@ -127,7 +141,11 @@ class _Staging:
             if src.nbytes():
                 d = torch.empty(0, dtype=torch.uint8).set_(dst)
                 s = torch.empty(0, dtype=torch.uint8, device=t.device).set_(src)
-                d.copy_(s, non_blocking=pin)
+                if pin and self._side is not None and key in self._side_keys:
+                    with torch.cuda.stream(self._side):
+                        d.copy_(s, non_blocking=True)
+                else:
+                    d.copy_(s, non_blocking=pin)
                 self._by_storage[key] = dst
             self.bytes += src.nbytes()
             self._cuda |= pin
@@ -225,6 +243,11 @@ class AsyncCheckpoint(Checkpoint):
         save_rng: store Python, NumPy, torch and CUDA RNG states and restore them on resume.
         prewarm: after the first step, allocate the host buffers in a background thread so the
             first save does not pay for the (slow) pinned allocation.
+        overlap_copy: CUDA only. Copy parameters and optimizer state on a side stream that the
+            training stream waits for only at the next optimizer step, so the device-to-host
+            copy overlaps the next forward/backward. Only correct if nothing modifies parameters
+            or optimizer state in place between a save and the next optimizer step (e.g. a
+            callback that edits weights at batch start); buffers are always copied in order.
 
     Example::
 
@@ -246,10 +269,11 @@ class AsyncCheckpoint(Checkpoint):
         decide_every_n_steps: int = 10,
         save_rng: bool = True,
         prewarm: bool = True,
+        overlap_copy: bool = False,
     ) -> None:
         self.config = AsyncCheckpointConfig(
             dirpath, every_n_steps, every_minutes, keep_last_k, save_last, save_on_exception, save_on_train_end,
-            decide_every_n_steps, save_rng, prewarm,
+            decide_every_n_steps, save_rng, prewarm, overlap_copy,
         )
         self.dirpath = dirpath
         self.last_saved_step = -1
@@ -263,6 +287,9 @@ class AsyncCheckpoint(Checkpoint):
         self._last_save_time = time.monotonic()
         self._rng_to_restore: dict[str, Any] | None = None
         self._prewarm_thread: threading.Thread | None = None
+        self._trainer: Trainer | None = None
+        self._side_stream: torch.cuda.Stream | None = None
+        self._side_pending = False
 
     # -- hooks ----------------------------------------------------------------------------------
     @override
@@ -273,6 +300,7 @@ class AsyncCheckpoint(Checkpoint):
                 f"AsyncCheckpoint: {type(trainer.strategy).__name__} shards the state; sharded async saving "
                 "(torch.distributed.checkpoint.async_save) is not implemented yet. Use ModelCheckpoint with it."
             )
+        self._trainer = trainer
         if self.dirpath is None:
             self.dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
         self.dirpath = os.path.abspath(self.dirpath)
@@ -399,7 +427,17 @@ class AsyncCheckpoint(Checkpoint):
         self.wait()
         if self._prewarm_thread is not None:
             self._prewarm_thread.join()
-        staged = self._staging.stage(checkpoint)
+        side, keys = None, None
+        if self.config.overlap_copy and self._trainer is not None and torch.cuda.is_available():
+            trainer = self._trainer
+            if trainer.strategy.root_device.type == "cuda":
+                if self._side_stream is None:
+                    self._side_stream = torch.cuda.Stream(trainer.strategy.root_device)
+                side = self._side_stream
+                keys = _storage_keys([*trainer.lightning_module.parameters(),
+                                      *[o.state for o in trainer.optimizers]])
+        staged = self._staging.stage(checkpoint, side, keys)
+        self._side_pending = side is not None
         self.last_path = path
         self._thread = threading.Thread(target=self._write, args=(staged, path), name="AsyncCheckpoint", daemon=True)
         self._thread.start()
@@ -414,8 +452,19 @@ class AsyncCheckpoint(Checkpoint):
         except BaseException as err:  # surfaced by wait() in the training thread
             self._error = err
 
+    def _join_side(self) -> None:
+        # Device-side wait (no host block): later work on the training stream runs after the copy.
+        if self._side_pending and self._side_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._side_stream)
+        self._side_pending = False
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        self._join_side()
+
     def wait(self) -> None:
         """Blocks until the save in flight (if any) is on disk; re-raises its error."""
+        self._join_side()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
@@ -435,6 +484,20 @@ class AsyncCheckpoint(Checkpoint):
         found.sort()
         for _, name in found[:-k]:
             os.remove(os.path.join(self.dirpath, name))
+
+
+def _storage_keys(objects: list[Any]) -> set[tuple[str, int]]:
+    keys: set[tuple[str, int]] = set()
+    stack = list(objects)
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            keys.add((str(obj.device), obj.untyped_storage().data_ptr()))
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+    return keys
 
 
 def _point_last(path: str) -> None:

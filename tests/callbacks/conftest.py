@@ -68,10 +68,11 @@ class TinyModule(pl.LightningModule):
         lr: float = 1e-2,
         val_batches: int = 2,
         dim: int = 16,
+        hidden: int = 32,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(dim, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 1))
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 1))
         self.batches = batches if batches is not None else make_batches(dim=dim)
         self.fused = fused
         self.nan_at = set(nan_at)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 from lightning_opt.callbacks import AsyncCheckpoint
 from tests.callbacks.conftest import TinyModule, make_batches, make_trainer
@@ -150,8 +151,20 @@ def _wait_for(proc, marker, timeout=60):
     pytest.fail(f"child never printed {marker}")
 
 
-def test_kill_9_mid_write_leaves_previous_checkpoint_loadable(tmp_path):
-    proc, ck = _spawn(tmp_path, "kill")
+@pytest.fixture(scope="module")
+def children(tmp_path_factory):
+    """Both subprocesses start together (each spends seconds importing torch and Lightning)."""
+    procs = {mode: _spawn(tmp_path_factory.mktemp(mode), mode) for mode in ("kill", "sigterm")}
+    yield procs
+    for proc, _ in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+def test_kill_9_mid_write_leaves_previous_checkpoint_loadable(children):
+    proc, ck = children["kill"]
     _wait_for(proc, "MIDWRITE")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -162,8 +175,8 @@ def test_kill_9_mid_write_leaves_previous_checkpoint_loadable(tmp_path):
     assert loaded["global_step"] == 2
 
 
-def test_sigterm_writes_a_checkpoint(tmp_path):
-    proc, ck = _spawn(tmp_path, "sigterm")
+def test_sigterm_writes_a_checkpoint(children):
+    proc, ck = children["sigterm"]
     _wait_for(proc, "STARTED")
     time.sleep(0.3)
     proc.send_signal(signal.SIGTERM)
@@ -205,3 +218,34 @@ def test_resume_with_nan_skip_decision_pending_at_save(tmp_path):
     assert t.lr_scheduler_configs[0].scheduler.last_epoch == 7  # 8 batches, 1 skipped
     for a, b in zip(full.parameters(), second.parameters()):
         assert torch.equal(a, b)
+
+
+class _Capture(Callback):
+    """Clones the parameters at the end of one step (before AsyncCheckpoint, which runs last)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.params: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self.params = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_save_holds_the_state_of_its_step(tmp_path, overlap):
+    """The non-blocking copies (same stream, or a side stream joined at the next optimizer step)
+    must capture exactly the state at the save, although training continues right away."""
+    dim = 1024  # 8 MB weights + 16 MB of Adam state: the copy is in flight while later steps are queued
+    cap = _Capture(step=3)
+    cb = AsyncCheckpoint(dirpath=str(tmp_path / "ck"), every_n_steps=3, save_on_train_end=False, overlap_copy=overlap)
+    module = TinyModule(batches=make_batches(8, dim=dim), dim=dim, hidden=2048, fused=True)
+    trainer = make_trainer(tmp_path, [cap, cb], accelerator="gpu")
+    trainer.fit(module)
+    saved = torch.load(tmp_path / "ck" / "step=000000003.ckpt", weights_only=True)["state_dict"]
+    assert saved.keys() == cap.params.keys()
+    for k in saved:
+        assert torch.equal(saved[k], cap.params[k]), k
+    assert not torch.equal(saved["net.0.weight"], module.net[0].weight.detach().cpu())  # training went on
