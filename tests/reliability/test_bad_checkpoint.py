@@ -1,0 +1,160 @@
+"""Wrong, damaged or stale checkpoints: a clear error before training, and no good checkpoint harmed.
+
+"Harmed" is checked byte for byte: every file in the checkpoint folder before the failed run is still
+there, unchanged, afterwards, and ``last.ckpt`` still resolves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_opt.callbacks import AsyncCheckpoint
+from lightning_opt.data import TokenShardDataModule
+from lightning_opt.models.gpt2 import GPTConfig
+from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
+from lightning_opt.optim.factory import OptimConfig
+from tests.reliability._harness import BATCH, SEQ_LEN, TinyLM, loads, make_shard, step_files, trainer
+
+torch.set_num_threads(1)
+
+
+def _fingerprint(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.glob("*.ckpt")) if p.exists()}
+
+
+def _dm(shard: Path, **kw) -> TokenShardDataModule:
+    kw = {"seq_len": SEQ_LEN, "batch_size": BATCH, **kw}
+    return TokenShardDataModule(str(shard), None, **kw)
+
+
+def _gpt(n_embd: int = 32) -> GPT2SpeedrunModule:
+    cfg = GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=n_embd, block_size=SEQ_LEN)
+    return GPT2SpeedrunModule(cfg, OptimConfig(name="adamw", lr=1e-3))
+
+
+@pytest.fixture
+def shard(tmp_path: Path) -> Path:
+    return make_shard(tmp_path / "train.bin", 10 * BATCH * SEQ_LEN + 1)
+
+
+def _first_run(tmp_path: Path, shard: Path, module, steps: int = 6) -> Path:
+    ckdir = tmp_path / "ck"
+    t = trainer(tmp_path, [AsyncCheckpoint(dirpath=str(ckdir), every_n_steps=3, keep_last_k=2)], max_steps=steps, max_epochs=-1)
+    t.fit(module, datamodule=_dm(shard))
+    return ckdir
+
+
+def _resume_fails(tmp_path: Path, shard: Path, module, ckpt_path: Path, ckdir: Path) -> tuple[BaseException | None, bool, int]:
+    """Resume with an AsyncCheckpoint on the same folder; returns (error, folder untouched, steps done)."""
+    before = _fingerprint(ckdir)
+    cb = AsyncCheckpoint(dirpath=str(ckdir), every_n_steps=1, keep_last_k=1)
+    t = trainer(tmp_path / "again", [cb], max_steps=12, max_epochs=-1)
+    err = None
+    try:
+        t.fit(module, datamodule=_dm(shard), ckpt_path=str(ckpt_path))
+    except Exception as e:  # noqa: BLE001 - the test checks the error's text
+        err = e
+    untouched = _fingerprint(ckdir) == before and loads(ckdir / "last.ckpt") is not None
+    return err, untouched, t.global_step
+
+
+def test_checkpoint_of_another_config(fault, tmp_path, shard):
+    fault("checkpoint of another config", "resume a GPT-2 with n_embd=64 from an n_embd=32 checkpoint")
+    ckdir = _first_run(tmp_path, shard, _gpt(32))
+    err, untouched, steps = _resume_fails(tmp_path, shard, _gpt(64), ckdir / "last.ckpt", ckdir)
+    msg = str(err)
+    clear = err is not None and "n_embd=32 vs 64" in msg and "another model" in msg and "model_config" in msg
+    fault.trial(clear and untouched and steps == 0, data_lost=not untouched, note=msg[:200])
+    assert clear, msg
+    assert untouched and steps == 0
+
+
+def test_checkpoint_of_another_model(fault, tmp_path, shard):
+    fault("checkpoint of another model", "resume a GPT-2 module from a checkpoint of a different LightningModule")
+    ckdir = _first_run(tmp_path, shard, TinyLM())
+    err, untouched, steps = _resume_fails(tmp_path, shard, _gpt(32), ckdir / "last.ckpt", ckdir)
+    msg = str(err)
+    # must say it is the wrong kind of checkpoint (not only list missing keys) and what to do
+    clear = err is not None and ("another model" in msg or "not a GPT2SpeedrunModule" in msg)
+    fault.trial(clear and untouched and steps == 0, data_lost=not untouched, note=msg[:200])
+    assert untouched and steps == 0
+    assert clear, msg[:1000]
+
+
+def test_truncated_checkpoint_is_refused(fault, tmp_path, shard):
+    fault("truncated checkpoint file", "resume from a checkpoint cut short (e.g. an interrupted copy)")
+    ckdir = _first_run(tmp_path, shard, TinyLM())
+    damaged = tmp_path / "copied.ckpt"
+    data = (ckdir / "last.ckpt").read_bytes()
+    damaged.write_bytes(data[: len(data) // 2])
+    err, untouched, steps = _resume_fails(tmp_path, shard, TinyLM(), damaged, ckdir)
+    fault.trial(err is not None and untouched and steps == 0, data_lost=not untouched, note=str(err)[:200])
+    assert err is not None and untouched and steps == 0
+
+
+def test_dangling_last_link_is_refused(fault, tmp_path, shard):
+    fault("dangling last.ckpt", "last.ckpt points at a file someone deleted")
+    ckdir = _first_run(tmp_path, shard, TinyLM())
+    target = ckdir / os.readlink(ckdir / "last.ckpt")
+    target.unlink()
+    cb = AsyncCheckpoint(dirpath=str(ckdir), every_n_steps=1, keep_last_k=1)
+    with pytest.raises(FileNotFoundError) as info:
+        trainer(tmp_path / "again", [cb], max_steps=12, max_epochs=-1).fit(TinyLM(), datamodule=_dm(shard),
+                                                           ckpt_path=str(ckdir / "last.ckpt"))
+    older = step_files(ckdir)
+    ok = "last.ckpt" in str(info.value) and len(older) == 1 and loads(older[0][1]) is not None
+    fault.trial(ok, data_lost=len(older) != 1, note=str(info.value)[:200])
+    assert ok, (str(info.value), older)
+
+
+def test_leftovers_of_a_crashed_save_do_not_break_the_next_run(fault, tmp_path, shard):
+    fault("leftover temp files", "a partial .writing/archive.tmp and .last.ckpt.tmp from a killed run")
+    ckdir = _first_run(tmp_path, shard, TinyLM())
+    (ckdir / ".writing").mkdir(exist_ok=True)
+    (ckdir / ".writing" / "archive.tmp").write_bytes(b"PK\x03\x04 half a zip")
+    os.symlink("step=000000099.ckpt", ckdir / ".last.ckpt.tmp")
+    cb = AsyncCheckpoint(dirpath=str(ckdir), every_n_steps=3, keep_last_k=2)
+    t = trainer(tmp_path / "again", [cb], max_steps=12, max_epochs=-1)
+    t.fit(TinyLM(), datamodule=_dm(shard), ckpt_path=str(ckdir / "last.ckpt"))
+    last = loads(ckdir / "last.ckpt")
+    ok = t.global_step == 12 and last is not None and last["global_step"] == 12
+    fault.trial(ok, note=f"step {t.global_step}, last {None if last is None else last['global_step']}")
+    assert ok
+
+
+def test_fresh_run_into_a_folder_with_newer_checkpoints(fault, tmp_path, shard):
+    """A restart that forgets ckpt_path writes step=3 next to an older run's step=9: neither the old
+    run's checkpoints nor the new run's may vanish, and last.ckpt must resolve."""
+    fault("fresh run into an old checkpoint folder", "restart without ckpt_path into a folder with newer steps")
+    ckdir = _first_run(tmp_path, shard, TinyLM(), steps=9)
+    old = _fingerprint(ckdir)
+    cb = AsyncCheckpoint(dirpath=str(ckdir), every_n_steps=3, keep_last_k=2, save_on_train_end=False)
+    trainer(tmp_path / "again", [cb], max_steps=3).fit(TinyLM(), datamodule=_dm(shard))
+    last = ckdir / "last.ckpt"
+    resolved = last.exists() and loads(last) is not None
+    newest_written = resolved and loads(last)["global_step"] == 3
+    old_kept = all(_fingerprint(ckdir).get(n) == h for n, h in old.items() if n != "last.ckpt")
+    ok = resolved and newest_written and old_kept
+    fault.trial(ok, data_lost=not (resolved and old_kept),
+                note=f"last resolves: {resolved}, points at the new save: {newest_written}, old kept: {old_kept}")
+    assert old_kept, "checkpoints of the earlier run were deleted"
+    assert resolved and newest_written, "last.ckpt does not resolve to the save just written"
+
+
+def test_changed_data_layout_warns_that_resume_is_not_exact(fault, tmp_path, shard):
+    fault("data layout changed on resume", "resume with another batch_size than the checkpoint's")
+    ckdir = _first_run(tmp_path, shard, TinyLM())
+    t = trainer(tmp_path / "again", [], max_steps=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(TinyLM(), datamodule=_dm(shard, batch_size=2), ckpt_path=str(ckdir / "last.ckpt"))
+    texts = [str(w.message) for w in caught]
+    ok = any("batch_size=4" in m and "not an exact resume" in m for m in texts)
+    fault.trial(ok, note="" if ok else f"warnings: {texts[:3]}")
+    assert ok, texts

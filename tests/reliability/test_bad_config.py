@@ -1,0 +1,163 @@
+"""Bad configuration in every recipe: wrong types and ranges, unknown names, missing optional packages.
+
+Each case runs the recipe's ``main(args)`` as a user would (the real LightningCLI and YAML) and expects
+an error that names the offending key or value and what to do, raised *before* ``Trainer.fit`` starts
+(nothing trained, nothing written over); a missing package needed by a model that is only loaded in
+``setup`` must be reported before the first training batch. Missing packages are simulated with ``sys.modules[name] = None``
+(what ``import name`` then raises is exactly what a missing package raises).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "recipes" / "configs"
+torch.set_num_threads(1)
+
+RECIPES = {
+    "gpt2": ("gpt2_speedrun", CONFIGS / "gpt2" / "demo.yaml"),
+    "spd": ("spd", CONFIGS / "spd_tms_5-2.yaml"),
+    "clt": ("clt", CONFIGS / "clt_demo.yaml"),
+}
+COMMON = ["--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false",
+          "--trainer.enable_model_summary", "false"]
+
+
+def _main(recipe: str) -> Any:
+    module, _ = RECIPES[recipe]
+    path = ROOT / "recipes" / f"{module}.py"
+    if not path.exists():
+        pytest.skip(f"recipes/{module}.py is not there yet")
+    spec = importlib.util.spec_from_file_location(f"reliability_{module}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+class _FitWatch:
+    """Records whether Trainer.fit started and whether a training batch began."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.started = False
+        self.trained = False
+        original = pl.Trainer.fit
+        watch = self
+
+        class Probe(pl.Callback):
+            def on_train_batch_start(self, *args: Any) -> None:
+                watch.trained = True
+
+        def fit(trainer: pl.Trainer, *a: Any, **k: Any) -> Any:
+            self.started = True
+            trainer.callbacks.append(Probe())
+            return original(trainer, *a, **k)
+
+        monkeypatch.setattr(pl.Trainer, "fit", fit)
+
+
+def run_bad(recipe: str, args: list[str], tmp_path: Path, monkeypatch, capsys, when: str = "started") -> tuple[str, bool]:
+    """Runs the recipe; returns (the error text, whether fit had ``started`` or a batch had been
+    ``trained``, per ``when``). Fails if nothing is raised."""
+    monkeypatch.chdir(tmp_path)
+    watch = _FitWatch(monkeypatch)
+    main = _main(recipe)
+    config = RECIPES[recipe][1]
+    try:
+        main(["--config", str(config), *COMMON, *args])
+    except SystemExit as err:  # jsonargparse prints the reason and exits 2
+        return f"{err}\n{capsys.readouterr().err}", getattr(watch, when)
+    except Exception as err:  # noqa: BLE001 - any clear exception is acceptable; its text is checked
+        return f"{type(err).__name__}: {err}", getattr(watch, when)
+    pytest.fail(f"{recipe} {args}: no error")
+
+
+# (fault kind, recipe, args, every one of these must be in the message)
+CASES = [
+    ("negative lr", "gpt2", ["--model.optim.lr", "-1"], ["lr=-1.0 must be positive"]),
+    ("negative lr", "spd", ["--model.train.lr", "-1"], ["lr", "must be positive"]),
+    ("negative lr", "clt", ["--model.optim.lr", "-1"], ["lr=-1.0 must be positive"]),
+    ("k > features", "clt", ["--model.clt.k", "100000"], ["k=100000", "lower k or raise n_features"]),
+    ("k > features", "clt", ["--model.clt.activation", "topk", "--model.clt.k", "513"], ["k=513", "lower k"]),
+    ("unknown activation", "clt", ["--model.clt.activation", "swish"], ["'swish'", "choose one of"]),
+    ("unknown activation", "gpt2", ["--model.model_config.mlp", "swish"], ["'swish'", "choose one of"]),
+    ("unknown activation", "spd", ["--model.spd.sigmoid", "swish"], ["'swish'", "choose one of"]),
+    ("wrong type", "gpt2", ["--model.model_config.n_layer", "four"], ["n_layer", "Expected a <class 'int'>", "four"]),
+    ("wrong type", "spd", ["--model.train.batch_size", "abc"], ["batch_size", "Expected a <class 'int'>"]),
+    ("wrong type", "clt", ["--model.clt.n_features", "many"], ["n_features", "Expected a <class 'int'>"]),
+    ("out of range", "gpt2", ["--data.batch_size", "0"], ["batch_size must be a positive integer"]),
+    ("out of range", "clt", ["--data.seq_len", "1000"], ["seq_len=1000"]),
+    ("out of range", "gpt2", ["--model.model_config.n_head", "3"], ["n_embd", "divisible by n_head=3"]),
+    ("unknown name", "gpt2", ["--model.optim.name", "adamw9bit"], ["'adamw9bit' is unknown", "choose one of"]),
+    ("unknown name", "spd", ["--model.spd.components", "[{pattern: nothing, C: 3}]",
+                             "--model.target.train_steps", "5"], ["'nothing' matches no module", "linear1"]),
+    ("seq_len > model context", "gpt2", ["--data.seq_len", "256"], ["256", "block_size"]),
+]
+
+
+def _id(case: tuple) -> str:
+    return f"{case[1]}-{case[0].replace(' ', '_').replace('>', 'gt')}-{case[2][1].strip('[{')[:12]}"
+
+
+@pytest.mark.parametrize("kind,recipe,args,needles", CASES, ids=[_id(c) for c in CASES])
+def test_bad_recipe_config_is_refused_before_training(fault, tmp_path, monkeypatch, capsys, kind, recipe, args, needles):
+    fault(f"bad config: {kind}", "a wrong value in a recipe's YAML / command line")
+    message, started = run_bad(recipe, args, tmp_path, monkeypatch, capsys)
+    missing = [n for n in needles if n not in message]
+    fault.trial(not missing and not started, note=f"fit started: {started}; missing {missing}")
+    assert not missing, f"the error does not say {missing}:\n{message[-2000:]}"
+    assert not started, f"the error came only after Trainer.fit started:\n{message[-500:]}"
+
+
+# -- missing optional packages -----------------------------------------------------------------------
+
+
+def test_missing_flash_attn_names_the_extra(fault, tmp_path, monkeypatch, capsys):
+    fault("missing flash-attn", "attn_backend=flash without flash-attn installed")
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    message, started = run_bad(
+        "gpt2", ["--model.model_config.attn_backend", "flash"], tmp_path, monkeypatch, capsys, when="trained"
+    )
+    ok = "lightning-opt[gpu]" in message and "flash" in message
+    fault.trial(ok and not started, note=f"fit started: {started}")
+    assert ok, message
+    assert not started, f"the missing package was noticed only in a training step:\n{message[-500:]}"
+
+
+def test_missing_bitsandbytes_falls_back_with_a_warning(fault, tmp_path, monkeypatch):
+    fault("missing bitsandbytes", "optim name adamw8bit without bitsandbytes: warn, fall back to torch AdamW")
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metrics = _main("gpt2")([
+            "--config", str(RECIPES["gpt2"][1]), *COMMON, "--model.optim.name", "adamw8bit",
+            "--model.model_config.n_layer", "1", "--model.model_config.n_embd", "32", "--data.batch_size", "2",
+            "--data.val_tokens", "1024", "--trainer.val_check_interval", "2",
+        ])
+    texts = [str(w.message) for w in caught]
+    ok = metrics["steps"] == 2 and any("bitsandbytes" in t and "Falling back to torch AdamW" in t for t in texts)
+    fault.trial(ok, note="" if ok else f"warnings: {texts[:5]}")
+    assert ok, texts
+
+
+@pytest.mark.parametrize("recipe,args", [
+    ("spd", ["--model.target.kind", "hf_gpt2", "--model.target.model", "{n_layer: 1, n_embd: 16, n_head: 2}"]),
+    ("clt", ["--data.target", "hf:gpt2"]),
+], ids=["spd-hf_gpt2", "clt-hf_target"])
+def test_missing_transformers_names_the_extra(fault, tmp_path, monkeypatch, capsys, recipe, args):
+    fault("missing transformers", "a Hugging Face target model without transformers installed")
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    message, started = run_bad(recipe, args, tmp_path, monkeypatch, capsys, when="trained")
+    ok = "transformers" in message and "lightning-opt[hf]" in message
+    fault.trial(ok and not started, note=f"fit started: {started}")
+    assert ok, message[-2000:]
+    assert not started, message[-500:]

@@ -1,0 +1,142 @@
+"""Bad token shards: each is refused when the DataModule is built (before any training), with an error
+that names the file, what is wrong with it, and how to fix it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lightning_opt.data import TokenShardDataModule, write_shard
+from lightning_opt.data.shards import HEADER_INTS, MAGIC, VERSION
+from tests.reliability.test_bad_config import RECIPES, run_bad
+
+GOOD_TOKENS = np.arange(4096, dtype=np.uint16) % 64
+
+
+def _raw(path: Path, header: tuple[int, int, int], tokens: np.ndarray) -> Path:
+    h = np.zeros(HEADER_INTS, dtype="<i4")
+    h[:3] = header
+    path.write_bytes(h.tobytes() + tokens.astype("<u2").tobytes())
+    return path
+
+
+def wrong_magic(d: Path) -> Path:
+    return _raw(d / "s.bin", (1234, VERSION, len(GOOD_TOKENS)), GOOD_TOKENS)
+
+
+def wrong_version(d: Path) -> Path:
+    return _raw(d / "s.bin", (MAGIC, 7, len(GOOD_TOKENS)), GOOD_TOKENS)
+
+
+def truncated(d: Path) -> Path:  # the download stopped half way
+    p = write_shard(d / "s.bin", GOOD_TOKENS)
+    with open(p, "r+b") as f:
+        f.truncate(os.path.getsize(p) // 2)
+    return p
+
+
+def count_mismatch(d: Path) -> Path:  # more tokens than the header says
+    return _raw(d / "s.bin", (MAGIC, VERSION, 1000), GOOD_TOKENS)
+
+
+def negative_count(d: Path) -> Path:
+    return _raw(d / "s.bin", (MAGIC, VERSION, -5), GOOD_TOKENS)
+
+
+def truncated_header(d: Path) -> Path:
+    p = d / "s.bin"
+    p.write_bytes(np.array([MAGIC, VERSION], dtype="<i4").tobytes())
+    return p
+
+
+def empty(d: Path) -> Path:
+    p = d / "s.bin"
+    p.touch()
+    return p
+
+
+def directory(d: Path) -> Path:
+    p = d / "shards"
+    p.mkdir()
+    write_shard(p / "a.bin", GOOD_TOKENS)
+    return p
+
+
+def missing_glob(d: Path) -> str:
+    write_shard(d / "train_000.bin", GOOD_TOKENS)
+    return str(d / "fineweb_train_*.bin")  # a typo'd prefix: matches nothing
+
+
+def missing_file(d: Path) -> Path:
+    return d / "does_not_exist.bin"
+
+
+def too_small(d: Path) -> Path:
+    return write_shard(d / "s.bin", GOOD_TOKENS[:20])
+
+
+# (fault kind, make the bad input, the DataModule keyword it goes to, every needle must be in the message)
+# (a dict of needles per role: the message is about the shards' total, so it need not name a file)
+CASES: list[tuple[str, Callable[[Path], object], dict, list[str] | dict[str, list[str]]]] = [
+    ("wrong magic", wrong_magic, {}, ["magic 1234", "expected 20240520", "lightning-opt-data prepare"]),
+    ("wrong version", wrong_version, {}, ["version 7", "expected 1", "lightning-opt-data prepare"]),
+    ("truncated shard", truncated, {}, ["token count mismatch", "truncated", "re-create"]),
+    ("header count mismatch", count_mismatch, {}, ["header says 1000 tokens", "longer", "re-create"]),
+    ("negative header count", negative_count, {}, ["negative token count", "re-create"]),
+    ("truncated header", truncated_header, {}, ["truncated header", "re-create"]),
+    ("empty file", empty, {}, ["empty (0 bytes)", "re-create"]),
+    ("directory instead of file", directory, {}, ["is a directory", "*.bin"]),
+    ("glob matches no files", missing_glob, {}, ["matches no files", "check the pattern"]),
+    ("missing file", missing_file, {}, ["does not exist", "check the path"]),
+    ("too few tokens", too_small, {}, {"train": ["20 tokens", "fewer than one batch", "smaller seq_len/batch_size"],
+                                        "val": ["hold only 20 tokens", "lower val_tokens"]}),
+    ("token ids out of vocab range", lambda d: write_shard(d / "s.bin", GOOD_TOKENS + 100), {"vocab_size": 64},
+     ["token id 163", ">= vocab_size 64", "different tokenizer"]),
+]
+
+
+@pytest.mark.parametrize("kind,make,kwargs,needles", CASES, ids=[c[0].replace(" ", "_") for c in CASES])
+@pytest.mark.parametrize("role", ["train", "val"])
+def test_bad_shard_is_refused_at_construction(fault, tmp_path, kind, make, kwargs, needles, role):
+    fault(f"bad data: {kind}", f"{kind} in the {role} shards")
+    bad = make(tmp_path)
+    good = write_shard(tmp_path / "good.bin", GOOD_TOKENS)
+    files = {"train_files": bad, "val_files": good} if role == "train" else {"train_files": good, "val_files": bad}
+    with pytest.raises((ValueError, FileNotFoundError)) as info:
+        TokenShardDataModule(**files, seq_len=8, batch_size=4, val_tokens=256, **kwargs)
+    msg = str(info.value)
+    needles = needles[role] if isinstance(needles, dict) else [*needles, Path(str(bad)).name]
+    missing = [n for n in needles if n not in msg]
+    fault.trial(not missing, note=f"missing {missing}: {msg[:200]}" if missing else "")
+    assert not missing, f"{msg!r} does not say {missing}"
+
+
+def test_out_of_vocab_shard_in_the_gpt2_recipe_is_refused_before_training(fault, tmp_path, monkeypatch, capsys):
+    """The demo model has vocab_size 256; a GPT-2-tokenized shard (ids up to 50256) must not reach fit."""
+    fault("bad data: token ids out of vocab range (recipe)", "a GPT-2 tokenized shard with the byte-level model")
+    shard = write_shard(tmp_path / "gpt2_tokens.bin", (np.arange(20000) * 37) % 50257)
+    message, started = run_bad(
+        "gpt2", ["--data.train_files", str(shard), "--data.val_files", str(shard), "--data.val_tokens", "1024"],
+        tmp_path, monkeypatch, capsys,
+    )
+    ok = "vocab_size" in message and not started
+    fault.trial(ok, note=f"fit started: {started}: {message[-200:]}")
+    assert "vocab_size" in message, message[-2000:]
+    assert not started, f"refused only inside Trainer.fit: {message[-500:]}"
+
+
+def test_recipe_names_missing_data(fault, tmp_path, monkeypatch, capsys):
+    fault("bad data: missing files (recipe)", "the GPT-2 recipe pointed at a glob that matches nothing")
+    message, started = run_bad(
+        "gpt2", ["--data.train_files", str(tmp_path / "nope_*.bin")], tmp_path, monkeypatch, capsys
+    )
+    ok = "matches no files" in message and "nope_*.bin" in message and not started
+    fault.trial(ok, note=message[-200:])
+    assert ok, message[-2000:]
+
+
+assert RECIPES  # the recipe runner is shared with the config tests
