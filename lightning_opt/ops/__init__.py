@@ -7,6 +7,8 @@ from lightning_opt._lazy import lazy_exports
 _EXPORTS = {
     "attention": "attention",
     "global_batch_topk": "global_topk",
+    "batch_topk_threshold_sparse": "global_topk",
+    "clt_sparse_decode": "sparse_decode",
     "batch_topk_rows": "topk",
     "token_topk": "topk",
     "jumprelu": "topk",
