@@ -133,9 +133,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ours-speedrun-bare": lambda: oom_retry(lambda s: train_bare(s, data), sp),
         "ours-speedrun-lightning": lambda: oom_retry(lightning, sp),
         "nanogpt": lambda: oom_retry(lambda s: train_nanogpt(s, data, nano_shape, vocab_size=nano_vocab), cl),
-        "ours-speedrun-fp8head-lightning": lambda: oom_retry(lightning, with_model(sp, loss_impl="chunked_fp8")),
         "ours-classic-bare": lambda: oom_retry(lambda s: train_bare(s, data), cl),
         "ours-classic-lightning": lambda: oom_retry(lightning, cl),
+        "ours-speedrun-fp8head-lightning": lambda: oom_retry(lightning, with_model(sp, loss_impl="chunked_fp8")),
         "ours-speedrun-chunkedce-bare": lambda: oom_retry(
             lambda s: train_bare(s, data), with_model(sp, loss_impl="chunked")),
     }

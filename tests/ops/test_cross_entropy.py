@@ -104,3 +104,24 @@ def test_fp8_needs_multiples_of_16():
     h, w, y = _inputs(c=16, v=50, dtype=torch.float32)
     with pytest.raises(ValueError, match="divisible by 16"):
         linear_cross_entropy(h, w, y, fp8=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_gpt2_head_shape(fp8):
+    if fp8 and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 matmuls need an Ada/Hopper GPU")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(4096, 768, device="cuda", generator=g).requires_grad_()
+    w = (0.02 * torch.randn(50304, 768, device="cuda", generator=g)).requires_grad_()
+    y = torch.randint(0, 50257, (4096,), device="cuda", generator=g)
+    ref = softcap_cross_entropy(h @ w.t(), y, 30.0)
+    gh_ref, gw_ref = torch.autograd.grad(ref, (h, w))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = linear_cross_entropy(h, w, y, 30.0, chunk_size=1024, fp8=fp8)
+    gh, gw = torch.autograd.grad(out, (h, w))
+    assert abs(out.item() - ref.item()) / ref.item() < (0.03 if fp8 else 0.01)
+    cos = torch.nn.functional.cosine_similarity
+    assert cos(gh.flatten(), gh_ref.flatten(), dim=0) > 0.98
+    assert cos(gw.flatten(), gw_ref.flatten(), dim=0) > 0.98
