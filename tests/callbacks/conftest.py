@@ -69,6 +69,8 @@ class TinyModule(pl.LightningModule):
         val_batches: int = 2,
         dim: int = 16,
         hidden: int = 32,
+        record_losses: bool = True,
+        capturable: bool = False,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -81,6 +83,8 @@ class TinyModule(pl.LightningModule):
         self.lr = lr
         self.val_batches = val_batches
         self.losses: list[float] = []
+        self.capturable = capturable
+        self.record_losses = record_losses  # float(loss) syncs on CUDA: off for no-sync tests
         self.val_calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +99,8 @@ class TinyModule(pl.LightningModule):
             # Value stays finite (0 * sqrt(0)); the gradient is 0 * inf = NaN.
             w = self.net[0].weight
             loss = loss + 0.0 * torch.sqrt(w.sum() * 0.0)
-        self.losses.append(float(loss.detach()))
+        if self.record_losses:
+            self.losses.append(float(loss.detach()))
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -108,7 +113,8 @@ class TinyModule(pl.LightningModule):
         self.val_calls += 1
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, fused=self.fused or None)
+        extra = {"capturable": True} if self.capturable else {}
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, fused=self.fused or None, **extra)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
