@@ -57,11 +57,14 @@ def fault(request: pytest.FixtureRequest) -> Iterator[FaultRecord]:
     yield record
     log = os.environ.get("RELIABILITY_LOG")
     rep = getattr(request.node, "rep_call", None)
-    failed = rep is not None and rep.failed
-    skipped = rep is not None and rep.skipped
+    # an expected failure (xfail) is a trial that did not survive, not a skip
+    xfailed = rep is not None and hasattr(rep, "wasxfail") and rep.skipped
+    failed = rep is not None and (rep.failed or xfailed)
+    skipped = rep is not None and rep.skipped and not xfailed
     if failed and record.survived == record.trials:  # the failure is a trial that did not survive
         record.trials += 1
-        record.notes.append(str(rep.longrepr).splitlines()[-1][:300] if rep.longrepr else "failed")
+        text = str(rep.longrepr).splitlines() if rep.longrepr else []
+        record.notes.append(text[-1][:300] if text else "failed")
     if not log or not record.kind or skipped:
         return
     row = {

@@ -102,7 +102,7 @@ CASES: list[tuple[str, Callable[[Path], object], dict, list[str] | dict[str, lis
 @pytest.mark.parametrize("kind,make,kwargs,needles", CASES, ids=[c[0].replace(" ", "_") for c in CASES])
 @pytest.mark.parametrize("role", ["train", "val"])
 def test_bad_shard_is_refused_at_construction(fault, tmp_path, kind, make, kwargs, needles, role):
-    fault(f"bad data: {kind}", f"{kind} in the {role} shards")
+    fault(f"bad data: {kind}", f"{kind}, as a train and as a val shard")
     bad = make(tmp_path)
     good = write_shard(tmp_path / "good.bin", GOOD_TOKENS)
     files = {"train_files": bad, "val_files": good} if role == "train" else {"train_files": good, "val_files": bad}

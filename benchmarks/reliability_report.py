@@ -1,0 +1,178 @@
+"""Run the reliability suite (default and long randomized variants) and publish its figures.
+
+    python benchmarks/reliability_report.py                  # both variants, ~5-10 min on 2 CPU cores
+    python benchmarks/reliability_report.py --quick          # the default (short) variants only
+    python benchmarks/reliability_report.py --from-json      # only regenerate the docs table
+
+Each test in ``tests/reliability`` records its fault kind and per-trial outcome (survived, data lost,
+hang) through the ``fault`` fixture when ``RELIABILITY_LOG`` is set. This script sets it, runs pytest,
+aggregates the rows per fault kind, writes ``benchmarks/results/reliability.json`` and rewrites the table
+between the markers in ``docs/reliability.md``. The numbers in the docs come only from that JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+START, END = "<!-- reliability-table:start -->", "<!-- reliability-table:end -->"
+
+
+def _run_pytest(markers: str, log: Path, extra: list[str]) -> tuple[int, float, list[str]]:
+    cmd = [sys.executable, "-m", "pytest", "tests/reliability", "-m", markers, "-q", "-p", "no:cacheprovider",
+           "-p", "no:warnings", "--no-header", "-rfEx", *extra]
+    env = {**os.environ, "RELIABILITY_LOG": str(log)}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    tail = proc.stdout.strip().splitlines()[-25:]
+    print("\n".join(tail), flush=True)
+    return proc.returncode, seconds, cmd
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in ("torch", "lightning"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception as err:  # noqa: BLE001 - recorded, not fatal
+            out[name] = f"unavailable: {err}"
+    return out
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+ORDER = ("test_nonfinite", "test_kill_resume", "test_disk_full", "test_bad_data", "test_bad_config",
+         "test_bad_checkpoint")
+
+
+def _rank(row: dict[str, Any]) -> int:
+    name = row["node"].split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return ORDER.index(name) if name in ORDER else len(ORDER)
+
+
+def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per fault kind: grouped by test file (in ORDER), then in the order the suite met them."""
+    kinds: OrderedDict[str, dict[str, Any]] = OrderedDict()
+    for r in sorted(rows, key=_rank):
+        k = kinds.setdefault(r["kind"], {
+            "kind": r["kind"], "description": r["description"], "trials": 0, "survived": 0, "data_lost": 0,
+            "hangs": 0, "tests": 0, "tests_passed": 0, "xfail": False, "nodes": [], "notes": [],
+        })
+        for key in ("trials", "survived", "data_lost", "hangs"):
+            k[key] += r[key]
+        k["tests"] += 1
+        k["tests_passed"] += int(r["passed"])
+        k["xfail"] |= r.get("xfail", False)
+        if r["node"] not in k["nodes"]:
+            k["nodes"].append(r["node"])
+            k.setdefault("slow_nodes", []).extend([r["node"]] if r.get("slow") else [])
+        k["notes"] += [n for n in r.get("notes", []) if n and n not in k["notes"]][:3]
+    return list(kinds.values())
+
+
+def _cmd(kind: dict[str, Any]) -> str:
+    slow = set(kind.get("slow_nodes", []))
+    return "<br>".join(f"`{n}`" + (" (slow)" if n in slow else "") for n in kind["nodes"])
+
+
+def table(result: dict[str, Any]) -> str:
+    kinds = result["kinds"]
+    lines = [
+        f"Measured {result['date']} on {result['machine']} (torch {result['versions'].get('torch')}, "
+        f"lightning {result['versions'].get('lightning')}, commit `{result['commit'][:10]}`), from "
+        "[`benchmarks/results/reliability.json`](../benchmarks/results/reliability.json). "
+        f"{len(kinds)} fault kinds, {sum(k['trials'] for k in kinds)} trials; default suite "
+        f"{result['runs'].get('default', {}).get('seconds', float('nan')):.0f} s, long variants "
+        f"{result['runs'].get('slow', {}).get('seconds', float('nan')):.0f} s.",
+        "",
+        "Reproduce a row with `pytest \"<node id>\"` (ids marked slow: `pytest -m slow \"<node id>\"`).",
+        "",
+        "| # | Fault kind | What is injected | Trials | Survived | Data lost | Hangs | Pytest node ids |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for i, k in enumerate(kinds, 1):
+        status = "" if k["survived"] == k["trials"] else " (open bug, see below)"
+        lines.append(
+            f"| {i} | {k['kind']}{status} | {k['description']} | {k['trials']} | {k['survived']} | "
+            f"{k['data_lost']} | {k['hangs']} | {_cmd(k)} |"
+        )
+    failing = [k for k in kinds if k["survived"] != k["trials"]]
+    if failing:
+        lines += ["", "Trials that did not survive (first notes per kind):", ""]
+        for k in failing:
+            notes = "; ".join(n.replace("|", "/")[:240] for n in k["notes"][:2]) or "see the test output"
+            lines.append(f"- **{k['kind']}**: {notes}")
+    return "\n".join(lines)
+
+
+def write_doc(doc: Path, text: str) -> None:
+    body = doc.read_text() if doc.exists() else f"# Reliability\n\n{START}\n{END}\n"
+    if START not in body or END not in body:
+        body += f"\n{START}\n{END}\n"
+    head, rest = body.split(START, 1)
+    _, tail = rest.split(END, 1)
+    doc.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "reliability.json"))
+    parser.add_argument("--doc", default=str(ROOT / "docs" / "reliability.md"))
+    parser.add_argument("--quick", action="store_true", help="run only the default (short) variants")
+    parser.add_argument("--from-json", action="store_true", help="do not run; regenerate the table from --out")
+    parser.add_argument("pytest_args", nargs="*", help="passed to pytest (e.g. -x, -k kill)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if args.from_json:
+        result = json.loads(out.read_text())
+    else:
+        runs: dict[str, Any] = {}
+        rows: list[dict[str, Any]] = []
+        variants = [("default", "not slow")] + ([] if args.quick else [("slow", "slow")])
+        for name, markers in variants:
+            with tempfile.TemporaryDirectory() as tmp:
+                log = Path(tmp) / "rows.jsonl"
+                code, seconds, cmd = _run_pytest(markers, log, args.pytest_args)
+                got = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+            for r in got:
+                r["variant"] = name
+            rows += got
+            runs[name] = {"command": " ".join(cmd), "exit_code": code, "seconds": round(seconds, 1), "tests": len(got)}
+        result = {
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores ({platform.system()})",
+            "versions": _versions(),
+            "commit": _git_commit(),
+            "command": " ".join([sys.executable, *sys.argv]),
+            "runs": runs,
+            "kinds": aggregate(rows),
+            "tests": rows,
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    text = table(result)
+    write_doc(Path(args.doc), text)
+    print(text)
+    totals = {k: sum(x[k] for x in result["kinds"]) for k in ("trials", "survived", "data_lost", "hangs")}
+    print(f"\n{len(result['kinds'])} fault kinds: {totals}; wrote {out} and {args.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
