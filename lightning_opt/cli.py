@@ -125,6 +125,10 @@ class RecipeCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         cfg = self.config
         data = cfg.get("data")
+        model_cfg = cfg.get("model", {}).get("model_config") if cfg.get("model") is not None else None
+        if data is not None and "vocab_size" in data and data.get("vocab_size") is None and model_cfg is not None:
+            # refuse shards made with another tokenizer before training, not with an index error mid-run
+            data.vocab_size = model_cfg.get("vocab_size")
         if data is not None and "train_files" in data and data.get("train_files") in (None, "builtin"):
             # the offline demo corpus: Python's own documentation, tokenized on first use and cached
             from lightning_opt.data.corpus import default_corpus_shards

@@ -61,6 +61,12 @@ class GPT2SpeedrunModule(TrainingModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         theirs = checkpoint.get("hyper_parameters", {}).get("model_config")
+        if theirs is None and "model.wte.weight" not in checkpoint.get("state_dict", {}):
+            keys = list(checkpoint.get("state_dict", {}))[:3]
+            raise ValueError(
+                f"checkpoint comes from another model (no GPT2SpeedrunModule model_config in it; its weights are "
+                f"{keys}...); pass a GPT2SpeedrunModule checkpoint or train from scratch"
+            )
         if theirs is not None and theirs != self.model_config:
             a, b = self.model_config.to_dict(), theirs.to_dict() if hasattr(theirs, "to_dict") else dict(theirs)
             diffs = {k: (b.get(k), a[k]) for k in a if a[k] != b.get(k)}
