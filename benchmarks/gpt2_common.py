@@ -333,20 +333,15 @@ def summarize(spec: RunSpec, model: torch.nn.Module, clock_end: float, t_warm: f
     return out
 
 
-def train_bare(spec: RunSpec, data: Tokens, init_on_device: bool = False) -> dict[str, Any]:
-    """The bare PyTorch loop: our model, our optimizer, torch.compile, autocast; nothing else."""
+def run_loop(spec: RunSpec, data: Tokens, model: torch.nn.Module, loss_fn: Callable, val_fn: Callable, opt,
+             sched) -> dict[str, Any]:
+    """The bare training loop shared by our model and the peers': micro-batches, accumulation, clipping,
+    optimizer and schedule steps, the clock and the validations. Returns what :func:`summarize` needs."""
     dev = data.device
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    model, opt, sched = build_model_and_optimizer(spec, dev, init_on_device)
-    if spec.compile:
-        model.compile(dynamic=False)
-    val_fn = model.forward  # eager: validation must not trigger a second compile
     clock = Clock(dev)
     curve: list[dict[str, Any]] = []
-    t_warm = None
+    t_warm, stopped = None, None
     position, tokens, step = 0, 0, 0
-    stopped = None
     for step in range(spec.steps):
         t = spec.seq_at(step)
         b = spec.micro_batch * spec.seq_len // t
@@ -354,7 +349,7 @@ def train_bare(spec: RunSpec, data: Tokens, init_on_device: bool = False) -> dic
             x, y = data.train_batch(position, b, t)
             position += 1
             with autocast(dev, spec.amp):
-                loss = model(x, y)
+                loss = loss_fn(x, y)
             (loss / spec.accum).backward()
             tokens += b * t
         if spec.clip:
@@ -371,9 +366,22 @@ def train_bare(spec: RunSpec, data: Tokens, init_on_device: bool = False) -> dic
                 break
     if not spec.val_every:
         stopped = _validate(spec, model, val_fn, data, clock, curve, step + 1, tokens)
-    end = curve[-1]["clock_s"] if curve else clock.now()
-    return summarize(spec, model, end, t_warm, step + 1, tokens, curve, dev,
-                     {"runner": "bare", "stopped": stopped, "spec": spec.describe()})
+    return {"end": curve[-1]["clock_s"], "t_warm": t_warm, "steps": step + 1, "tokens": tokens, "curve": curve,
+            "stopped": stopped}
+
+
+def train_bare(spec: RunSpec, data: Tokens, init_on_device: bool = False) -> dict[str, Any]:
+    """The bare PyTorch loop: our model, our optimizer, torch.compile, autocast; nothing else."""
+    dev = data.device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    model, opt, sched = build_model_and_optimizer(spec, dev, init_on_device)
+    if spec.compile:
+        model.compile(dynamic=False)
+    # model.forward is the eager function: validation must not trigger a second compile
+    r = run_loop(spec, data, model, model, model.forward, opt, sched)
+    return summarize(spec, model, r["end"], r["t_warm"], r["steps"], r["tokens"], r["curve"], dev,
+                     {"runner": "bare", "stopped": r["stopped"], "spec": spec.describe()})
 
 
 def _validate(spec: RunSpec, model, val_fn, data: Tokens, clock: Clock, curve: list, step: int,

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpt2_common import ROOT, Clock, RunSpec, Tokens, _validate, schedule_for, summarize  # type: ignore
+from gpt2_common import ROOT, RunSpec, Tokens, run_loop, schedule_for, summarize  # type: ignore
 
 PEER_MODEL = ROOT / ".peers" / "nanoGPT" / "model.py"
 
@@ -61,34 +61,12 @@ def train_nanogpt(spec: RunSpec, data: Tokens, shape: dict[str, int] | None = No
     def val_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return raw(x, y)[1]  # eager: no second compile for validation
 
-    ctx = torch.autocast(dev.type, dtype=torch.bfloat16) if spec.amp == "bf16" else contextlib.nullcontext()
-    clock = Clock(dev)
-    curve: list[dict[str, Any]] = []
-    t_warm, tokens, stopped, step = None, 0, None, 0
-    for step in range(spec.steps):
-        for micro in range(spec.accum):
-            x, y = data.train_batch(step * spec.accum + micro, spec.micro_batch, spec.seq_len)
-            with ctx:
-                _, loss = model(x, y)
-            (loss / spec.accum).backward()
-            tokens += x.numel()
-        if spec.clip:
-            torch.nn.utils.clip_grad_norm_(raw.parameters(), spec.clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        done = step + 1
-        if done == spec.warm:
-            t_warm = clock.now()
-        if spec.val_every and (done % spec.val_every == 0 or done == spec.steps):
-            stopped = _validate(spec, raw, val_fn, data, clock, curve, done, tokens)
-            if stopped:
-                break
-    if not spec.val_every:
-        _validate(spec, raw, val_fn, data, clock, curve, step + 1, tokens)
-    end = curve[-1]["clock_s"]
+    def loss_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return model(x, y)[1]
+
+    r = run_loop(spec, data, raw, loss_fn, val_fn, opt, sched)
     n_params = raw.get_num_params()  # their count: without position embeddings, tied head included
     fpt = 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * spec.seq_len  # their estimate_mfu formula
-    return summarize(spec, raw, end, t_warm, step + 1, tokens, curve, dev,
-                     {"runner": "nanoGPT", "fpt": fpt, "fused_adamw": fused, "stopped": stopped,
+    return summarize(spec, raw, r["end"], r["t_warm"], r["steps"], r["tokens"], r["curve"], dev,
+                     {"runner": "nanoGPT", "fpt": fpt, "fused_adamw": fused, "stopped": r["stopped"],
                       "lr": lr, "weight_decay": weight_decay, "spec": spec.describe()})
