@@ -199,8 +199,14 @@ class EvalThrottle(Callback):
         return bool(trainer.strategy.broadcast(due, src=0))
 
     def _set_cap(self, trainer: Trainer, full: bool) -> None:
-        counts = trainer.num_val_batches  # the live list Lightning reads when validation starts
-        if not counts or self.config.max_val_batches is None:
+        cap = self.config.max_val_batches
+        if cap is None:
+            return
+        orig = self._orig_limit if self._orig_limit is not None else 1.0
+        # Lightning counts validation batches from limit_val_batches at the first run ...
+        trainer.limit_val_batches = orig if full else (min(orig, cap) if isinstance(orig, int) else cap)
+        counts = trainer.num_val_batches  # ... and later reads this live list at each run
+        if not counts:
             return
         loaders = trainer.val_dataloaders
         flat = list(loaders.values()) if isinstance(loaders, dict) else (

@@ -143,16 +143,20 @@ class _OptimizerGuard:
         for p in params:
             for v in self.optimizer.state[p].values():
                 if isinstance(v, torch.Tensor) and v.device != device:
-                    if not self.host_fallback_warned:
-                        warnings.warn(
-                            f"NaNSkip: {type(self.optimizer).__name__} keeps state on {v.device} while the "
-                            f"parameters are on {device}, so the skip cannot be decided on the device; "
-                            "falling back to mode='host' (one sync per step). Create the optimizer with "
-                            "fused=True (or capturable=True) to avoid it.",
-                            stacklevel=2,
-                        )
-                        self.host_fallback_warned = True
-                    return False
+                    where = f"keeps state on {v.device} while the parameters are on {device}"
+                elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                    where = "keeps host numbers (e.g. a Python step count) in its state"
+                else:
+                    continue
+                if not self.host_fallback_warned:
+                    warnings.warn(
+                        f"NaNSkip: {type(self.optimizer).__name__} {where}, so the skip cannot be applied "
+                        "on the device; falling back to mode='host' (one sync per step). With torch's "
+                        "Adam/AdamW/SGD, create the optimizer with fused=True (or capturable=True).",
+                        stacklevel=2,
+                    )
+                    self.host_fallback_warned = True
+                return False
         return True
 
     def _fused_step(self, ok: torch.Tensor, kwargs: dict[str, Any]) -> None:

@@ -82,3 +82,11 @@ def test_config_is_validated():
         EvalThrottle(every_n_steps=2, every_seconds=3.0)
     with pytest.raises(ValueError, match="max_fraction"):
         EvalThrottle(max_fraction=1.5)
+
+
+def test_final_validation_is_full_even_when_it_is_the_first(tmp_path):
+    counter = ValCounter()
+    cb = EvalThrottle(every_n_steps=100, max_val_batches=1)
+    trainer = make_trainer(tmp_path, [cb, counter], limit_val_batches=1.0)
+    trainer.fit(TinyModule(batches=make_batches(4), val_batches=3))
+    assert counter.runs == [(4, 3)]

@@ -151,3 +151,44 @@ def test_device_mode_does_not_sync_on_cuda(tmp_path, fused):
     t2 = make_trainer(tmp_path, [], accelerator="gpu")
     t2.fit(ref)
     assert_same(snapshot(m, t1), snapshot(ref, t2))
+
+
+class _CountingMomentum(torch.optim.Optimizer):
+    """Momentum SGD that keeps a Python int in its state (like some third-party optimizers)."""
+
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["n"] = 0
+                    state["buf"] = torch.zeros_like(p)
+                state["n"] += 1
+                state["buf"].mul_(0.9).add_(p.grad)
+                p.add_(state["buf"], alpha=-group["lr"] / state["n"] ** 0.5)
+        return loss
+
+
+class _CountingModule(TinyModule):
+    def configure_optimizers(self):
+        return _CountingMomentum(self.parameters())
+
+
+def test_optimizer_with_host_numbers_in_state_falls_back_to_host(tmp_path):
+    batches = make_batches(6)
+    m = _CountingModule(batches=batches, nan_at=(3,))
+    t1 = make_trainer(tmp_path, [NaNSkip()])
+    with pytest.warns(UserWarning, match="host numbers"):
+        t1.fit(m)
+    ref = _CountingModule(batches=[b for i, b in enumerate(batches) if i != 3])
+    make_trainer(tmp_path, []).fit(ref)
+    for a, b in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    assert [s["n"] for s in t1.optimizers[0].state.values()] == [5] * 4
