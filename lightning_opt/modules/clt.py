@@ -115,7 +115,7 @@ class CLTModule(TrainingModule):
         preact_coef: weight of the pre-activation loss (0 = off).
         aux_coef, aux_k: AuxK weight (0 = off) and dead features used per token and layer.
         dead_tokens: window (tokens) after which a feature that never fired counts as dead.
-        decode: ``dense``, ``sparse`` (top-k activations only) or ``auto`` (dense).
+        decode: ``dense``, ``sparse`` (top-k activations only) or ``auto`` (sparse on CPU, dense on GPU).
         eval_replacement: compute the replacement model's KL / agreement at validation.
     """
 
@@ -190,7 +190,12 @@ class CLTModule(TrainingModule):
         return self.sparsity_coef * min(1.0, self.global_step / max(1.0, self.ramp * total))
 
     def _use_sparse(self, out_has_indices: bool) -> bool:
-        return self.decode_mode == "sparse" and out_has_indices
+        if not out_has_indices:
+            return False
+        if self.decode_mode == "auto":
+            # on CPU decoding k of F features beats the dense matmul; on GPU dense until measured otherwise
+            return self.device.type == "cpu"
+        return self.decode_mode == "sparse"
 
     @torch.no_grad()
     def _fired(self, out: Any, n_tokens: int) -> torch.Tensor:
