@@ -7,7 +7,9 @@ batch) trains on random activations with a real ``Trainer`` (bf16-mixed, fused A
 - ``ours_1gpu``: one GPU, the whole batch, local BatchTopK;
 - ``ours_global_batchtopk_2gpu``: ``GlobalBatchTopKStrategy``, 2048 tokens per GPU, exact global BatchTopK;
 - ``ours_decoder_sharding_2gpu``: ``DecoderShardingStrategy``, both GPUs see the 4096 tokens, each decodes
-  half of d_model;
+  half of d_model (encoders replicated);
+- ``ours_decoder_sharding_sharded_encoder_2gpu``: the same with ``shard_encoder=True`` (each GPU encodes half
+  of the features; sparse activations all-gathered);
 - ``peer_crosslayer_coding_{1,2}gpu``: crosslayer-coding's model (tensor-parallel) when ``.peers/crosslayer-coding``
   and ``benchmarks/peers/clt_tp_runner.py`` exist.
 
@@ -62,6 +64,10 @@ class _ByteCounter:
             if fn is not None:
                 self._orig[name] = fn
                 setattr(dist, name, self._wrap(name, fn))
+
+    def close(self) -> None:
+        for name, fn in self._orig.items():
+            setattr(self._dist, name, fn)
 
     def _wrap(self, name: str, fn: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -123,10 +129,15 @@ def _build_module(args: argparse.Namespace, n_features: int, tokens_per_rank: in
             x = self.pool_x[start : start + tokens_per_rank]
             y = self.pool_y[start : start + tokens_per_rank]
             clt = self.clt
-            pre = clt.encode(x)
-            L, N, nf = pre.shape
-            idx, vals = batch_topk_threshold_sparse(pre.reshape(N, L * nf), args.k, clt.topk_group)
-            recon = clt.decode_sparse(idx, F.relu(vals), N)
+            N = x.shape[0]
+            if "forward" in vars(clt):  # a strategy replaced the forward (feature-sharded encoders)
+                out = clt(x, dense=False)
+                idx, recon = out.indices, out.recon
+            else:
+                pre = clt.encode(x)
+                L, _, nf = pre.shape
+                idx, vals = batch_topk_threshold_sparse(pre.reshape(N, L * nf), args.k, clt.topk_group)
+                recon = clt.decode_sparse(idx, F.relu(vals), N)
             if clt.d_out_slice is not None:
                 y = y[..., clt.d_out_slice[0] : clt.d_out_slice[1]]
             self.l0.append(idx.numel() / N)  # idx.numel() is known on the host (nonzero sized it)
@@ -202,9 +213,14 @@ def _run_ours(
     elif variant == "ours_decoder_sharding_2gpu":
         strategy = DecoderShardingStrategy()
         tokens_per_rank = args.tokens
+    elif variant == "ours_decoder_sharding_sharded_encoder_2gpu":
+        strategy = DecoderShardingStrategy(shard_encoder=True)
+        tokens_per_rank = args.tokens
     else:
         strategy, tokens_per_rank = "auto", args.tokens
-    module = _build_module(args, n_features, tokens_per_rank, device_type)
+    # Parameters are created on the device: initialising billions of them on the CPU takes long.
+    with torch.device(f"cuda:{torch.cuda.current_device()}" if device_type == "cuda" else "cpu"):
+        module = _build_module(args, n_features, tokens_per_rank, device_type)
     counter = _ByteCounter() if world > 1 else None
     timer = _StepTimer(device_type, args.warmup, counter)
     if device_type == "cuda":
@@ -222,7 +238,11 @@ def _run_ours(
         use_distributed_sampler=False,
         callbacks=[timer.callback],
     )
-    trainer.fit(module)
+    try:
+        trainer.fit(module)
+    finally:
+        if counter is not None:
+            counter.close()
     step_ms = timer.step_ms()
     n_params = sum(p.numel() for p in module.parameters())
     l0 = module.l0[-1]
@@ -263,8 +283,17 @@ def _run_peer(rank: int, world: int, args: argparse.Namespace, n_features: int) 
 
 
 def _worker(
-    rank: int, world: int, port: int, variant: str, args: argparse.Namespace, n_features: int, out: str
+    rank: int,
+    world: int,
+    port: int,
+    variants: list[str],
+    args: argparse.Namespace,
+    n_features: int,
+    out_dir: str,
 ) -> None:
+    """Run ``variants`` one after the other in these processes (start-up is paid once); rank 0 writes JSON."""
+    import gc
+
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), RANK=str(rank),
         WORLD_SIZE=str(world), NODE_RANK="0",
@@ -274,24 +303,27 @@ def _worker(
     use_cuda = torch.cuda.is_available() and not args.smoke
     if use_cuda:
         torch.cuda.set_device(rank)
-    if world > 1 or variant.startswith("peer"):
-        backend = "nccl" if use_cuda else "gloo"
-        kw = {"device_id": torch.device("cuda", rank)} if use_cuda else {}
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=5), **kw)
-    try:
-        if variant.startswith("peer"):
-            result = _run_peer(rank, world, args, n_features)
-        else:
-            result = _run_ours(variant, rank, world, args, n_features)
-    except Exception as err:  # recorded; the other variants still run
-        result = {"variant": variant, "features_per_layer": n_features, "world": world}
-        result["error"] = f"{type(err).__name__}: {err}"
-        result["traceback"] = traceback.format_exc(limit=6)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(result, f)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    backend = "nccl" if use_cuda else "gloo"
+    kw = {"device_id": torch.device("cuda", rank)} if use_cuda else {}
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=5), **kw)
+    for variant in variants:
+        try:
+            if variant.startswith("peer"):
+                result = _run_peer(rank, world, args, n_features)
+            else:
+                result = _run_ours(variant, rank, world, args, n_features)
+        except Exception as err:  # recorded; the other variants still run
+            result = {"variant": variant, "features_per_layer": n_features, "world": world}
+            result["error"] = f"{type(err).__name__}: {err}"
+            result["traceback"] = traceback.format_exc(limit=6)
+        if rank == 0:
+            with open(os.path.join(out_dir, f"{variant}_{n_features}.json"), "w") as f:
+                json.dump(result, f)
+        gc.collect()
+        if use_cuda:
+            torch.cuda.empty_cache()
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -318,32 +350,39 @@ def main() -> None:
         and os.path.isdir(os.path.join(HERE, "..", ".peers", "crosslayer-coding"))
         and os.path.exists(os.path.join(HERE, "peers", "clt_tp_runner.py"))
     )
-    variants = [("ours_1gpu", 1)]
-    if gpus >= 2:
-        variants += [("ours_global_batchtopk_2gpu", 2), ("ours_decoder_sharding_2gpu", 2)]
-    if peer_ok:
-        variants += [("peer_crosslayer_coding_1gpu", 1)] + (
-            [("peer_crosslayer_coding_2gpu", 2)] if gpus >= 2 else []
-        )
+    one = ["ours_1gpu"] + (["peer_crosslayer_coding_1gpu"] if peer_ok else [])
+    two = [
+        "ours_global_batchtopk_2gpu",
+        "ours_decoder_sharding_2gpu",
+        "ours_decoder_sharding_sharded_encoder_2gpu",
+    ]
+    two += ["peer_crosslayer_coding_2gpu"] if peer_ok else []
+    launches = [(1, one)] + ([(2, two)] if gpus >= 2 else [])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n_features in args.features:
-            for variant, world in variants:
-                path = os.path.join(tmp, f"{variant}_{n_features}.json")
+            for world, names in launches:
                 try:
                     mp.spawn(
                         _worker,
-                        args=(world, _free_port(), variant, args, n_features, path),
+                        args=(world, _free_port(), names, args, n_features, tmp),
                         nprocs=world,
                         join=True,
                     )
-                    with open(path) as f:
-                        row = json.load(f)
-                except Exception as err:
-                    row = {"variant": variant, "features_per_layer": n_features, "world": world}
-                    row["error"] = f"{type(err).__name__}: {str(err)[-2000:]}"
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                except Exception as err:  # a crashed launch: its variants without a result get this error
+                    launch_error = f"{type(err).__name__}: {str(err)[-2000:]}"
+                else:
+                    launch_error = "no result written"
+                for variant in names:
+                    path = os.path.join(tmp, f"{variant}_{n_features}.json")
+                    if os.path.exists(path):
+                        with open(path) as f:
+                            row = json.load(f)
+                    else:
+                        row = {"variant": variant, "features_per_layer": n_features, "world": world}
+                        row["error"] = launch_error
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     for row in rows:  # speedup over the 1-GPU run of the same code and size
         base_name = "peer_crosslayer_coding_1gpu" if row["variant"].startswith("peer") else "ours_1gpu"
         base = next(
@@ -377,14 +416,14 @@ def main() -> None:
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
     print(
-        f"\n{'variant':32} {'F/layer':>8} {'step ms':>9} {'tok/s':>10} {'x 1gpu':>7} {'L0':>7} {'our MB':>8} {'DDP MB':>8}"
+        f"\n{'variant':44} {'F/layer':>8} {'step ms':>9} {'tok/s':>10} {'x 1gpu':>7} {'L0':>7} {'our MB':>8} {'DDP MB':>8}"
     )
     for r in rows:
         if "error" in r:
-            print(f"{r['variant']:32} {r['features_per_layer']:>8} ERROR {r['error'][:80]}")
+            print(f"{r['variant']:44} {r['features_per_layer']:>8} ERROR {r['error'][:80]}")
             continue
         print(
-            f"{r['variant']:32} {r['features_per_layer']:>8} {r['step_ms']:9.2f} {r['tokens_per_s']:10.0f} "
+            f"{r['variant']:44} {r['features_per_layer']:>8} {r['step_ms']:9.2f} {r['tokens_per_s']:10.0f} "
             f"{r.get('speedup_vs_1gpu', float('nan')):7.2f} {r.get('active_per_token', float('nan')):7.1f} "
             f"{r.get('collective_bytes_per_step_ours', 0) / 1e6:8.2f} "
             f"{r.get('ddp_grad_allreduce_bytes_per_step', 0) / 1e6:8.1f}"
