@@ -148,3 +148,16 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 def test_two_gloo_ranks_match_single_process() -> None:
     mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_reference_at_scale(dtype: torch.dtype) -> None:
+    # 1024 x 49,152 entries (the sampled bound path), bf16 has many exact ties at the threshold.
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1024, 49152, device="cuda", generator=gen).to(dtype)
+    out = global_batch_topk(x, 64)
+    torch.testing.assert_close(out, reference_batch_topk(x, 64), rtol=0, atol=0)
+    idx, _ = batch_topk_threshold_sparse(x, 64)
+    assert idx.numel() == 64 * 1024
