@@ -29,7 +29,7 @@ def shard(tmp_path_factory) -> str:
 
 def _dm(gpt: GPT, shard: str, **kw) -> CLTDataModule:
     base = dict(target=gpt, train_files=shard, val_files=shard, seq_len=16, tokens_per_batch=128,
-                train_tokens=None, val_tokens=512, cache_dir=None, dtype="float32")
+                train_tokens=None, val_tokens=512, cache_dir=None, dtype="float32", stats_tokens=2048)
     return CLTDataModule(**{**base, **kw})
 
 
