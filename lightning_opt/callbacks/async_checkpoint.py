@@ -160,8 +160,9 @@ class _Staging:
             return {k: self._walk(v) for k, v in obj.items()}
         if isinstance(obj, list):
             return [self._walk(v) for v in obj]
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(self._walk(v) for v in obj)
+        if isinstance(obj, tuple):
+            items = [self._walk(v) for v in obj]
+            return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)  # namedtuples too
         # Training goes on while the writer runs: freeze everything else by value now.
         return copy.deepcopy(obj)
 

@@ -26,8 +26,8 @@ class LossClampConfig:
             raise ValueError(f"LossClamp: need finite min < max, got min={self.min}, max={self.max}.")
         if self.gradient not in ("zero", "scale"):
             raise ValueError(f"LossClamp: gradient={self.gradient!r}; use 'zero' or 'scale'.")
-        if self.gradient == "scale" and self.min < 0:
-            raise ValueError("LossClamp: gradient='scale' rescales by bound/loss and needs min >= 0.")
+        if self.gradient == "scale" and self.max <= 0:
+            raise ValueError("LossClamp: gradient='scale' rescales by max/loss and needs max > 0.")
 
 
 class LossClamp(Callback):
@@ -80,10 +80,14 @@ class LossClamp(Callback):
         if cfg.gradient == "zero":
             loss.clamp_(cfg.min, cfg.max)
         else:
+            # Above max: multiply by the constant max/loss (value max, gradient scaled). Below min
+            # there is nothing to scale from (a loss of 0 stays 0): clamp, gradient zero. No clamp
+            # on the upper side, whose rounding could land a hair above max and zero the gradient.
             with torch.no_grad():
-                bound = loss.detach().clamp(cfg.min, cfg.max)
-                factor = torch.where(hit, bound / loss.detach(), torch.ones_like(bound))
+                value = loss.detach()
+                factor = torch.where(value > cfg.max, cfg.max / value, torch.ones_like(value))
             loss.mul_(factor)
+            loss.clamp_(min=cfg.min)
 
     @override
     def on_train_batch_end(

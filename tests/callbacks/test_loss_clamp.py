@@ -30,6 +30,12 @@ def test_scale_mode_keeps_direction_scaled_by_bound_over_loss():
     assert torch.allclose(grad, torch.tensor([20.0, 40.0]) * (20.0 / 50.0))
 
 
+def test_scale_mode_below_min_clamps():
+    loss, grad = _grad_after(LossClamp(min=10.0, max=20.0, gradient="scale"), scale=1.0)  # loss 5 < 10
+    assert loss.item() == 10.0
+    assert torch.equal(grad, torch.zeros(2))
+
+
 def test_nan_loss_stays_nan():
     loss, _ = _grad_after(LossClamp(), scale=float("nan"))
     assert torch.isnan(loss)
@@ -53,5 +59,5 @@ def test_config_is_validated():
         LossClamp(min=5.0, max=1.0)
     with pytest.raises(ValueError, match="gradient"):
         LossClamp(gradient="straight")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="min >= 0"):
-        LossClamp(min=-1.0, gradient="scale")
+    with pytest.raises(ValueError, match="max > 0"):
+        LossClamp(min=-2.0, max=-1.0, gradient="scale")
