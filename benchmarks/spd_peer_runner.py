@@ -10,7 +10,10 @@ replaced by inert stubs when missing (the training step never calls them). ``ein
 
 Setup (once, on a machine with internet; then carry ``.peers/``):
     git clone https://github.com/goodfire-ai/spd .peers/spd
-    pip install --target .peers/site einops jaxtyping
+    pip download einops jaxtyping pydantic --only-binary=:all: -d .peers/wheels   # per target Python
+
+Missing pure-Python / binary dependencies are unpacked from ``.peers/wheels`` (wheels matching this
+interpreter) into ``.peers/site-cpXY`` at import time, so a machine without internet works.
 """
 
 from __future__ import annotations
@@ -28,7 +31,40 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 PEER_DIR = ROOT / ".peers" / "spd"
 PEER_SITE = ROOT / ".peers" / "site"
-_STUB_ROOTS = ("wandb", "wandb_workspaces", "dotenv", "fire", "streamlit", "scipy", "datasets", "zstandard", "openrouter", "httpx")
+PEER_WHEELS = ROOT / ".peers" / "wheels"
+# Imported at module level by their package but never used by the training step: stubbed when missing.
+_STUB_ROOTS = (
+    "wandb", "wandb_workspaces", "dotenv", "fire", "streamlit", "streamlit_antd_components", "scipy", "datasets",
+    "zstandard", "openrouter", "httpx", "fastapi", "uvicorn", "sympy", "transformers", "PIL", "matplotlib", "yaml",
+    "tqdm",
+)
+# Needed for real: unpacked from .peers/wheels when missing.
+_REAL_DEPS = ("typing_extensions", "annotated_types", "typing_inspection", "pydantic_core", "pydantic", "einops", "wadler_lindig", "jaxtyping")
+
+
+def _unpack_missing_wheels() -> list[str]:
+    """Unpack wheels for missing real dependencies into ``.peers/site-cpXY`` and put it on sys.path."""
+    import zipfile
+
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    site = ROOT / ".peers" / f"site-{tag}"
+    missing = [m for m in _REAL_DEPS if importlib.util.find_spec(m) is None]
+    if not missing or not PEER_WHEELS.exists():
+        return []
+    unpacked = []
+    for whl in sorted(PEER_WHEELS.glob("*.whl")):
+        dist = whl.name.split("-")[0].lower()
+        if dist not in missing:
+            continue
+        if "-py3-none-any" not in whl.name and f"-{tag}-" not in whl.name:
+            continue
+        with zipfile.ZipFile(whl) as z:
+            z.extractall(site)
+        unpacked.append(whl.name)
+    if str(site) not in sys.path:
+        sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    return unpacked
 _GENERIC = re.compile(r"^(?P<ind>[ \t]*)(?P<kw>def|class)[ \t]+(?P<name>\w+)\[(?P<params>[^\]]*)\]", re.M)
 
 
@@ -138,6 +174,7 @@ def install() -> list[str]:
         raise FileNotFoundError(f"goodfire spd checkout not found at {PEER_DIR} (git clone https://github.com/goodfire-ai/spd {PEER_DIR})")
     if PEER_SITE.exists() and str(PEER_SITE) not in sys.path:
         sys.path.append(str(PEER_SITE))
+    _unpack_missing_wheels()
     import typing
 
     if not hasattr(typing, "override"):

@@ -393,7 +393,8 @@ class SPDModel(nn.Module):
         >>> out, inputs = spd.target_forward(x)  # frozen target, layer inputs cached
         >>> ci = spd.causal_importances(inputs)
         >>> masks = spd.stochastic_masks(ci.lower)
-        >>> y = spd.masked_forward(x, masks, delta_masks=spd.delta_masks(ci.lower))
+        >>> spd.refresh_delta_weights()  # W - V U, once per optimizer step
+        >>> y = spd.masked_forward(x, masks=masks, delta_masks=spd.delta_masks(ci.lower))
     """
 
     def __init__(self, target: nn.Module, config: SPDConfig) -> None:
