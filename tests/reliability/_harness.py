@@ -295,7 +295,8 @@ def ckpt_run(spec: dict[str, Any]) -> None:
         dirpath=spec["ckdir"], every_n_steps=spec.get("every_n_steps", 3), keep_last_k=spec.get("keep_last_k", 2),
         save_on_train_end=spec.get("save_on_train_end", True),
     )
-    t = trainer(spec["root"], [ckpt], max_steps=spec["max_steps"], max_epochs=-1)
+    ddp = {"strategy": "ddp", "devices": 2} if spec.get("ddp") else {}
+    t = trainer(spec["root"], [ckpt], max_steps=spec["max_steps"], max_epochs=-1, **ddp)
     t.fit(model, datamodule=dm, ckpt_path=spec.get("ckpt_path"))
     if spec.get("out"):
         torch.save(state(model, t), spec["out"])
@@ -419,3 +420,25 @@ def run_ddp(trials: list[dict[str, Any]], out_dir: Path, timeout: float) -> tupl
 
 def is_finite_hex(h: str) -> bool:
     return math.isfinite(float.fromhex(h))
+
+
+def ddp_ckpt_worker(rank: int, port: int, spec: dict[str, Any]) -> None:
+    """One rank of a 2-rank DDP run of :func:`ckpt_run`'s training (each rank logs its own losses)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), RANK=str(rank),
+        WORLD_SIZE="2", NODE_RANK="0",
+    )
+    import torch.distributed as dist
+
+    # a short collective timeout: a dead peer must turn into an error, not a wait of 30 minutes
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=spec.get("pg_timeout", 30)))
+    ckpt_run({**spec, "loss_log": f"{spec['loss_log']}.rank{rank}", "ddp": True})
+
+
+def start_ddp(target: Callable[..., None], spec: dict[str, Any]) -> list[Any]:
+    """Start 2 ranks from the forkserver without a supervisor (so one rank's death is not cleaned up for us)."""
+    port = free_port()
+    procs = [context().Process(target=target, args=(r, port, spec), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    return procs

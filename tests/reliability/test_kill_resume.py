@@ -242,3 +242,62 @@ def test_sigterm_in_a_long_epoch_exits_promptly(fault, tmp_path, reference):
     note = f"exited: {exited}, exit code {proc.exitcode}, checkpoints {[p.name for _, p in files]}"
     fault.trial(ok, hang=not exited, note=note)
     assert ok, note
+
+
+# -- a rank dies under DDP ---------------------------------------------------------------------------
+
+
+def _rank_death_trial(root: Path, reference: dict[str, Any], at: int) -> tuple[bool, bool, bool, str]:
+    from tests.reliability._harness import ddp_ckpt_worker, start_ddp
+
+    spec = _spec(root, reference["shard"], "ddp", out=None, step_sleep=0.01, max_steps=2 * MAX_STEPS)
+    procs = start_ddp(ddp_ckpt_worker, spec)
+    log1 = Path(spec["loss_log"] + ".rank1")
+    try:
+        if not wait_for(lambda: len(read_losses(log1)) >= at, CHILD_TIMEOUT, procs[1]):
+            return False, False, False, f"rank 1 never reached step {at}"
+        kill9(procs[1])
+        survivor_exited = join_or_kill(procs[0], 60.0)
+    finally:
+        for p in procs:
+            kill9(p)
+    files = step_files(root / "ck")
+    broken = [p.name for _, p in files if loads(p) is None]
+    last = root / "ck" / "last.ckpt"
+    last_ok = not os.path.lexists(last) or loads(last) is not None
+    note = f"rank 0 exited: {survivor_exited} (code {procs[0].exitcode}); checkpoints {[p.name for _, p in files]}"
+    ok = survivor_exited and not broken and last_ok
+    return ok, bool(broken) or not last_ok, not survivor_exited, note
+
+
+def test_ddp_rank_killed_the_other_rank_does_not_hang(fault, tmp_path, reference):
+    fault("one DDP rank killed", "SIGKILL of rank 1 of 2 (gloo) at a random step: rank 0 must fail, not hang")
+    ok, lost, hang, note = _rank_death_trial(tmp_path, reference, random.Random(0).randint(2, MAX_STEPS))
+    fault.trial(ok, data_lost=lost, hang=hang, note=note)
+    assert ok, note
+
+
+def test_sigterm_to_both_ddp_ranks(fault, tmp_path, reference):
+    """A scheduler's pre-emption signals every rank: both must checkpoint (rank 0 writes) and exit 0."""
+    from tests.reliability._harness import ddp_ckpt_worker, start_ddp
+
+    fault("SIGTERM to both DDP ranks", "SIGTERM to both ranks of a 2-rank gloo run at a random step")
+    spec = _spec(tmp_path, reference["shard"], "ddp", out=None, step_sleep=0.02, every_n_steps=1000,
+                 max_steps=2 * MAX_STEPS)
+    procs = start_ddp(ddp_ckpt_worker, spec)
+    log0 = Path(spec["loss_log"] + ".rank0")
+    try:
+        started = wait_for(lambda: len(read_losses(log0)) >= random.Random(0).randint(2, 8), CHILD_TIMEOUT, procs[0])
+        for p in procs:
+            os.kill(p.pid, signal.SIGTERM)
+        exited = [join_or_kill(p, 30.0) for p in procs]
+    finally:
+        for p in procs:
+            kill9(p)
+    files = step_files(tmp_path / "ck")
+    loaded = loads(files[-1][1]) if files else None
+    on_signal = bool(files) and files[-1][1].name.endswith("-exception.ckpt")  # periodic saves are off
+    ok = started and all(exited) and [p.exitcode for p in procs] == [0, 0] and loaded is not None and on_signal
+    note = f"exited {exited}, codes {[p.exitcode for p in procs]}, checkpoints {[p.name for _, p in files]}"
+    fault.trial(ok, hang=not all(exited), note=note)
+    assert ok, note

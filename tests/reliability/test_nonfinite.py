@@ -145,4 +145,4 @@ def test_nonfinite_on_one_rank_ddp(fault, tmp_path):
 
 @pytest.mark.slow
 def test_nonfinite_on_one_rank_ddp_long(fault, tmp_path):
-    _check_ddp(fault, tmp_path, range(1, 9), timeout=400)
+    _check_ddp(fault, tmp_path, range(1, 17), timeout=400)
