@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -42,6 +41,9 @@ import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+from clt_common import write_result  # noqa: E402
 
 
 def _free_port() -> int:
@@ -395,26 +397,7 @@ def main() -> None:
         )
         if base and "tokens_per_s" in base and "tokens_per_s" in row:
             row["speedup_vs_1gpu"] = row["tokens_per_s"] / base["tokens_per_s"]
-    import lightning
-
-    out = args.out or os.path.join(
-        HERE, "results", "clt_scaling_smoke.json" if args.smoke else "clt_scaling.json"
-    )
-    result = {
-        "benchmark": "clt_scaling",
-        "device": torch.cuda.get_device_name()
-        if torch.cuda.is_available() and not args.smoke
-        else platform.processor() or "cpu",
-        "gpus": gpus,
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "command": " ".join([sys.executable, *sys.argv]),
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "rows": rows,
-    }
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
+    out = write_result("clt_scaling", args, rows, gpus=gpus)
     print(
         f"\n{'variant':44} {'F/layer':>8} {'step ms':>9} {'tok/s':>10} {'x 1gpu':>7} {'L0':>7} {'our MB':>8} {'DDP MB':>8}"
     )

@@ -19,9 +19,7 @@ variant is recorded with its error and the others still run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -32,6 +30,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from clt_common import write_result  # noqa: E402
 
 from lightning_opt.ops import global_topk  # noqa: E402
 from lightning_opt.ops.global_topk import batch_topk_threshold_sparse, global_batch_topk  # noqa: E402
@@ -228,26 +229,8 @@ def main() -> None:
         args.ks, args.k_select, args.warmup, args.iters = [4, 16], 8, 1, 2
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = getattr(torch, args.dtype)
-    out = args.out or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)),
-        "results",
-        "sparse_decode_smoke.json" if args.smoke else "sparse_decode.json",
-    )
     rows = decode_variants(args, device, dtype) + topk_variants(args, device)
-    import lightning
-
-    result = {
-        "benchmark": "sparse_decode",
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "command": " ".join([sys.executable, *sys.argv]),
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "rows": rows,
-    }
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
+    out = write_result("sparse_decode", args, rows)
     print(
         f"\n{'part':7} {'variant':42} {'dtype':15} {'k':>4} {'fwd ms':>9} {'fwd+bwd ms':>11} {'ms':>9} {'x topk':>7}"
     )
