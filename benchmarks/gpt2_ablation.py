@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
@@ -31,9 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from gpt2_common import (  # noqa: E402
-    Deadline,
     RunSpec,
     Tokens,
+    add_common_args,
+    deadline_from,
     default_out,
     device,
     env_info,
@@ -158,23 +158,18 @@ def add_deltas(results: dict[str, dict[str, Any]], notes: dict[str, str]) -> Non
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--data-dir", default=None)
+    add_common_args(p, 200.0)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warm", type=int, default=5)
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--val-tokens", type=int, default=262_144)
     p.add_argument("--only", default=None, help="comma-separated row names (baseline is always run)")
-    p.add_argument("--deadline-s", type=float, default=200.0)
-    p.add_argument("--end-unix", type=float, default=None)
-    p.add_argument("--out", default=None)
     p.add_argument("--no-report", action="store_true", help="do not regenerate docs/benchmarks/gpt2.md")
     args = p.parse_args(argv)
     if args.smoke:
         args.steps, args.warm, args.micro_batch, args.seq_len, args.val_tokens = 4, 1, 4, 64, 2048
-    budget = args.deadline_s if args.end_unix is None else args.end_unix - time.time()
-    deadline = Deadline(budget)
+    deadline = deadline_from(args)
     dev = device()
     train_path, val_path = find_shards(args.data_dir)
     model, optim, sched, _ = load_yaml_config("gpt2-124m-speedrun")

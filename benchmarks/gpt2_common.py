@@ -121,6 +121,30 @@ class Deadline:
         return self.seconds - (time.perf_counter() - self.t0)
 
 
+def add_common_args(p, deadline_s: float) -> None:
+    """The arguments every GPT-2 benchmark takes."""
+    p.add_argument("--smoke", action="store_true", help="tiny models on CPU; proves the script end to end")
+    p.add_argument("--data-dir", default=None, help="folder with novels_{train,val}_000000.bin")
+    p.add_argument("--deadline-s", type=float, default=deadline_s, help="skip work that would end past this")
+    p.add_argument("--end-unix", type=float, default=None, help="absolute end time (overrides --deadline-s)")
+    p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/<name>_<device>_<date>.json)")
+
+
+def deadline_from(args) -> Deadline:
+    return Deadline(args.deadline_s if args.end_unix is None else args.end_unix - time.time())
+
+
+def smoke_shard(data: Tokens) -> Path:
+    """The (small-vocabulary) smoke tokens as a shard file, for the Lightning DataModule which reads files."""
+    import tempfile
+
+    from lightning_opt.data.shards import write_shard
+
+    path = Path(tempfile.mkdtemp(prefix="gpt2_smoke_")) / "smoke_train.bin"
+    write_shard(path, data.train.cpu().numpy().astype("uint16"))
+    return path
+
+
 def guarded(name: str, fn: Callable[[], dict[str, Any]], deadline: Deadline | None = None,
             need_s: float = 0.0) -> dict[str, Any]:
     """Run one variant; an exception (out-of-memory included) is recorded, never raised."""
@@ -446,6 +470,8 @@ def train_lightning(spec: RunSpec, data: Tokens, train_path: Path, logger: str =
         def on_train_end(self, trainer, pl_module):
             state["end"] = state["clock"].now()
 
+    if logger == "tensorboard" and not any(_importable(m) for m in ("tensorboard", "tensorboardX")):
+        logger = "none (tensorboard is not installed)"
     if logger == "tensorboard":
         from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -489,6 +515,12 @@ def oom_retry(run: Callable[[RunSpec], dict[str, Any]], spec: RunSpec, tries: in
             spec = replace(spec, micro_batch=spec.micro_batch // 2, accum=spec.accum * 2,
                            val_batch=max(1, spec.val_batch // 2))
     raise RuntimeError("; ".join(notes))
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
 
 
 def with_model(spec: RunSpec, **model_changes: Any) -> RunSpec:

@@ -1,13 +1,14 @@
 """Time to target: the modded-nanogpt record script of 2025-01-04 vs our speedrun recipe, same GPU, same budget.
 
-1. Ours (``gpt2-124m-speedrun`` through GPT2SpeedrunModule + TokenShardDataModule + Trainer, bf16-mixed,
-   compile, 32 x 1024 x 16 = 524,288 tokens per step) runs the whole budget first and validates every
-   ``--ours-val-every`` steps off the clock.
-2. The record script (the code at the top of its log, exported to the git-ignored ``.peers/modded-nanogpt/``
+1. The record script (the code at the top of its log, exported to the git-ignored ``.peers/modded-nanogpt/``
    and patched by ``benchmarks/peers/patch_record.py`` in only its data paths, iteration count and val
    token count) runs on one GPU through ``torchrun`` for ``--steps`` iterations of 524,288 tokens (127 =
-   4 passes over the novels train shard) with the rest of the call. Its final val loss is the target; our
-   time to target is read off our val curve (interpolated between val points).
+   4 passes over the novels train shard). Its final val loss is the target.
+2. Ours (``gpt2-124m-speedrun`` through GPT2SpeedrunModule + TokenShardDataModule + Trainer, bf16-mixed,
+   compile, 32 x 1024 x 16 = 524,288 tokens per step, the same schedule length) validates every
+   ``--ours-val-every`` steps off the clock and stops at the target or when the call's time is up; the time
+   to target is interpolated between val points. Deciding the goal (<= 0.75x the record's time) needs at
+   most 0.75x the record's training time, so ours runs second with what is left.
 
 Clocks: compile and validation excluded for both. The record script resets its clock after step 10 and so
 leaves 10 steps out; ``record_train_s_adjusted`` adds them back at its steady step time, as our clock counts
@@ -32,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -42,16 +42,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 
 import torch  # noqa: E402
 from gpt2_common import (  # noqa: E402
-    Deadline,
     RunSpec,
     Tokens,
-    cleanup,
+    add_common_args,
+    deadline_from,
     default_out,
     device,
     env_info,
     find_shards,
     guarded,
     load_yaml_config,
+    smoke_shard,
     train_bare,
     train_lightning,
     with_model,
@@ -141,61 +142,25 @@ def run_record(train: Path, val: Path, steps: int, val_tokens: int, timeout_s: f
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--data-dir", default=None)
+    add_common_args(p, 530.0)
     p.add_argument("--steps", type=int, default=127, help="iterations of 524,288 tokens for both")
     p.add_argument("--val-tokens", type=int, default=1_048_576)
     p.add_argument("--ours-val-every", type=int, default=8)
     p.add_argument("--ours-runner", default="lightning", choices=["lightning", "bare"])
-    p.add_argument("--record-min-s", type=float, default=280.0,
-                   help="seconds our run leaves for the record script (ours stops early to keep them)")
+    p.add_argument("--ours-min-s", type=float, default=150.0,
+                   help="seconds the record script's run leaves for ours (its timeout is the rest)")
     p.add_argument("--ours-loss-impl", default=None, choices=["torch", "chunked", "chunked_fp8"],
                    help="override the config's loss_impl for our run")
-    p.add_argument("--deadline-s", type=float, default=530.0)
-    p.add_argument("--end-unix", type=float, default=None)
     p.add_argument("--target", type=float, default=None, help="use this target (skips the record run)")
-    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    budget = args.deadline_s if args.end_unix is None else args.end_unix - time.time()
-    deadline = Deadline(budget)
+    deadline = deadline_from(args)
     dev = device()
     train_path, val_path = find_shards(args.data_dir)
     out_path = Path(args.out) if args.out else default_out("gpt2_record_smoke" if args.smoke else "gpt2_record")
     payload: dict[str, Any] = {"benchmark": "gpt2_record", "env": env_info(), "smoke": args.smoke,
                                "settings": vars(args), "results": {}}
 
-    # 1. ours first, the whole budget (its length is predictable; the record gets the rest of the call)
-    sp_model, sp_optim, sp_sched, _ = load_yaml_config("gpt2-124m-speedrun")
-    spec = RunSpec(sp_model, sp_optim, sp_sched, steps=args.steps, micro_batch=32, accum=16, seq_len=1024,
-                   compile=True, amp="bf16", warm=3, val_every=args.ours_val_every)
-    vocab_mod = None
-    if args.smoke:
-        vocab_mod = 512
-        spec = with_model(replace(spec, steps=6, micro_batch=4, accum=2, seq_len=64, compile=False, amp="fp32",
-                                  warm=1, val_every=2),
-                          n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=512, vocab_multiple=1,
-                          n_value_embeds=1)
-    if args.ours_loss_impl:
-        spec = with_model(spec, loss_impl=args.ours_loss_impl)
-    data = Tokens(train_path, val_path, dev, val_tokens=4096 if args.smoke else args.val_tokens,
-                  train_tokens=1_000_000 if args.smoke else None, vocab_mod=vocab_mod)
-    lightning_train = train_path
-    if args.smoke:
-        from lightning_opt.data.shards import write_shard
-
-        lightning_train = Path(tempfile.mkdtemp()) / "smoke_train.bin"
-        write_shard(lightning_train, data.train.cpu().numpy().astype("uint16"))
-    # stop ours early only if it would leave the record no time at all
-    spec = replace(spec, deadline_s=max(30.0, deadline.left() - args.record_min_s))
-    if args.ours_runner == "lightning":
-        ours = guarded("ours-speedrun-lightning", lambda: train_lightning(spec, data, lightning_train, "none"))
-    else:
-        ours = guarded("ours-speedrun-bare", lambda: train_bare(spec, data))
-    payload["results"]["ours"] = ours
-    write_json(out_path, payload)
-    cleanup()
-
-    # 2. the record script, in its own process, with what is left of the call
+    # 1. the record script, in its own process; it sets the target
     if args.target is not None:
         record: dict[str, Any] = {"name": "record-2025-01-04", "skipped": "--target given", "final_val_loss": args.target}
     elif args.smoke or dev.type != "cuda":
@@ -203,9 +168,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         record = guarded("record-2025-01-04", lambda: _smoke_record(train_path, val_path, args))
     else:
         record = guarded("record-2025-01-04", lambda: run_record(
-            train_path, val_path, args.steps, args.val_tokens, deadline.left() - 5), deadline, 60)
+            train_path, val_path, args.steps, args.val_tokens, deadline.left() - args.ours_min_s), deadline, 60)
     payload["results"]["record"] = record
+    write_json(out_path, payload)
     target = record.get("final_val_loss")
+
+    # 2. ours, same budget, until it reaches the target or the call's time is up. Deciding the goal
+    # (<= 0.75x the record's time) needs at most 0.75x the record's training time, plus compile.
+    sp_model, sp_optim, sp_sched, _ = load_yaml_config("gpt2-124m-speedrun")
+    spec = RunSpec(sp_model, sp_optim, sp_sched, steps=args.steps, micro_batch=32, accum=16, seq_len=1024,
+                   compile=True, amp="bf16", warm=3, val_every=args.ours_val_every, stop_at_loss=target)
+    vocab_mod = None
+    if args.smoke:
+        vocab_mod = 512
+        spec = with_model(replace(spec, steps=6, micro_batch=4, accum=2, seq_len=64, compile=False, amp="fp32",
+                                  warm=1, val_every=2, stop_at_loss=None),
+                          n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=512, vocab_multiple=1,
+                          n_value_embeds=1)
+    if args.ours_loss_impl:
+        spec = with_model(spec, loss_impl=args.ours_loss_impl)
+    data = Tokens(train_path, val_path, dev, val_tokens=4096 if args.smoke else args.val_tokens,
+                  train_tokens=1_000_000 if args.smoke else None, vocab_mod=vocab_mod)
+    lightning_train = smoke_shard(data) if args.smoke else train_path
+    # the run's clock leaves validation out: keep a margin for it and for teardown
+    spec = replace(spec, deadline_s=max(20.0, deadline.left() - 25))
+    if args.ours_runner == "lightning":
+        ours = guarded("ours-speedrun-lightning", lambda: train_lightning(spec, data, lightning_train, "none"))
+    else:
+        ours = guarded("ours-speedrun-bare", lambda: train_bare(spec, data))
+    payload["results"]["ours"] = ours
     payload["summary"] = summarize(record, ours, target)
     write_json(out_path, payload)
     print_table(payload)

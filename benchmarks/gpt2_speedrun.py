@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -39,9 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 
 import torch  # noqa: E402
 from gpt2_common import (  # noqa: E402
-    Deadline,
     RunSpec,
     Tokens,
+    add_common_args,
+    deadline_from,
     default_out,
     device,
     env_info,
@@ -49,6 +49,7 @@ from gpt2_common import (  # noqa: E402
     guarded,
     load_yaml_config,
     oom_retry,
+    smoke_shard,
     train_bare,
     train_lightning,
     with_model,
@@ -85,8 +86,7 @@ def ratio(a: dict, b: dict, key: str = "tokens_per_s") -> float | None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny models on CPU; proves the script end to end")
-    p.add_argument("--data-dir", default=None, help="folder with novels_{train,val}_000000.bin")
+    add_common_args(p, 500.0)
     p.add_argument("--steps", type=int, default=16, help="optimizer steps per run")
     p.add_argument("--warm", type=int, default=3, help="steps excluded from tokens/s (compile happens here)")
     p.add_argument("--micro-batch", type=int, default=32)
@@ -98,10 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--only", default=None, help="comma-separated variant names to run")
     p.add_argument("--lightning-logger", default="tensorboard", choices=["tensorboard", "none"])
-    p.add_argument("--deadline-s", type=float, default=500.0, help="skip variants that would end past this")
-    p.add_argument("--end-unix", type=float, default=None, help="absolute end time (overrides --deadline-s)")
     p.add_argument("--need-s", type=float, default=75.0, help="seconds one variant needs (for skipping)")
-    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
     if args.smoke:
@@ -109,8 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.val_every, args.val_tokens, args.no_compile, args.need_s = 2, 4096, True, 0.0
         args.amp = "fp32"  # CPUs have no fast bf16 matmul
         args.lightning_logger = "none"
-    budget = args.deadline_s if args.end_unix is None else args.end_unix - time.time()
-    deadline = Deadline(budget)
+    deadline = deadline_from(args)
     dev = device()
     train_path, val_path = find_shards(args.data_dir)
     data = Tokens(train_path, val_path, dev, val_tokens=args.val_tokens,
@@ -118,10 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     specs = make_specs(args)
     log_dir = tempfile.mkdtemp(prefix="gpt2_bench_tb_")
     if args.smoke:  # the Lightning DataModule reads files: give it the same small-vocabulary tokens
-        from lightning_opt.data.shards import write_shard
-
-        train_path = Path(log_dir) / "smoke_train.bin"
-        write_shard(train_path, data.train.cpu().numpy().astype("uint16"))
+        train_path = smoke_shard(data)
     sp, cl = specs["speedrun"], specs["classic"]
     nano_shape = SMOKE_SHAPE if args.smoke else None
     nano_vocab = SMOKE_VOCAB if args.smoke else 50304
