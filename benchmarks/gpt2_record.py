@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.smoke:
         vocab_mod = 512
         spec = with_model(replace(spec, steps=6, micro_batch=4, accum=2, seq_len=64, compile=False, amp="fp32",
-                                  warm=1, val_every=2, stop_at_loss=None),
+                                  warm=1, val_every=2),
                           n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=512, vocab_multiple=1,
                           n_value_embeds=1)
     if args.ours_loss_impl:
