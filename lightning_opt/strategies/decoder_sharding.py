@@ -57,6 +57,11 @@ class DecoderShardingStrategy(DDPStrategy):
             all-gathered inside the decoder group. Needs ``activation="batchtopk_global"``.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (e.g. ``start_method``);
             DDP's own wrapper is not used.
+
+    Example:
+        >>> # 4 GPUs = 2 data groups x 2 decoder shards, encoders sharded over features
+        >>> strategy = DecoderShardingStrategy(model_parallel_size=2, shard_encoder=True)
+        >>> trainer = pl.Trainer(accelerator="gpu", devices=4, strategy=strategy)  # doctest: +SKIP
     """
 
     strategy_name = "ddp_decoder_sharding"
