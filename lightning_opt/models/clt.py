@@ -375,11 +375,10 @@ class CLT(nn.Module):
             return sq.flip(0).cumsum(0).flip(0).sqrt()
         rows = []
         for s, w in enumerate(self.W_dec):
-            sq = w.float().pow(2).sum(dim=(1, 2))
-            if tying == "per_source":
-                sq = sq * (L - s)
-            rows.append(sq)
-        return torch.stack(rows).sqrt()
+            # one fused reduction, no squared copy of the decoder
+            norm = torch.linalg.vector_norm(w, dim=(1, 2), dtype=torch.float32)
+            rows.append(norm * math.sqrt(L - s) if tying == "per_source" else norm)
+        return torch.stack(rows)
 
     def full_decoder(self, source: int) -> torch.Tensor:
         """``[F, L - source, d_out]`` decoder of one source layer, expanding tied decoders."""
@@ -579,10 +578,8 @@ def auxk_loss(
     masked = pre.masked_fill(~dead[:, None, :], float("-inf"))
     idx, vals = token_topk(masked, k_aux)
     vals = torch.where(torch.isfinite(vals), F.relu(vals), torch.zeros_like(vals))
-    if model.config.decoder_tying == "untied":
-        e_hat = _sparse_decode_layers(idx, vals, list(model.W_dec), N, nf)
-    else:
-        e_hat = model.decode(scatter_dense(idx, vals, pre)) - model.b_dec
+    # through decode_sparse, so a strategy that wraps it (decoder sharding) also handles AuxK
+    e_hat = model.decode_sparse(idx, vals, N) - model.b_dec
     e = residual.float()
     return (e - e_hat).pow(2).sum() / e.pow(2).sum().clamp_min(1e-12)
 

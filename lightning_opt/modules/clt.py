@@ -205,8 +205,18 @@ class CLTModule(TrainingModule):
             layer = torch.div(out.indices, n_tokens * nf, rounding_mode="floor")
             flat = layer * nf + out.indices % nf
             hits = torch.zeros(L * nf, device=flat.device).index_add_(0, flat, (out.values > 0).float())
-            return (hits > 0).view(L, nf)
-        return (out.acts > 0).any(dim=1)
+            fired = (hits > 0).view(L, nf)
+        else:
+            fired = (out.acts > 0).any(dim=1)
+        group = self.model.topk_group
+        if group is not None:
+            # global BatchTopK: a feature fired if it fired on any rank (int32: NCCL cannot reduce bool)
+            import torch.distributed as dist
+
+            as_int = fired.to(torch.int32)
+            dist.all_reduce(as_int, op=dist.ReduceOp.MAX, group=group)
+            fired = as_int.bool()
+        return fired
 
     def _active_per_layer(self, out: Any, n_tokens: int) -> torch.Tensor:
         L, nf = self.clt_config.n_layers, self.clt_config.n_features
