@@ -2,7 +2,8 @@
 
 ``global_batch_topk(x, k, group)`` keeps the ``k * tokens_total`` largest entries of the batch that is the
 concatenation (in rank order) of every rank's ``x``, and zeroes the rest. It moves candidate *values* only,
-never ``x``.
+never ``x``. ``tokens_total`` defaults to the sum of the ranks' token counts; pass it when ranks hold different
+features of the same tokens.
 
 Tie rule: entries are ordered by (value descending, rank ascending, row-major flat index within the rank
 ascending), i.e. by (value desc, flat index asc) in the concatenated batch. This is what a stable descending
@@ -14,13 +15,15 @@ Algorithm (per rank, ``N`` local entries, ``K = k * tokens_total``):
 1. Lower bound ``lo``: each rank estimates, from a fixed-seed random sample of its entries, a value that about
    ``1.25 K / world`` of its entries reach, and the group takes the minimum (scalar collective).
 2. Candidates: ``idx = nonzero(x >= lo)``; one host sync sizes them. If fewer than ``K`` entries reach ``lo``
-   over the group (an unlucky sample), the candidates are the local ``top-min(K, N)`` instead (exact, slower).
-3. Threshold ``t``: the ``K``-th largest of all candidate values (``all_gather`` of the padded values).
-   Every element ``>= t`` on any rank is a candidate, so ``t`` is the exact ``K``-th largest of the batch.
+   over the group (an unlucky sample), the candidates are the entries at or above the local ``min(K, N)``-th
+   largest value instead (exact, slower).
+3. Threshold ``t``: the ``K``-th largest of all candidate values (``all_gather`` of the padded values; a top-k
+   of the smaller side). Every element ``>= t`` on any rank is a candidate, so ``t`` is the exact ``K``-th
+   largest of the batch.
 4. Ties at ``t`` are shared out in rank order, then flat order (``all_gather`` of two counts per rank).
 5. Output: zeros with the kept candidates scattered back, so gradients reach exactly the kept entries.
 
-Bytes moved per rank and call (world ``W``): ``W * 16`` (token counts and bounds) ``+ W * 8`` (candidate
+Bytes moved per rank and call (world ``W``): ``W * 24`` (token counts, sizes and bounds) ``+ W * 8`` (candidate
 counts) ``+ W * C_max * elem_size`` (candidate values, ``C_max`` = the largest candidate count, about
 ``1.25 K / W``) ``+ W * 16`` (tie counts). For 2 ranks x 4096 tokens, k=200, float32: about 8 MB, against
 3.2 GB for an ``all_gather`` of ``x`` at 98,304 features.
