@@ -151,7 +151,8 @@ def six_callbacks(tmpdir: str) -> list[pl.Callback]:
         NaNSkip(),
         LossClamp(),
         # No save inside the window (checkpoint_stall.py measures saves); no one-off buffer prewarm.
-        AsyncCheckpoint(dirpath=os.path.join(tmpdir, "ck"), every_n_steps=10**9, save_on_train_end=False, prewarm=False),
+        AsyncCheckpoint(dirpath=os.path.join(tmpdir, "ck"), every_n_steps=10**9, save_on_train_end=False,
+                        save_on_exception=False, prewarm=False),
         EvalThrottle(every_n_steps=10**9),
         CudaMemoryHygiene(gc_every_n_steps=25),
         SpeedMonitor(log_every_n_steps=10),
