@@ -168,10 +168,10 @@ CELLS = [
     ("md", """
     ## 5 · What do features respond to?
 
-    For a few frequently used features, the held-out bytes where they are most active, with the
-    preceding bytes of their window; the token itself is in `[brackets]`. Byte tokens decode straight
-    back to text. The first 16 positions of each window are left out: with no context before them, their
-    activations are outliers (an attention-sink effect), not meaning.
+    For a few features of the first and the last layer, the held-out bytes where they are most active,
+    with the preceding bytes of their window; the token itself is in `[brackets]`. Byte tokens decode
+    straight back to text. The first 16 positions of each window are left out: with no context before
+    them, their activations are outliers (an attention-sink effect), not meaning.
     """),
     ("code", """
     tok = ByteTokenizer()
@@ -187,8 +187,10 @@ CELLS = [
         return (left + "[" + here + "]" + right).replace("\\n", "⏎")
 
     for layer in (0, L_ - 1):
-        busiest = torch.argsort(freq[layer], descending=True)[:6]
-        for feature in busiest[2:5].tolist():  # skip the very densest, which tend to be generic
+        # features that fire on 0.2-5% of tokens: the densest ones tend to be generic
+        order = torch.argsort(freq[layer], descending=True)
+        chosen = [f for f in order.tolist() if 0.002 < freq[layer, f] < 0.05][:3] or order[:3].tolist()
+        for feature in chosen:
             values, where = acts[layer, :, feature].masked_fill(position < 16, 0).topk(4)
             print(f"layer {layer} feature {feature} (fires on {freq[layer, feature]:.1%} of tokens)")
             for v, i in zip(values.tolist(), where.tolist()):
