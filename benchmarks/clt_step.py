@@ -6,6 +6,8 @@ synthetic activations; 4096 / 8192 / 16384 / 32768 features per layer. Per featu
 * ``ours_dense``: ``CLT`` forward (batched encoder, exact global BatchTopK), dense decode, MSE + tanh
   sparsity + pre-activation loss, backward, fused AdamW.
 * ``ours_sparse``: the same with the sparse decode (``ops.sparse_decode``: Triton on CUDA).
+* ``module``: the real ``CLTModule`` in a Lightning ``Trainer`` (bf16-mixed) with the gpt2-small config's
+  loss terms (tanh sparsity, pre-activation, AuxK, dead-feature tracking, train metrics).
 * ``select_ours`` / ``select_torch_topk`` / ``select_global_topk``: the BatchTopK selection alone on the bf16
   pre-activations ``[12 * 4096 * F]`` (ours = ``ops.topk.batch_topk_rows``; ``torch.topk`` of k*tokens; the
   strategies helper's ``global_batch_topk`` with ``group=None``).
@@ -110,6 +112,66 @@ def ours_step(nf: int, args: argparse.Namespace, dev: torch.device, sparse: bool
         opt.zero_grad(set_to_none=True)
 
     return time_fn(step, dev, args.warmup, args.steps)
+
+
+def module_step(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
+    """The real ``CLTModule`` under a Lightning ``Trainer`` (bf16-mixed), with the gpt2-small config's loss terms
+    (tanh sparsity, pre-activation, AuxK, dead tracking, train metrics): step time and peak memory."""
+    import lightning as L
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from lightning_opt.modules.clt import CLTModule
+
+    cfg = CLTConfig(n_layers=args.layers, d_model=args.d_model, n_features=nf, activation="batchtopk_global", k=args.k)
+    with torch.device(dev):
+        module = CLTModule(cfg, sparsity_coef=1e-4, preact_coef=PREACT, aux_coef=0.03, aux_k=64,
+                           dead_tokens=10**7, decode=args.module_decode, eval_replacement=False)
+    x, y = synthetic(args.tokens, args.layers, args.d_model, dev)
+
+    class Repeat(IterableDataset):
+        def __iter__(self):
+            while True:
+                yield x, y
+
+    times: list[float] = []
+    state: dict[str, Any] = {}
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if batch_idx == args.warmup and dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+            if batch_idx >= args.warmup:
+                if dev.type == "cuda":
+                    ev = torch.cuda.Event(enable_timing=True)
+                    ev.record()
+                    times.append(ev)  # type: ignore[arg-type]
+                else:
+                    times.append(time.perf_counter())
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            if dev.type == "cuda":
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                times.append(ev)  # type: ignore[arg-type]
+                torch.cuda.synchronize(dev)
+                state["peak"] = torch.cuda.max_memory_allocated(dev)
+            else:
+                times.append(time.perf_counter())
+
+    trainer = L.Trainer(
+        accelerator="gpu" if dev.type == "cuda" else "cpu", devices=1,
+        precision="bf16-mixed" if dev.type == "cuda" else "32-true", max_steps=args.warmup + args.steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Clock()],
+    )
+    trainer.fit(module, train_dataloaders=DataLoader(Repeat(), batch_size=None))
+    if dev.type == "cuda":
+        ms = [a.elapsed_time(b) for a, b in zip(times[:-1], times[1:])]
+    else:
+        ms = [(b - a) * 1e3 for a, b in zip(times[:-1], times[1:])]
+    return {"median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms),
+            "peak_memory_gb": state.get("peak", 0) / 1e9, "decode": args.module_decode}
 
 
 def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
@@ -229,7 +291,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--select-steps", type=int, default=10)
-    p.add_argument("--variants", nargs="+", default=["ours_dense", "ours_sparse", "select", "peer"])
+    p.add_argument("--variants", nargs="+", default=["ours_dense", "ours_sparse", "module", "select", "peer"])
+    p.add_argument("--module-decode", default="dense", help="decode mode of the `module` variant")
     p.add_argument("--device", default=None)
     p.add_argument("--peer-timeout", type=int, default=240)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "clt_step.json"))
@@ -254,6 +317,8 @@ def main() -> None:
             try:
                 if variant in ("ours_dense", "ours_sparse"):
                     row[variant] = ours_step(nf, args, dev, sparse=variant == "ours_sparse")
+                elif variant == "module":
+                    row[variant] = module_step(nf, args, dev)
                 elif variant == "select":
                     row.update(selection(nf, args, dev))
                 elif variant == "peer":
@@ -300,20 +365,20 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(f"\n{'features':>9} | {'ours dense':>10} | {'ours sparse':>11} | {'peer step':>9} | {'speedup':>7} | "
-          f"{'sel ours':>8} | {'sel topk':>8} | {'sel peer':>8} | {'peak GB ours/peer':>17}")
+          f"{'sel ours':>8} | {'sel topk':>8} | {'sel peer':>8} | {'module':>7} | {'peak GB dense/sparse/module/peer':>32}")
     for nf, row in results.items():
         def f(key: str, row: dict = row) -> str:
             v = ms(row, key)
             return f"{v:.1f}" if v is not None else ("OOM" if "memory" in str(row.get(key, "")) else "-")
 
         peaks = []
-        for key in ("ours_dense", "ours_sparse", "peer_step"):
+        for key in ("ours_dense", "ours_sparse", "module", "peer_step"):
             v = row.get(key)
             peaks.append(f"{v['peak_memory_gb']:.1f}" if isinstance(v, dict) and "peak_memory_gb" in v else "-")
         sp = ratios[nf]["step_speedup_vs_peer"]
         print(f"{nf:>9} | {f('ours_dense'):>10} | {f('ours_sparse'):>11} | {f('peer_step'):>9} | "
               f"{(f'{sp:.2f}x' if sp else '-'):>7} | {f('select_ours'):>8} | {f('select_torch_topk'):>8} | "
-              f"{f('peer_select'):>8} | {'/'.join(peaks):>17}")
+              f"{f('peer_select'):>8} | {f('module'):>7} | {'/'.join(peaks):>32}")
     print(f"wrote {args.out}")
 
 

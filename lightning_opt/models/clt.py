@@ -536,7 +536,9 @@ def tanh_sparsity_penalty(acts: torch.Tensor, decoder_norms: torch.Tensor, c: fl
         acts: ``[L, N, F]`` activations (dense).
         decoder_norms: ``[L, F]`` norms of the concatenated decoder vectors (:meth:`CLT.decoder_norms`).
     """
-    return torch.tanh(c * acts.float() * decoder_norms[:, None, :]).sum() / acts.shape[1]
+    # in the activations' dtype (no float32 copy of [L, N, F]); the sum accumulates in float32
+    scaled = acts * (c * decoder_norms[:, None, :]).to(acts.dtype)
+    return torch.tanh(scaled).sum(dtype=torch.float32) / acts.shape[1]
 
 
 def tanh_sparsity_penalty_sparse(

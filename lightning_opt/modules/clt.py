@@ -241,7 +241,7 @@ class CLTModule(TrainingModule):
         logs: dict[str, Any] = {"train/mse": mse.detach(), "train/sparsity_lambda": lam}
         if lam > 0:
             norms = clt.decoder_norms()
-            if out.acts is None:
+            if out.indices is not None:  # the kept entries only, even when decoding densely
                 sp = tanh_sparsity_penalty_sparse(out.indices, out.values, norms * self.sparsity_c, n)
             else:
                 sp = tanh_sparsity_penalty(out.acts, norms, self.sparsity_c)

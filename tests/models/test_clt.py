@@ -295,3 +295,16 @@ def test_all_activations_train_step() -> None:
             opt.step()
             losses.append(float(loss))
         assert losses[-1] < losses[0], act
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sparse_and_dense_decode_agree_on_gpu_bf16() -> None:
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        clt = CLT(CLTConfig(n_layers=4, d_model=64, n_features=512, activation="batchtopk_global", k=16))
+        x = torch.randn(256, 4, 64)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        dense = clt(x, dense=True).recon
+        sparse = clt(x, dense=False).recon
+    torch.testing.assert_close(sparse, dense, rtol=2e-2, atol=2e-2)

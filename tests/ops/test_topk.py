@@ -91,3 +91,19 @@ def test_jumprelu_threshold_grad_reduces_over_broadcast_dims() -> None:
     jumprelu(x, th, 0.5).sum().backward()
     assert th.grad.shape == th.shape
     assert torch.allclose(th.grad, torch.full((3, 1, 5), -4 * 1.0 / 0.5))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batch_topk_exact_at_clt_scale_on_gpu() -> None:
+    # 12 layers x 4096 tokens x 8192 features, k=200 per token: the gpt2-small-like selection, in bf16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pre = torch.randn(12 * 4096 * 8192, device="cuda", generator=g).to(torch.bfloat16)
+    n = 200 * 4096
+    idx, vals = batch_topk_rows(pre.view(1, -1), n)
+    assert idx.numel() == n
+    ref = torch.topk(pre.float(), n).values
+    assert torch.equal(vals.float().sort().values, ref.sort().values)
+    # per-layer rows
+    idx2, _ = batch_topk_rows(pre.view(12, -1), n)
+    assert torch.equal(torch.bincount(idx2 // (4096 * 8192), minlength=12), torch.full((12,), n, device="cuda"))
