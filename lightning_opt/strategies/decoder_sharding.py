@@ -153,6 +153,9 @@ class DecoderShardingStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if self.mp_size > 1:
+            # Norm clipping must see the norm of the whole model, not of this rank's shards.
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
 
     @override
     def configure_ddp(self) -> None:
@@ -318,6 +321,20 @@ class DecoderShardingStrategy(DDPStrategy):
             clt.d_out_slice = self._slice(clt.config.d_model)
             self._wrap_decode(clt)
         self._full_now = False
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        """``clip_grad_norm_`` with the global norm: shard norms summed over the decoder group, once each."""
+        assert self.lightning_module is not None
+        sharded = {id(p) for n, p in self.lightning_module.named_parameters() if n in self._sharded}
+        params = [p for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
+        if not params:
+            return
+        zero = params[0].grad.new_zeros((), dtype=torch.float32)
+        sq_sharded = sum((p.grad.detach().float().pow(2).sum() for p in params if id(p) in sharded), zero)
+        sq_shared = sum((p.grad.detach().float().pow(2).sum() for p in params if id(p) not in sharded), zero)
+        dist.all_reduce(sq_sharded, group=self._model_group)
+        coef = (clip_val / ((sq_sharded + sq_shared).sqrt() + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_([p.grad for p in params], coef)
 
     # Evaluation runs on the whole module: the module's metrics compare with full-width targets.
     @override

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 WORLD = 2
+CLIP = 0.02  # small enough that norm clipping acts on every step
 
 
 def _fit(module: Any, strategy: Any, root: Path, **kw: Any) -> Any:
@@ -78,7 +79,7 @@ def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
 
     def sharded_fvu() -> dict[str, Any]:
         m = TinyCLTModule(loss="fvu", batch_size=8)
-        _fit(m, DecoderShardingStrategy(), root)
+        _fit(m, DecoderShardingStrategy(), root, gradient_clip_val=CLIP)
         return {"state": _state(m)}
 
     def sharded_checkpoint_resume() -> dict[str, Any]:

@@ -24,8 +24,10 @@ def test_fit_matches_single_process_and_module_is_whole_after_fit(strategy_runs:
     )
 
 
-def test_fvu_through_loss_hooks_matches_single_process(strategy_runs: dict, tmp_path) -> None:
-    reference = fit_single(TinyCLTModule(loss="fvu", batch_size=8), tmp_path)
+def test_fvu_through_loss_hooks_and_norm_clipping_match_single_process(strategy_runs: dict, tmp_path) -> None:
+    from _fit_worker import CLIP
+
+    reference = fit_single(TinyCLTModule(loss="fvu", batch_size=8), tmp_path, gradient_clip_val=CLIP)
     assert_states_close(strategy_runs["sharded_fvu"]["state"], reference)
 
 
