@@ -91,7 +91,12 @@ def _select_rows(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
     for c in counts_host:
         seg_vals = vals[start : start + c]
         seg_idx = cand[start : start + c]
-        t = torch.topk(seg_vals, n_keep, sorted=False).values.min()
+        rest = c - n_keep + 1
+        if rest < n_keep:
+            # the n-th largest is the (c - n + 1)-th smallest: a smaller top-k on the negated values
+            t = -torch.topk(-seg_vals, rest, sorted=False).values.min()
+        else:
+            t = torch.topk(seg_vals, n_keep, sorted=False).values.min()
         gt = seg_vals > t
         eq = seg_vals == t
         quota = n_keep - gt.sum()
