@@ -5,8 +5,9 @@ files come from different benchmark scripts and have different shapes, so the re
 
 * metadata (device, torch / lightning versions, date, command, smoke flag) is looked up by common key
   names at the top level and in nested ``env`` / ``meta`` / ``versions`` dicts;
-* every list of dicts found anywhere in the file becomes a table (its scalar fields), and a bar chart of
-  its main timing or throughput column when it has one;
+* every list of dicts, and every dict of two or more records (dicts with numbers), found anywhere in the
+  file becomes a table (its scalar fields), with a bar chart of its main timing or throughput column
+  when it has one;
 * numeric leaves outside the tables whose key mentions a speed-up, ratio, overhead and the like are the
   headline numbers; ``error`` fields are listed so that failed variants are visible.
 
@@ -50,7 +51,8 @@ _DATE = ("date_utc", "date", "timestamp", "time_utc", "created", "when")
 _NESTED = ("env", "environment", "meta", "metadata", "versions", "system", "info", "config", "args")
 _HEADLINE = re.compile(r"speedup|ratio|overhead|stall|reduction|_vs_|/|mfu|parity|max_abs|max_rel|saved|frac")
 # Preferred columns to plot, in order (first match wins): throughputs and speed-ups, then times.
-_PLOT_PREFS = (r"speedup", r"tokens_per_s(ec)?$", r"per_s(ec)?$", r"throughput", r"step_ms$", r"_ms$", r"^ms$",
+_PLOT_PREFS = (r"speedup", r"tokens_per_s(ec)?$", r"per_s(ec)?$", r"throughput", r"step_ms$", r"median_ms$",
+               r"_ms$", r"^ms$",
                r"stall", r"_s$", r"seconds")
 _MEASURED = re.compile(r"bytes|_ms|_s$|per_|mem|params|loss|time|count|total|tokens")
 _LABEL_MAX = 3
@@ -110,6 +112,11 @@ def find_tables(d: Any, path: str = "") -> list[Table]:
     """Every list of dicts with at least one scalar field, anywhere in ``d``."""
     out: list[Table] = []
     if isinstance(d, dict):
+        # a dict of records ({"variant_a": {"ms": ..}, "variant_b": {..}}) is a table with a "name" column
+        records = {k: v for k, v in d.items() if isinstance(v, dict) and any(is_number(x) for x in v.values())}
+        if len(records) >= 2 and path.split(".")[-1] not in _NESTED:
+            rows = [{"name": str(k), **{f: x for f, x in v.items() if is_scalar(x)}} for k, v in records.items()]
+            out.append(Table(path or "(top level)", rows, table_columns(rows)))
         for k, v in d.items():
             out.extend(find_tables(v, f"{path}.{k}" if path else str(k)))
     elif isinstance(d, list):
