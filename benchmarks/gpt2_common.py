@@ -260,6 +260,7 @@ class RunSpec:
     warm: int = 3
     val_every: int = 0
     val_batch: int = 32
+    val_seq_len: int | None = None  # validation window (default seq_len): fixed across rows that change seq_len
     seed: int = 0
     # [(from_step, seq_len)]: a sequence-length curriculum at a fixed number of tokens per micro-batch
     seq_schedule: list[tuple[int, int]] = field(default_factory=list)
@@ -412,7 +413,7 @@ def _validate(spec: RunSpec, model, val_fn, data: Tokens, clock: Clock, curve: l
               tokens: int) -> str | None:
     t = clock.pause()
     model.eval()
-    loss = data.evaluate(val_fn, spec.seq_len, spec.val_batch, spec.amp)
+    loss = data.evaluate(val_fn, spec.val_seq_len or spec.seq_len, spec.val_batch, spec.amp)
     model.train()
     clock.resume()
     curve.append({"step": step, "tokens": tokens, "clock_s": round(t, 3), "val_loss": round(loss, 5)})
