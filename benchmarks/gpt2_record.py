@@ -98,8 +98,10 @@ def parse_record_log(text: str, warm_reset: int = 10) -> dict[str, Any]:
     return out
 
 
-def run_record(train: Path, val: Path, steps: int, val_tokens: int, timeout_s: float) -> dict[str, Any]:
-    script = write_patched(str(train.resolve()), str(val.resolve()), steps, val_tokens)
+def run_record(train: Path, val: Path, steps: int, val_tokens: int, timeout_s: float,
+               source: Path | None = None) -> dict[str, Any]:
+    kw = {"source": source, "dest": Path(tempfile.mkdtemp(prefix="record_src_")) / "train_gpt.py"} if source else {}
+    script = write_patched(str(train.resolve()), str(val.resolve()), steps, val_tokens, **kw)
     workdir = tempfile.mkdtemp(prefix="record_run_")  # it writes logs/<uuid>.txt into the working dir
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script)]
     print("  $ " + " ".join(cmd), flush=True)
