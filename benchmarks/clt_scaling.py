@@ -19,7 +19,7 @@ by our collectives per step (measured at the Python collectives) plus DDP's grad
 (computed), and peak memory. Each variant runs in fresh processes; one failing variant is recorded and the
 others still run.
 
-    python benchmarks/clt_scaling.py            # 2 CUDA GPUs, about 3 minutes on H100s
+    python benchmarks/clt_scaling.py            # 2 CUDA GPUs, about 3-4 minutes on H100s (2 launches)
     python benchmarks/clt_scaling.py --smoke    # CPU + gloo, 2 processes, under a minute
 """
 
@@ -285,15 +285,12 @@ def _run_peer(rank: int, world: int, args: argparse.Namespace, n_features: int) 
 
 
 def _worker(
-    rank: int,
-    world: int,
-    port: int,
-    variants: list[str],
-    args: argparse.Namespace,
-    n_features: int,
-    out_dir: str,
+    rank: int, world: int, port: int, variants: list[str], args: argparse.Namespace, out_dir: str
 ) -> None:
-    """Run ``variants`` one after the other in these processes (start-up is paid once); rank 0 writes JSON."""
+    """Run every size x variant one after the other in these processes (start-up is paid once).
+
+    Rank 0 writes one JSON per run.
+    """
     import gc
 
     os.environ.update(
@@ -307,8 +304,8 @@ def _worker(
         torch.cuda.set_device(rank)
     backend = "nccl" if use_cuda else "gloo"
     kw = {"device_id": torch.device("cuda", rank)} if use_cuda else {}
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=5), **kw)
-    for variant in variants:
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=120), **kw)
+    for n_features, variant in [(f, v) for f in args.features for v in variants]:
         try:
             if variant.startswith("peer"):
                 result = _run_peer(rank, world, args, n_features)
@@ -344,7 +341,7 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true", help="skip crosslayer-coding")
     args = parser.parse_args()
     if args.smoke:
-        args.features, args.tokens, args.k, args.layers, args.d_model = [64], 64, 4, 3, 16
+        args.features, args.tokens, args.k, args.layers, args.d_model = [64, 128], 64, 4, 3, 16
         args.steps, args.warmup = 2, 1
     gpus = torch.cuda.device_count() if not args.smoke else 2
     peer_ok = (
@@ -362,19 +359,14 @@ def main() -> None:
     launches = [(1, one)] + ([(2, two)] if gpus >= 2 else [])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for n_features in args.features:
-            for world, names in launches:
-                try:
-                    mp.spawn(
-                        _worker,
-                        args=(world, _free_port(), names, args, n_features, tmp),
-                        nprocs=world,
-                        join=True,
-                    )
-                except Exception as err:  # a crashed launch: its variants without a result get this error
-                    launch_error = f"{type(err).__name__}: {str(err)[-2000:]}"
-                else:
-                    launch_error = "no result written"
+        for world, names in launches:
+            try:
+                mp.spawn(_worker, args=(world, _free_port(), names, args, tmp), nprocs=world, join=True)
+            except Exception as err:  # a crashed launch: its runs without a result get this error
+                launch_error = f"{type(err).__name__}: {str(err)[-2000:]}"
+            else:
+                launch_error = "no result written"
+            for n_features in args.features:
                 for variant in names:
                     path = os.path.join(tmp, f"{variant}_{n_features}.json")
                     if os.path.exists(path):
