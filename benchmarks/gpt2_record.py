@@ -68,7 +68,9 @@ _PEAK = re.compile(r"peak memory consumption: (\d+) MiB")
 
 def parse_record_log(text: str, warm_reset: int = 10) -> dict[str, Any]:
     """Numbers from the record script's console output (its ``print0(..., console=True)`` lines)."""
-    vals = [(int(s), float(v), int(t) / 1000) for s, _, v, t in _VAL.findall(text)]
+    found = _VAL.findall(text)
+    vals = [(int(s), float(v), int(t) / 1000) for s, _, v, t in found]
+    planned = int(found[-1][1]) if found else None
     trains = [(int(s), int(t) / 1000, float(a)) for s, _, t, a in _TRAIN.findall(text)]
     out: dict[str, Any] = {"val_points": len(vals), "train_lines": len(trains)}
     steady = [a for s, _, a in trains if s > warm_reset + 1 and a == a]  # a == a: not NaN
@@ -88,8 +90,11 @@ def parse_record_log(text: str, warm_reset: int = 10) -> dict[str, Any]:
                       "record_clock_s": round(t, 3), "train_s": round(adj, 3)})
     out["val_curve"] = curve
     if curve:
-        out["final_val_loss"] = curve[-1]["val_loss"]
+        out["last_val_loss"] = curve[-1]["val_loss"]
         out["steps"] = curve[-1]["step"]
+        out["planned_steps"] = planned
+        # only a finished run sets the target (a stopped one's last val may be the step-0 one)
+        out["final_val_loss"] = curve[-1]["val_loss"] if curve[-1]["step"] == planned else None
         out["record_train_s"] = curve[-1]["record_clock_s"]
         out["record_train_s_adjusted"] = curve[-1]["train_s"]
     peak = _PEAK.findall(text)

@@ -63,3 +63,9 @@ def test_time_to_target_interpolates():
     assert row["step"] == 24 and t == pytest.approx(20.0)
     assert time_to_target(curve, 3.0) == (None, None)
     assert time_to_target(curve, 6.5)[1] == 8.0
+
+
+def test_parse_record_log_of_an_unfinished_run_sets_no_target():
+    out = parse_record_log("step:0/127 val_loss:10.8258 train_time:0ms step_avg:nanms\n"
+                           "step:1/127 train_time:90000ms step_avg:nanms\n")
+    assert out["final_val_loss"] is None and out["last_val_loss"] == 10.8258
