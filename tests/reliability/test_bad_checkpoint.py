@@ -158,3 +158,55 @@ def test_changed_data_layout_warns_that_resume_is_not_exact(fault, tmp_path, sha
     ok = any("batch_size=4" in m and "not an exact resume" in m for m in texts)
     fault.trial(ok, note="" if ok else f"warnings: {texts[:3]}")
     assert ok, texts
+
+
+# -- the other recipes: resume with a config whose shapes differ ---------------------------------------
+
+
+def _recipe_resume_with_other_config(tmp_path, monkeypatch, recipe: str, base: list[str], change: list[str]):
+    from tests.reliability.test_bad_config import COMMON, RECIPES, _main
+
+    monkeypatch.chdir(tmp_path)
+    main = _main(recipe)
+    args = ["--config", str(RECIPES[recipe][1]), *COMMON, "--trainer.enable_checkpointing", "true",
+            "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *base]
+    main(args)
+    ckpts = sorted((tmp_path / "runs").rglob("*.ckpt"))
+    assert ckpts, "the first run wrote no checkpoint"
+    before = {p: p.read_bytes() for p in ckpts}
+    err = None
+    try:
+        main([*args, *change, "--ckpt_path", str(ckpts[-1]), "--trainer.max_steps", "4"])
+    except Exception as e:  # noqa: BLE001 - the test checks the error's text
+        err = e
+    untouched = all(p.exists() and p.read_bytes() == b for p, b in before.items())
+    return err, untouched
+
+
+def test_spd_checkpoint_of_another_config(fault, tmp_path, monkeypatch):
+    fault("checkpoint of another config (SPD)", "resume SPD with C=10 components from a C=20 checkpoint")
+    err, untouched = _recipe_resume_with_other_config(
+        tmp_path, monkeypatch, "spd", ["--model.target.train_steps", "5"],
+        ["--model.spd.components", "[{pattern: linear1, C: 10}, {pattern: linear2, C: 10}]"],
+    )
+    msg = str(err)
+    # must name the config difference (C / components), not only tensor shapes, and say what to do
+    clear = err is not None and "checkpoint" in msg and ("C=20" in msg or "components" in msg)
+    fault.trial(clear and untouched, data_lost=not untouched, note=msg[:300])
+    assert untouched
+    assert clear, msg[:1500]
+
+
+@pytest.mark.slow
+def test_clt_checkpoint_of_another_config(fault, tmp_path, monkeypatch):
+    """Slow: the demo target GPT is trained on first use (cached afterwards)."""
+    fault("checkpoint of another config (CLT)", "resume a CLT with n_features=128 from a checkpoint of the demo config (256)")
+    err, untouched = _recipe_resume_with_other_config(
+        tmp_path, monkeypatch, "clt", ["--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "2"],
+        ["--model.clt.n_features", "128"],
+    )
+    msg = str(err)
+    clear = err is not None and "checkpoint" in msg and "n_features" in msg
+    fault.trial(clear and untouched, data_lost=not untouched, note=msg[:300])
+    assert untouched
+    assert clear, msg[:1500]

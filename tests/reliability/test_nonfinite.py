@@ -33,20 +33,24 @@ def _random_faults(rng: random.Random, steps: int, kinds: tuple[str, ...]) -> di
     return {s: rng.choice(kinds) for s in rng.sample(range(steps), n)}
 
 
-def _single_trial(tmp_path, seed: int, kinds: tuple[str, ...], mode: str = "device", fused: bool = False):
+def _single_trial(tmp_path, seed: int, kinds: tuple[str, ...], mode: str = "device", fused: bool = False,
+                  accumulate: int = 1, **trainer_kw):
+    """A run with faults at random batches vs a run without the optimizer steps those batches belong to."""
     rng = random.Random(seed)
     faults = _random_faults(rng, STEPS, kinds)
+    bad_steps = {b // accumulate for b in faults}
     batches = random_batches(STEPS, seed)
     skip = NaNSkip(mode=mode, max_consecutive_skips=None)
     faulty = TinyLM(dropout=0.0, fused=fused, faults=faults)
-    t1 = trainer(tmp_path / f"f{seed}", [skip])
+    kw = {"accumulate_grad_batches": accumulate, **trainer_kw}
+    t1 = trainer(tmp_path / f"f{seed}", [skip], **kw)
     t1.fit(faulty, train_dataloaders=Batches(batches))
     skip.resolve()
     clean = TinyLM(dropout=0.0, fused=fused)
-    t2 = trainer(tmp_path / f"r{seed}", [])
-    t2.fit(clean, train_dataloaders=Batches([b for i, b in enumerate(batches) if i not in faults]))
+    t2 = trainer(tmp_path / f"r{seed}", [], **kw)
+    t2.fit(clean, train_dataloaders=Batches([b for i, b in enumerate(batches) if i // accumulate not in bad_steps]))
     diffs = state_diff(state(faulty, t1), state(clean, t2))
-    return faults, skip.skipped_total, diffs
+    return bad_steps, skip.skipped_total, diffs
 
 
 def _check_single(fault, tmp_path, kind: str, seeds: range, variants: list[tuple[str, bool]]) -> None:
@@ -65,6 +69,29 @@ def _check_single(fault, tmp_path, kind: str, seeds: range, variants: list[tuple
 @pytest.mark.parametrize("kind", FAULTS)
 def test_nonfinite_at_random_steps(fault, tmp_path, kind):
     _check_single(fault, tmp_path, kind, range(1), [("device", False)])
+
+
+# (fault kind, what, trainer settings): the same random faults with the Trainer features that touch the step
+SETTINGS = [
+    ("with gradient accumulation", "accumulate_grad_batches=2: one bad micro-batch skips the whole step",
+     {"accumulate": 2}),
+    ("with gradient clipping", "gradient_clip_val=0.5 (clipping NaN gradients must not hide them)",
+     {"gradient_clip_val": 0.5}),
+    ("under bf16-mixed autocast", "precision='bf16-mixed' on CPU", {"precision": "bf16-mixed"}),
+]
+
+
+@pytest.mark.parametrize("name,what,kw", SETTINGS, ids=[s[0].split()[-1] for s in SETTINGS])
+def test_nonfinite_with_trainer_features(fault, tmp_path, name, what, kw):
+    fault(f"NaN/Inf {name}", f"NaN/Inf in loss or gradient at random steps, {what}")
+    problems = []
+    for seed in range(2):
+        bad, skipped, diffs = _single_trial(tmp_path / str(seed), seed, FAULTS, **kw)
+        ok = skipped == len(bad) and not diffs
+        fault.trial(ok, data_lost=bool(diffs), note="" if ok else f"seed {seed}: skipped {skipped}/{len(bad)} {diffs[:3]}")
+        if not ok:
+            problems.append((seed, skipped, len(bad), diffs[:5]))
+    assert not problems, problems
 
 
 @pytest.mark.slow
