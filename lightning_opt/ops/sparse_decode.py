@@ -115,7 +115,11 @@ def sparse_decode(
         raise ValueError(f"weight must be [features, D], got shape {tuple(weight.shape)}")
     indices, values, offsets, rows = _normalise(indices, values, offsets)
     if backend == "auto":
-        backend = "triton" if weight.is_cuda and is_available("triton") else "torch"
+        backend = (
+            "triton"
+            if weight.is_cuda and is_available("triton") and _triton_works(weight.device)
+            else "torch"
+        )
     if backend == "triton":
         out = _TritonDecode.apply(indices, values, offsets, weight)
     else:
@@ -166,6 +170,40 @@ def clt_sparse_decode(
         )
         out[:, layer:] += dec.view(n_tokens, n_layers - layer, d_out)
     return out
+
+
+_TRITON_CHECKED: dict[torch.device, bool] = {}
+
+
+def _triton_works(device: torch.device) -> bool:
+    """Compile and check the three kernels once per device on a tiny problem; fall back to torch if not.
+
+    A Triton/driver mismatch then costs a warning instead of a crash in the middle of training.
+    """
+    if device not in _TRITON_CHECKED:
+        try:
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            w = torch.randn(16, 40, generator=gen).to(device).requires_grad_(True)
+            v = torch.rand(3, 4, generator=gen).to(device).requires_grad_(True)
+            idx = torch.randint(0, 16, (3, 4), generator=gen).to(device)
+            flat_idx, flat_v, offsets, _ = _normalise(idx, v, None)
+            outs = []
+            for fn in (_TritonDecode.apply, _torch_decode):
+                out = fn(flat_idx, flat_v, offsets, w)
+                grads = torch.autograd.grad(out.square().sum(), [v, w])
+                outs.append([out, *grads])
+            ok = all(torch.allclose(a, b, rtol=1e-3, atol=1e-4) for a, b in zip(*outs))
+            if not ok:
+                raise RuntimeError("Triton sparse decode disagrees with embedding_bag on a check problem")
+        except Exception as err:  # any failure means: use the torch path
+            import warnings
+
+            warnings.warn(
+                f"sparse_decode: Triton kernels unusable ({err}); using F.embedding_bag", stacklevel=3
+            )
+            ok = False
+        _TRITON_CHECKED[device] = ok
+    return _TRITON_CHECKED[device]
 
 
 class _TritonDecode(torch.autograd.Function):
