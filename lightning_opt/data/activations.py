@@ -365,7 +365,11 @@ class _OnlineStream(IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         dm = self.dm
+        rank, world = dm.data_rank_world()
         windows = token_windows(self.files, dm.seq_len, dm.windows_per_forward, self.max_tokens)
+        if world > 1:
+            # data-parallel ranks take every world-th batch of windows (ranks of one decoder group share it)
+            windows = (w for i, w in enumerate(windows) if i % world == rank)
         yield from iter_activation_batches(dm.capture, windows, dm.tokens_per_batch, dm.target_device,
                                            with_tokens=self.with_tokens)
 
@@ -477,6 +481,8 @@ class CLTDataModule(pl.LightningDataModule):
         shuffle: shuffle cached batches each epoch.
         num_workers, prefetch_factor: DataLoader settings for the cache.
         stats_tokens: tokens used for normalisation statistics in online mode.
+        rank, world_size: data-parallel rank and size of the online stream (default: the strategy's
+            ``distributed_sampler_kwargs``, so decoder-sharding ranks share batches; else 0 and 1).
     """
 
     def __init__(
@@ -494,6 +500,8 @@ class CLTDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         prefetch_factor: int | None = None,
         stats_tokens: int = 65536,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> None:
         super().__init__()
         if dtype not in _DTYPES:
@@ -509,11 +517,24 @@ class CLTDataModule(pl.LightningDataModule):
         self.dtype = _DTYPES[dtype]
         self.shuffle, self.num_workers, self.prefetch_factor = shuffle, num_workers, prefetch_factor
         self.stats_tokens = stats_tokens
+        if (rank is None) != (world_size is None) or (world_size is not None and not 0 <= rank < world_size):
+            raise ValueError(f"pass both rank and world_size with 0 <= rank < world_size, got {rank}, {world_size}")
+        self._rank_world = None if rank is None else (rank, world_size)
         self.target_model: nn.Module | None = None
         self.capture: MLPActivationCapture | None = None
         self.stats: dict[str, Any] | None = None
         self._cached: CachedActivations | None = None
         self.target_device = torch.device("cpu")
+
+    def data_rank_world(self) -> tuple[int, int]:
+        """Data-parallel rank and size from the strategy's ``distributed_sampler_kwargs`` (else 0, 1)."""
+        if self._rank_world is not None:
+            return self._rank_world
+        trainer = getattr(self, "trainer", None)
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
+        if not kwargs:
+            return 0, 1
+        return int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1))
 
     # shapes the CLT must match, known after prepare()
     @property

@@ -132,3 +132,17 @@ def test_hf_gpt2_capture() -> None:
         blk = hf.transformer.h[0]
         h_mid = hs[0] + blk.attn(blk.ln_1(hs[0]))[0]
         torch.testing.assert_close(x[:, 0], blk.ln_2(h_mid).reshape(-1, 16), rtol=1e-5, atol=1e-5)
+
+
+def test_online_stream_shards_windows_by_data_rank(gpt: GPT, shard: str) -> None:
+    kw = dict(target=gpt, train_files=shard, val_files=None, seq_len=16, tokens_per_batch=64,
+              train_tokens=1024, shuffle=False, stats_tokens=256)
+    one = CLTDataModule(**kw)
+    second_of_two = CLTDataModule(rank=1, world_size=2, **kw)
+    for dm in (one, second_of_two):
+        dm.setup("fit")
+    full, mine = list(one.train_dataloader()), list(second_of_two.train_dataloader())
+    assert len(mine) == len(full) // 2
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(mine, full[1::2]))
+    with pytest.raises(ValueError, match="rank and world_size"):
+        CLTDataModule(target=gpt, rank=2, world_size=2)
