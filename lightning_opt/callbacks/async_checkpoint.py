@@ -6,6 +6,7 @@ import copy
 import os
 import random
 import re
+import shutil
 import threading
 import time
 from collections import OrderedDict
@@ -130,7 +131,7 @@ class _Staging:
 
     def _tensor(self, t: torch.Tensor) -> torch.Tensor:
         if t.layout != torch.strided or type(t) not in (torch.Tensor, torch.nn.Parameter):
-            # DTensor / sparse / subclasses: a plain copy (sharded saving is not handled here).
+            # Sparse / tensor subclasses: a plain copy. (Sharded strategies save through DCP instead.)
             return t.detach().to("cpu", copy=True)
         src = t.untyped_storage()
         key = (str(t.device), src.data_ptr())
@@ -289,18 +290,22 @@ class AsyncCheckpoint(Checkpoint):
         self._rng_to_restore: dict[str, Any] | None = None
         self._prewarm_thread: threading.Thread | None = None
         self._trainer: Trainer | None = None
+        self._model_key: str | None = None  # set for sharded strategies (DCP directory checkpoints)
+        self._gloo: Any = None
+        self._dcp_writer: Any = None
+        self._dcp_future: Any = None
         self._side_stream: torch.cuda.Stream | None = None
         self._side_pending = False
 
     # -- hooks ----------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        sharded = ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy")
-        if any(cls.__name__ in sharded for cls in type(trainer.strategy).__mro__):
-            raise NotImplementedError(
-                f"AsyncCheckpoint: {type(trainer.strategy).__name__} shards the state; sharded async saving "
-                "(torch.distributed.checkpoint.async_save) is not implemented yet. Use ModelCheckpoint with it."
-            )
+        self._model_key = _sharded_model_key(trainer.strategy)
+        if self._model_key is not None and self._gloo is None:
+            # async_save's background collectives run on CPU tensors: a gloo group of our own.
+            import torch.distributed as dist
+
+            self._gloo = dist.new_group(backend="gloo")
         self._trainer = trainer
         if self.dirpath is None:
             self.dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
@@ -363,6 +368,8 @@ class AsyncCheckpoint(Checkpoint):
             rank_zero_info(f"AsyncCheckpoint: the pending save failed too: {err}")
         if not self.config.save_on_exception or self.dirpath is None:
             return
+        if self._model_key is not None:
+            return  # a sharded save needs every rank, and the others may not have failed
         if trainer.global_step in (0, self.last_saved_step) or not trainer.is_global_zero:
             return
         path = self._path(trainer.global_step, "-exception")
@@ -407,13 +414,16 @@ class AsyncCheckpoint(Checkpoint):
         self.wait()
         self.last_saved_step = trainer.global_step
         self.saves += 1
-        strategy = trainer.strategy
-        original = strategy.checkpoint_io
-        strategy.checkpoint_io = _Capture(self)
-        try:
-            trainer.save_checkpoint(path)
-        finally:
-            strategy.checkpoint_io = original
+        if self._model_key is not None:
+            self._save_sharded(trainer, path)
+        else:
+            strategy = trainer.strategy
+            original = strategy.checkpoint_io
+            strategy.checkpoint_io = _Capture(self)
+            try:
+                trainer.save_checkpoint(path)
+            finally:
+                strategy.checkpoint_io = original
         self._last_save_time = time.monotonic()
         self.stall_seconds.append(time.perf_counter() - t0)
         self.metrics = {
@@ -423,6 +433,60 @@ class AsyncCheckpoint(Checkpoint):
         }
         log_metrics(trainer, self.metrics)
         return path
+
+    def _save_sharded(self, trainer: Trainer, path: str) -> None:
+        """FSDP / ModelParallel: every rank stages its shards with ``dcp.async_save`` and writes
+        them in the background; rank 0 then adds Lightning's ``meta.pt`` and renames the
+        directory into place. Same layout as Lightning's own sharded save, so
+        ``trainer.fit(ckpt_path=...)`` loads it."""
+        import torch.distributed.checkpoint as dcp
+
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        state = {self._model_key: checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        tmp = os.path.join(os.path.dirname(path), ".writing", os.path.basename(path))
+        if trainer.is_global_zero:
+            if os.path.isdir(tmp):
+                shutil.rmtree(tmp)
+            os.makedirs(tmp)
+        trainer.strategy.barrier("AsyncCheckpoint.sharded")
+        if self._dcp_writer is None:
+            # One writer for all saves: with cache_staged_state_dict its pinned staging buffers are
+            # reused from save to save (pinning needs CUDA; on CPU it stages into fresh memory).
+            self._dcp_writer = dcp.FileSystemWriter(tmp, cache_staged_state_dict=torch.cuda.is_available())
+        self._dcp_future = dcp.async_save(
+            state, checkpoint_id=tmp, storage_writer=self._dcp_writer, process_group=self._gloo
+        )
+        meta = self._staging.stage(checkpoint) if trainer.is_global_zero else None
+        self.last_path = path
+        self._thread = threading.Thread(
+            target=self._finish_sharded, args=(self._dcp_future, meta, tmp, path), name="AsyncCheckpoint", daemon=True
+        )
+        self._thread.start()
+
+    def _finish_sharded(self, future: Any, meta: Any, tmp: str, path: str) -> None:
+        try:
+            future.result()  # on rank 0 this returns after every rank's shards and .metadata are written
+            if meta is None:
+                return
+            # The directory is renamed into place as a whole, so a plain save + fsync is enough here.
+            meta_path = os.path.join(tmp, "meta.pt")
+            torch.save(meta, meta_path)
+            fd = os.open(meta_path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            _fsync_dir(tmp)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+            _fsync_dir(os.path.dirname(path))
+            if self.config.save_last:
+                _point_last(path)
+            self._prune()
+        except BaseException as err:
+            self._error = err
 
     def _submit(self, checkpoint: dict[str, Any], path: str) -> None:
         self.wait()
@@ -484,7 +548,20 @@ class AsyncCheckpoint(Checkpoint):
                 found.append((int(m.group(1)), name))
         found.sort()
         for _, name in found[:-k]:
-            os.remove(os.path.join(self.dirpath, name))
+            target = os.path.join(self.dirpath, name)
+            shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
+
+
+def _sharded_model_key(strategy: Any) -> str | None:
+    """The key Lightning's sharded save uses for the model, or None for a full-state strategy."""
+    names = {cls.__name__ for cls in type(strategy).__mro__}
+    if "DeepSpeedStrategy" in names:
+        raise NotImplementedError("AsyncCheckpoint: DeepSpeed saves through its own engine; use ModelCheckpoint.")
+    if "ModelParallelStrategy" in names:
+        return "state_dict" if getattr(strategy, "_save_distributed_checkpoint", True) else None
+    if "FSDPStrategy" in names:
+        return "model" if getattr(strategy, "_state_dict_type", "sharded") == "sharded" else None
+    return None
 
 
 def _storage_keys(objects: list[Any]) -> set[tuple[str, int]]:

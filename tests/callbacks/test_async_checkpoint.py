@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -151,16 +152,33 @@ def _wait_for(proc, marker, timeout=60):
     pytest.fail(f"child never printed {marker}")
 
 
+def _spawn_sharded(root: Path) -> list[subprocess.Popen]:
+    """Two ranks of tests/callbacks/_sharded_child.py, torchelastic-style (Lightning then launches nothing)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).parent / "_sharded_child.py"
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, TORCHELASTIC_RUN_ID="test", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", LOCAL_WORLD_SIZE="2")
+        procs.append(subprocess.Popen([sys.executable, str(script), str(root)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
 @pytest.fixture(scope="module")
 def children(tmp_path_factory):
-    """Both subprocesses start together (each spends seconds importing torch and Lightning)."""
+    """All subprocesses start together (each spends seconds importing torch and Lightning)."""
     procs = {mode: _spawn(tmp_path_factory.mktemp(mode), mode) for mode in ("kill", "sigterm")}
+    procs["sharded"] = (_spawn_sharded(tmp_path_factory.mktemp("sharded")), None)
     yield procs
     for proc, _ in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stdout.close()
+        for p in proc if isinstance(proc, list) else [proc]:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            p.stdout.close()
 
 
 def test_kill_9_mid_write_leaves_previous_checkpoint_loadable(children):
@@ -249,3 +267,18 @@ def test_cuda_save_holds_the_state_of_its_step(tmp_path, overlap):
     for k in saved:
         assert torch.equal(saved[k], cap.params[k]), k
     assert not torch.equal(saved["net.0.weight"], module.net[0].weight.detach().cpu())  # training went on
+
+
+def test_sharded_fsdp2_saves_through_dcp_and_resumes_exactly(children):
+    """ModelParallelStrategy (FSDP2) on 2 gloo ranks: dcp.async_save into .writing/, rank 0 adds
+    meta.pt and renames the directory; trainer.fit(ckpt_path=last) resumes bit-exactly."""
+    procs, _ = children["sharded"]
+    outputs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=240)
+        outputs.append(out)
+    results = [line for out in outputs for line in out.splitlines() if line.startswith("RESULT")]
+    assert len(results) == 2, "\n".join(o[-3000:] for o in outputs)
+    for line in results:
+        assert "losses_equal=True params_equal=True" in line, line
+        assert "names=['last.ckpt', 'step=000000004.ckpt']" in line, line  # keep_last_k=1
