@@ -229,8 +229,11 @@ class AsyncCheckpoint(Checkpoint):
     never races a pending save. Files load with ``trainer.fit(ckpt_path=...)``.
 
     Saves go through ``trainer.save_checkpoint`` (so every hook and strategy sees a normal
-    save; on DDP rank 0 writes). Saves after an exception (including Lightning's SIGTERM
-    handling) skip the barrier and block until written, because the process is about to end.
+    save; on DDP rank 0 writes). Sharded strategies (FSDP2 / ModelParallel, FSDP with sharded
+    state dicts) save every rank's shards with ``torch.distributed.checkpoint.async_save`` on a
+    gloo group of their own, in Lightning's sharded directory layout. Saves after an exception
+    (including Lightning's SIGTERM handling) skip the barrier and block until written, because
+    the process is about to end (not with sharded strategies: that would need every rank).
 
     Args:
         dirpath: folder for checkpoints (default: ``<trainer.default_root_dir>/checkpoints``).
