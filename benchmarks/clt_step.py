@@ -7,7 +7,8 @@ synthetic activations; 4096 / 8192 / 16384 / 32768 features per layer. Per featu
   sparsity + pre-activation loss, backward, fused AdamW.
 * ``ours_sparse``: the same with the sparse decode (``ops.sparse_decode``: Triton on CUDA).
 * ``module``: the real ``CLTModule`` in a Lightning ``Trainer`` (bf16-mixed) with the gpt2-small config's
-  loss terms (tanh sparsity, pre-activation, AuxK, dead-feature tracking, train metrics).
+  loss terms (tanh sparsity, pre-activation, AuxK active from the second step, dead-feature tracking, train
+  metrics).
 * ``select_ours`` / ``select_torch_topk`` / ``select_global_topk``: the BatchTopK selection alone on the bf16
   pre-activations ``[12 * 4096 * F]`` (ours = ``ops.topk.batch_topk_rows``; ``torch.topk`` of k*tokens; the
   strategies helper's ``global_batch_topk`` with ``group=None``).
@@ -124,8 +125,8 @@ def module_step(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[st
 
     cfg = CLTConfig(n_layers=args.layers, d_model=args.d_model, n_features=nf, activation="batchtopk_global", k=args.k)
     with torch.device(dev):
-        module = CLTModule(cfg, sparsity_coef=1e-4, preact_coef=PREACT, aux_coef=0.03, aux_k=64,
-                           dead_tokens=10**7, decode=args.module_decode, eval_replacement=False)
+        module = CLTModule(cfg, sparsity_coef=1e-4, preact_coef=PREACT, aux_coef=0.03, aux_k=16,
+                           dead_tokens=args.tokens, decode=args.module_decode, eval_replacement=False)
     x, y = synthetic(args.tokens, args.layers, args.d_model, dev)
 
     class Repeat(IterableDataset):

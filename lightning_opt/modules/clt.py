@@ -230,8 +230,8 @@ class CLTModule(TrainingModule):
         x, y = batch[0], batch[1]
         n = x.shape[0]
         clt = self.model
-        probe = clt.config.activation in ("topk", "batchtopk", "batchtopk_global") and clt.topk_group is None
-        out = clt(x, dense=not self._use_sparse(probe))
+        has_indices = clt.config.activation in ("topk", "batchtopk", "batchtopk_global") and clt.topk_group is None
+        out = clt(x, dense=not self._use_sparse(has_indices))
         yn = clt.normalize_targets(y.float())
         if clt.d_out_slice is not None:
             yn = yn[..., clt.d_out_slice[0] : clt.d_out_slice[1]]
@@ -253,7 +253,9 @@ class CLTModule(TrainingModule):
             logs["train/preact"] = pa.detach()
         fired = self._fired(out, n)
         dead = self.tokens_since_fired >= self.dead_tokens
-        if self.aux_coef > 0:
+        # No feature can be dead before dead_tokens tokens have passed (tokens_seen counts all ranks, so it is
+        # at least this rank's count): skip AuxK's extra decode until then, without a host sync.
+        if self.aux_coef > 0 and self.tokens_seen >= self.dead_tokens:
             aux = auxk_loss(clt, out.pre, (yn - out.recon).detach(), dead, self.aux_k)
             loss = loss + self.aux_coef * aux
             logs["train/auxk"] = aux.detach()
