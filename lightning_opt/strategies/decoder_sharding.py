@@ -383,7 +383,7 @@ class DecoderShardingStrategy(DDPStrategy):
 
     def data_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel ranks holding the same columns, without gradient (batch statistics)."""
-        out = t.detach().clone()
+        out = t.detach().to(self.root_device, copy=True)  # NCCL needs device tensors
         if self.dp_size > 1:
             dist.all_reduce(out, group=self._data_group)
         return out

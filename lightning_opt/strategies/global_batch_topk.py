@@ -76,7 +76,7 @@ class GlobalBatchTopKStrategy(DDPStrategy):
 
     def data_sum(self, t: torch.Tensor) -> torch.Tensor:
         """All-reduce sum over the data-parallel ranks, without gradient (for batch statistics)."""
-        out = t.detach().clone()
+        out = t.detach().to(self.root_device, copy=True)  # NCCL needs device tensors
         dist.all_reduce(out, group=self.topk_group)
         return out
 

@@ -77,7 +77,7 @@ class TinyCLTModule(pl.LightningModule):
             y = y[..., start:stop]
         strategy = self.trainer.strategy
         if self.loss_kind == "fvu" and hasattr(strategy, "loss_sum"):
-            n = strategy.data_sum(torch.tensor(float(x.shape[0])))
+            n = strategy.data_sum(y.new_tensor(float(x.shape[0])))
             mean = strategy.data_sum(y.sum(0)) / n
             sst = strategy.loss_sum(((y - mean) ** 2).sum().detach())
             loss = strategy.loss_sum(((y - out.recon) ** 2).sum()) / sst
