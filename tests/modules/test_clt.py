@@ -110,3 +110,28 @@ def test_replacement_with_exact_outputs_has_zero_kl(gpt: GPT) -> None:
     assert float(kl) == pytest.approx(0.0, abs=1e-5) and float(agree) == 1.0
     kl2, _ = replacement_kl(gpt, tokens, 3 * torch.randn_like(y))
     assert float(kl2) > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpt2_small_clt_fits_one_80gb_gpu(tmp_path) -> None:
+    # recipes/configs/clt_gpt2_small.yaml's model: 12 x 768, 32768 features, global BatchTopK k=200, 4096 tokens
+    cfg = CLTConfig(n_layers=12, d_model=768, n_features=32768, activation="batchtopk_global", k=200,
+                    normalization="mean_std")
+    with torch.device("cuda"):
+        module = CLTModule(cfg, sparsity_coef=1e-4, preact_coef=3e-6, aux_coef=0.03, aux_k=16, dead_tokens=4096,
+                           eval_replacement=False)
+        x, y = torch.randn(4096, 12, 768), torch.randn(4096, 12, 768)
+
+    class Repeat(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            while True:
+                yield x, y
+
+    torch.cuda.reset_peak_memory_stats()
+    trainer = L.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
+                        default_root_dir=tmp_path)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(Repeat(), batch_size=None))
+    assert torch.cuda.max_memory_allocated() < 78e9
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
