@@ -29,7 +29,8 @@ class GPT2SpeedrunModule(TrainingModule):
         schedule: learning-rate schedule; its length follows ``Trainer(max_steps=...)``.
         compile: wrap the model in ``torch.compile``.
 
-    Logged keys: ``train/loss``, ``val/loss``, ``val/ppl``, ``tokens_seen``, ``lr/group{i}``.
+    Logged keys: ``train/loss``, ``val/loss``, ``val/ppl``, ``tokens_seen``, ``lr/group{i}`` (the last two on
+    the steps the logger writes, ``Trainer(log_every_n_steps=...)``: logging a Python number syncs the GPU).
     Exposes ``flops_per_batch`` (Lightning's convention) once the first batch is seen.
     """
 
@@ -89,9 +90,16 @@ class GPT2SpeedrunModule(TrainingModule):
         loss = self.compute_loss(x, y)
         self.count_tokens(x.numel())
         self.log("train/loss", loss, on_step=True, prog_bar=True)
-        self.log("tokens_seen", float(self.tokens_seen), on_step=True, on_epoch=False)
-        self.log_lrs()
+        if self._logs_this_step():
+            # self.log turns Python numbers into device tensors with a blocking copy, which stalls the
+            # GPU pipeline: log them only on the steps the logger writes
+            self.log("tokens_seen", float(self.tokens_seen), on_step=True, on_epoch=False)
+            self.log_lrs()
         return loss
+
+    def _logs_this_step(self) -> bool:
+        connector = getattr(self._trainer, "_logger_connector", None) if self._trainer is not None else None
+        return bool(getattr(connector, "should_update_logs", True))
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch

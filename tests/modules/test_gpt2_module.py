@@ -82,3 +82,22 @@ def test_checkpoint_from_other_model_is_rejected(tmp_path):
                          enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False)
     with pytest.raises(ValueError, match=r"another model: .*n_layer=2 vs 3"):
         trainer2.fit(other, _loader(), ckpt_path=ckpt)
+
+
+def test_number_logs_only_on_logger_steps(tmp_path):
+    """tokens_seen / lr are Python numbers (a device copy per self.log): logged only when the logger writes."""
+    calls: list[int] = []
+
+    class Spy(GPT2SpeedrunModule):
+        def log_lrs(self) -> None:
+            calls.append(self.trainer.global_step)
+            super().log_lrs()
+
+    module = Spy(CFG, OptimConfig(lr=3e-3))
+    trainer = L.Trainer(max_steps=12, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                        log_every_n_steps=5, accumulate_grad_batches=2)
+    trainer.fit(module, _loader(n=256))
+    # steps 4 and 9 (0-based) are logger steps: both micro-batches of each log
+    assert calls == [4, 4, 9, 9]
+    assert "lr/group0" in trainer.callback_metrics and "tokens_seen" in trainer.callback_metrics
