@@ -77,7 +77,12 @@ def _normalise(
 def _torch_decode(
     indices: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor
 ) -> torch.Tensor:
-    # embedding_bag wants a float dtype shared by weight and per_sample_weights.
+    # embedding_bag wants a float dtype shared by weight and per_sample_weights; its CUDA backward for
+    # per_sample_weights has no bf16/fp16 kernel, so half-precision inputs run in float32 there.
+    if weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16):
+        out = F.embedding_bag(indices, weight.float(), offsets.to(indices.dtype), mode="sum",
+                              per_sample_weights=values.float())
+        return out.to(weight.dtype)
     return F.embedding_bag(
         indices, weight, offsets.to(indices.dtype), mode="sum", per_sample_weights=values.to(weight.dtype)
     )
