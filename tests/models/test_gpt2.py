@@ -178,3 +178,21 @@ def test_chunked_fp8_loss_trains():
     assert abs(a.item() - b.item()) / a.item() < 0.03
     b.backward()
     assert fp8.lm_head.weight.grad is not None and torch.isfinite(fp8.lm_head.weight.grad).all()
+
+
+@pytest.mark.parametrize("loss_impl", ["torch", "chunked"])
+def test_speedrun_model_traces_without_graph_breaks(loss_impl):
+    """torch.compile sees one graph: no import probes, .item() or data-dependent shapes in forward + loss."""
+    import torch._dynamo
+
+    cfg = GPTConfig(**{**BASE, "n_layer": 2}, vocab_multiple=128, pos_emb="rope", norm="rmsnorm", bias=False,
+                    qk_norm=True, mlp="relu2", tie_embeddings=False, zero_init_proj=True, logit_softcap=30.0,
+                    n_value_embeds=1, unet_skips=True, loss_impl=loss_impl, loss_chunk_size=16)
+    model = GPT(cfg)
+    x = torch.randint(0, 300, (2, 16))
+    try:
+        explained = torch._dynamo.explain(model)(x, x.roll(-1, 1))
+    finally:
+        torch._dynamo.reset()
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
