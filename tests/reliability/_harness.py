@@ -101,6 +101,8 @@ class TinyLM(pl.LightningModule):
             (every rank when ``None``); a dict ``{rank: {batch_idx: kind}}`` for per-rank faults.
         loss_log: file that gets one ``"<global_step> <loss.hex()>"`` line per training step.
         step_sleep: seconds to sleep in each step (to give a signal time to land mid-run).
+        ballast: floats of an unused buffer that make each checkpoint that much bigger, so that a
+            random kill often lands inside a real write (left out of :func:`state`).
     """
 
     def __init__(
@@ -113,9 +115,12 @@ class TinyLM(pl.LightningModule):
         loss_log: str | None = None,
         step_sleep: float = 0.0,
         seed: int = 0,
+        ballast: int = 0,
     ) -> None:
         super().__init__()
         torch.manual_seed(seed)
+        if ballast:
+            self.register_buffer("ballast", torch.zeros(ballast))
         self.emb = nn.Embedding(VOCAB, dim)
         self.drop = nn.Dropout(dropout)
         self.head = nn.Linear(dim, VOCAB)
@@ -199,7 +204,7 @@ def state(module: pl.LightningModule, trainer: pl.Trainer) -> dict[str, Any]:
     opt = trainer.optimizers[0]
     sched = trainer.lr_scheduler_configs[0].scheduler
     return {
-        "params": {k: v.detach().clone() for k, v in module.state_dict().items()},
+        "params": {k: v.detach().clone() for k, v in module.state_dict().items() if k != "ballast"},
         "opt": {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
                 for i, s in opt.state_dict()["state"].items()},
         "sched_epoch": sched.last_epoch,
@@ -290,7 +295,7 @@ def ckpt_run(spec: dict[str, Any]) -> None:
         ac._point_last = slow_link
 
     dm = TokenShardDataModule(spec["shard"], None, seq_len=SEQ_LEN, batch_size=BATCH, shuffle=True, seed=3)
-    model = TinyLM(loss_log=spec["loss_log"], step_sleep=spec.get("step_sleep", 0.0))
+    model = TinyLM(loss_log=spec["loss_log"], step_sleep=spec.get("step_sleep", 0.0), ballast=spec.get("ballast", 0))
     ckpt = ac.AsyncCheckpoint(
         dirpath=spec["ckdir"], every_n_steps=spec.get("every_n_steps", 3), keep_last_k=spec.get("keep_last_k", 2),
         save_on_train_end=spec.get("save_on_train_end", True),

@@ -61,8 +61,10 @@ def _spec(root: Path, shard: Path, name: str, **kw: Any) -> dict[str, Any]:
     return spec
 
 
-def _audit_and_resume(root: Path, reference: dict[str, Any], killed_after: int) -> tuple[bool, bool, bool, str]:
-    """After a kill: (survived, data lost, hang, note)."""
+def _audit_and_resume(
+    root: Path, reference: dict[str, Any], killed_after: int, **spec_kw: Any
+) -> tuple[bool, bool, bool, str]:
+    """After a kill: (survived, data lost, hang, note). ``spec_kw`` must repeat the model's settings."""
     ckdir = root / "ck"
     files = step_files(ckdir) if ckdir.exists() else []
     broken = [p.name for _, p in files if loads(p) is None]
@@ -78,7 +80,7 @@ def _audit_and_resume(root: Path, reference: dict[str, Any], killed_after: int) 
     start_step = loads(resume_from)["global_step"] if resume_from else 0
     if start_step > killed_after + 1:
         return False, True, False, f"checkpoint at step {start_step} is newer than the run ({killed_after})"
-    spec = _spec(root, reference["shard"], "resumed", ckpt_path=str(resume_from) if resume_from else None)
+    spec = _spec(root, reference["shard"], "resumed", ckpt_path=str(resume_from) if resume_from else None, **spec_kw)
     proc = start(ckpt_run, spec)
     if not join_or_kill(proc, CHILD_TIMEOUT):
         return False, False, True, "resumed run hung"
@@ -95,9 +97,11 @@ def _audit_and_resume(root: Path, reference: dict[str, Any], killed_after: int) 
     return True, False, False, ""
 
 
-def _kill_trial(tmp_path: Path, reference: dict[str, Any], rng: random.Random, i: int) -> tuple[bool, bool, bool, str]:
+def _kill_trial(
+    tmp_path: Path, reference: dict[str, Any], rng: random.Random, i: int, ballast: int = 0
+) -> tuple[bool, bool, bool, str]:
     root = tmp_path / f"t{i}"
-    spec = _spec(root, reference["shard"], "first", out=None, step_sleep=0.005)
+    spec = _spec(root, reference["shard"], "first", out=None, step_sleep=0.005, ballast=ballast)
     log = Path(spec["loss_log"])
     at = rng.randint(1, MAX_STEPS - 2)
     proc = start(ckpt_run, spec)
@@ -105,19 +109,25 @@ def _kill_trial(tmp_path: Path, reference: dict[str, Any], rng: random.Random, i
         kill9(proc)
         return False, False, proc.exitcode is None, f"child never reached step {at}"
     time.sleep(rng.uniform(0, 0.02))  # somewhere inside the step, the save, or the write
+    os.kill(proc.pid, signal.SIGKILL)
+    in_write = (root / "ck" / ".writing" / "archive.tmp").exists()
     kill9(proc)
-    return _audit_and_resume(root, reference, max(read_losses(log), default=0))
+    ok, lost, hang, note = _audit_and_resume(root, reference, max(read_losses(log), default=0), ballast=ballast)
+    return ok, lost, hang, note or ("killed inside a write" if in_write else "")
 
 
-def _run_kills(fault, tmp_path, reference, trials: int, seed: int) -> None:
-    fault("kill -9 at a random moment", "SIGKILL at a random time during training with AsyncCheckpoint")
+def _run_kills(fault, tmp_path, reference, trials: int, seed: int, ballast: int = 0) -> None:
+    what = f" (+{4 * ballast >> 20} MiB per checkpoint)" if ballast else ""
+    fault("kill -9 at a random moment", f"SIGKILL at a random time during training with AsyncCheckpoint{what}")
     rng = random.Random(seed)
-    notes = []
+    notes, in_write = [], 0
     for i in range(trials):
-        ok, lost, hang, note = _kill_trial(tmp_path, reference, rng, i)
-        fault.trial(ok, data_lost=lost, hang=hang, note=note)
+        ok, lost, hang, note = _kill_trial(tmp_path, reference, rng, i, ballast)
+        in_write += note == "killed inside a write"
+        fault.trial(ok, data_lost=lost, hang=hang, note=note if not ok else "")
         if not ok:
             notes.append(note)
+    fault.notes.append(f"{in_write} of {trials} kills landed inside a checkpoint write")
     assert not notes, notes
 
 
@@ -128,6 +138,12 @@ def test_kill9_at_random_moments(fault, tmp_path, reference):
 @pytest.mark.slow
 def test_kill9_at_random_moments_long(fault, tmp_path, reference):
     _run_kills(fault, tmp_path, reference, trials=24, seed=1)
+
+
+@pytest.mark.slow
+def test_kill9_at_random_moments_big_checkpoints_long(fault, tmp_path, reference):
+    """8 MiB checkpoints: the write takes long enough that many random kills land inside it."""
+    _run_kills(fault, tmp_path, reference, trials=12, seed=2, ballast=2 << 20)
 
 
 def _run_midwrite(fault, tmp_path, reference, trials: int, seed: int) -> None:
