@@ -35,7 +35,9 @@ def write_notebook(name: str, cells: list[tuple[str, str]]) -> Path:
         cell.id = f"{name[:2]}-{i:02d}"
         nb.cells.append(cell)
     nbformat.validate(nb)
-    path = NOTEBOOKS / f"{name}.ipynb"
+    # ``--out DIR`` writes elsewhere (tests/test_notebook_sources.py compares with the committed notebook)
+    out = Path(sys.argv[sys.argv.index("--out") + 1]) if "--out" in sys.argv else NOTEBOOKS
+    path = out / f"{name}.ipynb"
     path.write_text(nbformat.writes(nb) + "\n")
     if "--quiet" not in sys.argv:
         print(f"wrote {path}")

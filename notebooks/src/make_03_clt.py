@@ -93,6 +93,7 @@ CELLS = [
     for k in ("val/fvu", "val/explained_variance", "val/l0", "val/dead_fraction", "val/kl", "val/next_token_agreement"):
         if k in final:
             print(f"{k:26s} {final[k]:.4f}")
+    assert final["val/fvu"] < 1.0, "the CLT should explain part of the MLP outputs' variance"
     """),
     ("md", """
     ## 3 · FVU and L0 per layer, and the training curve

@@ -104,6 +104,8 @@ CELLS = [
     converged = m["mmcs"] > 0.99 and abs(m["ml2r"] - 1) < 0.1
     print("converged (MMCS > 0.99, |ML2R - 1| < 0.1):", converged,
           "" if converged or STEPS >= FULL else f"- expected after {STEPS} steps; run with NB_STEPS unset for {FULL}")
+    if STEPS >= FULL:
+        assert converged, "the full run should reproduce the paper's TMS 5-2 result"
     """),
     ("md", """
     ## 3 · Subcomponents against the feature directions
