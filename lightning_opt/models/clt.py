@@ -423,14 +423,20 @@ class CLT(nn.Module):
             pres.append(pre)
         if counts is None:
             raise ValueError("calibrate_jumprelu_thresholds needs at least one batch")
-        allpre = torch.cat(pres, dim=1)  # [L, N_total, F]
-        srt = torch.sort(allpre, dim=1, descending=True).values
-        total = srt.shape[1]
-        pos = (counts - 1).clamp_min(0)[:, None, :]
-        last_kept = srt.gather(1, pos).squeeze(1)
-        first_dropped = srt.gather(1, counts.clamp_max(total - 1)[:, None, :]).squeeze(1)
-        # JumpReLU keeps pre > threshold: cut halfway between the c-th and the (c+1)-th largest
-        th = torch.where(counts < total, 0.5 * (last_kept + first_dropped), last_kept - 1e-6)
+        allpre = torch.cat(pres, dim=1)  # [L, N_total, F]; keep calibration to a few thousand tokens
+        del pres
+        total = allpre.shape[1]
+        th = torch.empty_like(counts, dtype=allpre.dtype)
+        # Feature chunks bound the memory of the partial sort (the c-th and (c+1)-th largest suffice).
+        chunk = max(1, (1 << 26) // max(1, allpre.shape[0] * total))
+        for f0 in range(0, allpre.shape[2], chunk):
+            c = counts[:, f0 : f0 + chunk]
+            depth = min(total, int(c.max()) + 1)  # host sync: calibration only
+            top = torch.topk(allpre[:, :, f0 : f0 + chunk], depth, dim=1).values  # descending
+            last_kept = top.gather(1, (c - 1).clamp(0, depth - 1)[:, None, :]).squeeze(1)
+            first_dropped = top.gather(1, c.clamp_max(depth - 1)[:, None, :]).squeeze(1)
+            # JumpReLU keeps pre > threshold: cut halfway between the c-th and the (c+1)-th largest
+            th[:, f0 : f0 + chunk] = torch.where(c < total, 0.5 * (last_kept + first_dropped), last_kept - 1e-6)
         return torch.where(counts > 0, th, cutoff).clamp_min(1e-6)
 
     @torch.no_grad()
