@@ -38,6 +38,8 @@ def _single_trial(tmp_path, seed: int, kinds: tuple[str, ...], mode: str = "devi
     """A run with faults at random batches vs a run without the optimizer steps those batches belong to."""
     rng = random.Random(seed)
     faults = _random_faults(rng, STEPS, kinds)
+    if seed % 2 == 0:  # the first step too: the optimizer has no state yet (NaNSkip's host path)
+        faults.setdefault(0, rng.choice(kinds))
     bad_steps = {b // accumulate for b in faults}
     batches = random_batches(STEPS, seed)
     skip = NaNSkip(mode=mode, max_consecutive_skips=None)
@@ -138,7 +140,8 @@ def _ddp_trials(seeds: range) -> list[dict]:
             per_rank[rng.randint(0, 1)][s] = k
         both_step = rng.choice([s for s in range(STEPS) if s not in one])
         per_rank[0][both_step], per_rank[1][both_step] = "nan_loss", "inf_grad"
-        trials.append({"steps": STEPS, "faults": per_rank, "mode": rng.choice(["device", "host"])})
+        trials.append({"steps": STEPS, "faults": per_rank, "mode": rng.choice(["device", "host"]),
+                       "fused": seed > 0 and rng.random() < 0.5})
     return trials
 
 
