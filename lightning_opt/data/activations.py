@@ -379,7 +379,7 @@ def load_target_model(target: str | nn.Module, cache_dir: str | os.PathLike | No
 
     Args:
         target: an ``nn.Module``; ``"demo"`` (a tiny byte-level GPT trained on the offline corpus once and
-            cached); ``"hf:<name>"`` (a ``transformers`` GPT-2, needs the ``hf`` extra); or the path of a
+            cached); ``"gpt2-random"`` (GPT-2 small's shape, random weights); ``"hf:<name>"`` (a ``transformers`` GPT-2, needs the ``hf`` extra); or the path of a
             ``GPT`` checkpoint (a Lightning checkpoint of ``GPT2SpeedrunModule`` or a ``{"config", "model"}``
             file written by :func:`train_demo_target`).
     """
@@ -387,6 +387,12 @@ def load_target_model(target: str | nn.Module, cache_dir: str | os.PathLike | No
         return target
     if target == "demo":
         return train_demo_target(cache_dir=cache_dir)
+    if target == "gpt2-random":
+        # GPT-2 small's shape with random weights: end-to-end timing and memory checks without a download
+        from lightning_opt.models.gpt2 import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        return GPT(GPTConfig())
     if target.startswith("hf:"):
         from lightning_opt._optional import require
 

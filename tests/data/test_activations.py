@@ -146,3 +146,12 @@ def test_online_stream_shards_windows_by_data_rank(gpt: GPT, shard: str) -> None
     assert all(torch.equal(a[0], b[0]) for a, b in zip(mine, full[1::2]))
     with pytest.raises(ValueError, match="rank and world_size"):
         CLTDataModule(target=gpt, rank=2, world_size=2)
+
+
+def test_random_gpt2_target_has_gpt2_small_shape() -> None:
+    from lightning_opt.data.activations import load_target_model
+
+    m = load_target_model("gpt2-random")
+    cap = MLPActivationCapture(m)
+    assert (cap.n_layers, cap.d_model) == (12, 768)
+    cap.remove()
