@@ -151,8 +151,13 @@ def six_callbacks(tmpdir: str) -> list[pl.Callback]:
         NaNSkip(),
         LossClamp(),
         # No save inside the window (checkpoint_stall.py measures saves); no one-off buffer prewarm.
-        AsyncCheckpoint(dirpath=os.path.join(tmpdir, "ck"), every_n_steps=10**9, save_on_train_end=False,
-                        save_on_exception=False, prewarm=False),
+        AsyncCheckpoint(
+            dirpath=os.path.join(tmpdir, "ck"),
+            every_n_steps=10**9,
+            save_on_train_end=False,
+            save_on_exception=False,
+            prewarm=False,
+        ),
         EvalThrottle(every_n_steps=10**9),
         CudaMemoryHygiene(gc_every_n_steps=25),
         SpeedMonitor(log_every_n_steps=10),
@@ -166,7 +171,11 @@ def throughput_monitor() -> list[pl.Callback]:
 
 
 def run_variant(
-    name: str, callbacks: list[pl.Callback], args: argparse.Namespace, tmpdir: str, extra: list[pl.Callback] = ()
+    name: str,
+    callbacks: list[pl.Callback],
+    args: argparse.Namespace,
+    tmpdir: str,
+    extra: list[pl.Callback] = (),
 ) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     cfg = gpt_config(args.smoke)
@@ -175,16 +184,29 @@ def run_variant(
     timer = StepTimer(cuda)
     n = args.warmup + args.steps
     trainer = pl.Trainer(
-        accelerator="gpu" if cuda else "cpu", devices=1, precision="bf16-mixed" if cuda else "32-true",
-        max_steps=n, max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0,
-        logger=pl.loggers.CSVLogger(os.path.join(tmpdir, "logs"), name=name), log_every_n_steps=10,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="gpu" if cuda else "cpu",
+        devices=1,
+        precision="bf16-mixed" if cuda else "32-true",
+        max_steps=n,
+        max_epochs=1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=pl.loggers.CSVLogger(os.path.join(tmpdir, "logs"), name=name),
+        log_every_n_steps=10,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         enable_checkpointing=any(isinstance(c, pl.callbacks.Checkpoint) for c in callbacks),
         callbacks=[*callbacks, *extra, timer],
     )
-    trainer.fit(module, train_dataloaders=RandomTokens(n + 1, args.batch_size, cfg.block_size, cfg.vocab_size))
+    trainer.fit(
+        module, train_dataloaders=RandomTokens(n + 1, args.batch_size, cfg.block_size, cfg.vocab_size)
+    )
     ms = timer.step_ms(args.warmup)
-    out: dict[str, Any] = {"median_step_ms": statistics.median(ms), "mean_step_ms": statistics.fmean(ms), "steps": len(ms)}
+    out: dict[str, Any] = {
+        "median_step_ms": statistics.median(ms),
+        "mean_step_ms": statistics.fmean(ms),
+        "steps": len(ms),
+    }
     speed = next((c for c in callbacks if isinstance(c, SpeedMonitor)), None)
     if speed is not None:
         out["speed_monitor_metrics"] = speed.metrics
@@ -201,7 +223,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=15)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "callbacks_overhead.json"))
+    p.add_argument(
+        "--out",
+        default=os.path.join(
+            os.path.dirname(os.path.abspath(__file__)), "results", "callbacks_overhead.json"
+        ),
+    )
     args = p.parse_args()
     if args.smoke:
         args.steps, args.warmup, args.batch_size, args.rounds = 6, 2, 2, 1
@@ -225,7 +252,9 @@ def main() -> None:
                 try:
                     results[name]["rounds"].append(run_variant(name, make(tmpdir), args, tmpdir))
                 except Exception as err:  # one failing variant must not kill the others
-                    results[name].setdefault("errors", []).append(f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
+                    results[name].setdefault("errors", []).append(
+                        f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
+                    )
         sync_check: dict[str, Any] = {}
         if torch.cuda.is_available():
             # "none" is the control: a sync there comes from Lightning or the model, not from us.
@@ -236,8 +265,11 @@ def main() -> None:
                     sync_check[name] = {"ok": True, "steps_checked": guard.checked}
                 except Exception as err:
                     torch.cuda.set_sync_debug_mode("default")
-                    sync_check[name] = {"ok": False, "error": f"{type(err).__name__}: {err}",
-                                        "trace": traceback.format_exc()[-3000:]}
+                    sync_check[name] = {
+                        "ok": False,
+                        "error": f"{type(err).__name__}: {err}",
+                        "trace": traceback.format_exc()[-3000:],
+                    }
 
     base = None
     for name, r in results.items():
@@ -251,13 +283,21 @@ def main() -> None:
             r["overhead_vs_none"] = r["median_step_ms"] / base - 1
     report = {
         "benchmark": "callbacks_overhead",
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else platform.processor() or "cpu",
         "torch": torch.__version__,
         "lightning": lightning.__version__,
         "command": " ".join([sys.executable, *sys.argv]),
-        "config": {"model": "GPT-2 124M" if not args.smoke else "tiny (smoke)", "batch": f"{args.batch_size}x{gpt_config(args.smoke).block_size}",
-                   "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true", "steps": args.steps,
-                   "warmup": args.warmup, "rounds": args.rounds, "compile": False},
+        "config": {
+            "model": "GPT-2 124M" if not args.smoke else "tiny (smoke)",
+            "batch": f"{args.batch_size}x{gpt_config(args.smoke).block_size}",
+            "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "rounds": args.rounds,
+            "compile": False,
+        },
         "baseline": "none",
         "results": results,
         "no_sync_check": sync_check,
@@ -270,11 +310,15 @@ def main() -> None:
     for name, r in results.items():
         ms = r.get("median_step_ms")
         ov = r.get("overhead_vs_none")
-        print(f"{name:32s} {ms if ms is None else f'{ms:15.2f}':>15} {'' if ov is None else f'{ov * 100:+9.2f}%':>10}"
-              + ("  ERROR" if r.get("errors") else ""))
+        print(
+            f"{name:32s} {ms if ms is None else f'{ms:15.2f}':>15} {'' if ov is None else f'{ov * 100:+9.2f}%':>10}"
+            + ("  ERROR" if r.get("errors") else "")
+        )
     for name, r in sync_check.items():
-        print(f"no-sync check, {name} (set_sync_debug_mode('error') inside non-log steps): "
-              f"{'ok' if r['ok'] else 'FAILED ' + r['error'][:200]}")
+        print(
+            f"no-sync check, {name} (set_sync_debug_mode('error') inside non-log steps): "
+            f"{'ok' if r['ok'] else 'FAILED ' + r['error'][:200]}"
+        )
     print(f"wrote {args.out}")
 
 

@@ -102,20 +102,38 @@ def run(variant: str, args: argparse.Namespace, outdir: str) -> dict[str, Any]:
         saver = SaveAt(args.save_at, path)
     elif variant in ("ours", "ours_overlap_copy"):
         # No periodic trigger: one save at --save-at, like the other variants.
-        ours = AsyncCheckpoint(dirpath=os.path.join(outdir, "ours"), every_n_steps=None, keep_last_k=None,
-                               save_last=False, save_on_train_end=False, save_on_exception=False,
-                               overlap_copy=variant == "ours_overlap_copy")
+        ours = AsyncCheckpoint(
+            dirpath=os.path.join(outdir, "ours"),
+            every_n_steps=None,
+            keep_last_k=None,
+            save_last=False,
+            save_on_train_end=False,
+            save_on_exception=False,
+            overlap_copy=variant == "ours_overlap_copy",
+        )
         callbacks.append(ours)
         saver = SaveAt(args.save_at, path, ours=ours)
     if saver is not None:
         callbacks.append(saver)
     trainer = pl.Trainer(
-        accelerator="gpu" if cuda else "cpu", devices=1, precision="bf16-mixed" if cuda else "32-true",
-        max_steps=args.steps, max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=ours is not None,
-        callbacks=[*callbacks, window], plugins=plugins,
+        accelerator="gpu" if cuda else "cpu",
+        devices=1,
+        precision="bf16-mixed" if cuda else "32-true",
+        max_steps=args.steps,
+        max_epochs=1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=ours is not None,
+        callbacks=[*callbacks, window],
+        plugins=plugins,
     )
-    trainer.fit(module, train_dataloaders=RandomTokens(args.steps + 1, args.batch_size, cfg.block_size, cfg.vocab_size))
+    trainer.fit(
+        module,
+        train_dataloaders=RandomTokens(args.steps + 1, args.batch_size, cfg.block_size, cfg.vocab_size),
+    )
     # The write must be finished for the save to count as done; waiting here is part of its cost.
     if ours is not None:
         ours.wait()
@@ -149,7 +167,10 @@ def main() -> None:
     p.add_argument("--save-at", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "checkpoint_stall.json"))
+    p.add_argument(
+        "--out",
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "checkpoint_stall.json"),
+    )
     args = p.parse_args()
     if args.smoke:
         args.steps, args.warmup, args.save_at, args.batch_size = 10, 2, 4, 2
@@ -176,7 +197,11 @@ def main() -> None:
     base = min(r["window_s"] for r in base_runs) if base_runs else None
     base_peak = min(r.get("extra_peak_gpu_bytes_during_save", 0) for r in base_runs) if base_runs else 0
     for variant, runs in raw.items():
-        r = dict(runs[0]) if variant != "none" else {"window_s_runs": [x["window_s"] for x in runs], "window_s": base}
+        r = (
+            dict(runs[0])
+            if variant != "none"
+            else {"window_s_runs": [x["window_s"] for x in runs], "window_s": base}
+        )
         if base is not None and variant != "none":
             r["time_lost_s"] = r["window_s"] - base
             if "extra_peak_gpu_bytes_during_save" in r:
@@ -196,29 +221,44 @@ def main() -> None:
             ratios[f"{name}_file_over_sync_file"] = ours["file_bytes"] / sync["file_bytes"]
     report = {
         "benchmark": "checkpoint_stall",
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else platform.processor() or "cpu",
         "torch": torch.__version__,
         "lightning": lightning.__version__,
         "command": " ".join([sys.executable, *sys.argv]),
-        "config": {"model": "GPT-2 124M" if not args.smoke else "tiny (smoke)", "batch_size": args.batch_size,
-                   "steps": args.steps, "warmup": args.warmup, "save_at": args.save_at,
-                   "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true"},
+        "config": {
+            "model": "GPT-2 124M" if not args.smoke else "tiny (smoke)",
+            "batch_size": args.batch_size,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "save_at": args.save_at,
+            "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
+        },
         "baseline": "none (same steps, no save; best of two runs)",
         "results": results,
         "ratios": ratios,
         "errors": errors,
-        "targets": {"ours_over_lightning_async_io": "<= 0.5", "ours_over_sync": "<= 0.05", "extra_gpu_bytes": "0",
-                    "ours_file_over_sync_file": "<= 1.0"},
+        "targets": {
+            "ours_over_lightning_async_io": "<= 0.5",
+            "ours_over_sync": "<= 0.05",
+            "extra_gpu_bytes": "0",
+            "ours_file_over_sync_file": "<= 1.0",
+        },
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2, default=str)
     print(f"\n{'variant':22s} {'lost s':>9s} {'loop stall s':>13s} {'extra GPU MB':>13s} {'file MB':>9s}")
     for variant, r in results.items():
+
         def fmt(v: Any, scale: float = 1.0, spec: str = "9.3f") -> str:
             return "-" if v is None else format(v / scale, spec)
-        print(f"{variant:22s} {fmt(r.get('time_lost_s')):>9s} {fmt(r.get('loop_stall_s'), spec='13.3f'):>13s} "
-              f"{fmt(r.get('extra_gpu_bytes'), 2**20, '13.1f'):>13s} {fmt(r.get('file_bytes'), 2**20, '9.1f'):>9s}")
+
+        print(
+            f"{variant:22s} {fmt(r.get('time_lost_s')):>9s} {fmt(r.get('loop_stall_s'), spec='13.3f'):>13s} "
+            f"{fmt(r.get('extra_gpu_bytes'), 2**20, '13.1f'):>13s} {fmt(r.get('file_bytes'), 2**20, '9.1f'):>9s}"
+        )
     for k, v in ratios.items():
         print(f"{k}: {v:.3f}")
     for k, v in errors.items():

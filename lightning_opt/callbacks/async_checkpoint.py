@@ -91,7 +91,9 @@ class _Staging:
             elif isinstance(obj, (list, tuple)):
                 stack.extend(obj)
 
-    def stage(self, checkpoint: Any, side: torch.cuda.Stream | None = None, side_keys: set | None = None) -> Any:
+    def stage(
+        self, checkpoint: Any, side: torch.cuda.Stream | None = None, side_keys: set | None = None
+    ) -> Any:
         """Copies ``checkpoint``'s tensors into host buffers; returns the same structure on them.
 
         With ``side``, storages in ``side_keys`` (params and optimizer state) are copied on that
@@ -177,15 +179,18 @@ class _Capture(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         self.owner._submit(checkpoint, str(path))
 
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any = None, weights_only: Any = None
+    ) -> dict[str, Any]:
         raise RuntimeError("AsyncCheckpoint's capture IO does not load")
 
     def remove_checkpoint(self, path: Any) -> None:
         raise RuntimeError("AsyncCheckpoint's capture IO does not remove")
 
 
-def _fsync_dir(dirpath: str) -> None:
-    fd = os.open(dirpath, os.O_RDONLY)
+def _fsync(path: str) -> None:
+    """fsync a file or a directory (a directory's fsync makes renames in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -205,16 +210,12 @@ def atomic_torch_save(obj: Any, path: str) -> None:
     tmp = os.path.join(tmpdir, "archive.tmp")
     try:
         torch.save(obj, tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    _fsync_dir(dirpath)
+    _fsync(dirpath)
 
 
 class AsyncCheckpoint(Checkpoint):
@@ -277,8 +278,17 @@ class AsyncCheckpoint(Checkpoint):
         overlap_copy: bool = False,
     ) -> None:
         self.config = AsyncCheckpointConfig(
-            dirpath, every_n_steps, every_minutes, keep_last_k, save_last, save_on_exception, save_on_train_end,
-            decide_every_n_steps, save_rng, prewarm, overlap_copy,
+            dirpath,
+            every_n_steps,
+            every_minutes,
+            keep_last_k,
+            save_last,
+            save_on_exception,
+            save_on_train_end,
+            decide_every_n_steps,
+            save_rng,
+            prewarm,
+            overlap_copy,
         )
         self.dirpath = dirpath
         self.last_saved_step = -1
@@ -463,7 +473,10 @@ class AsyncCheckpoint(Checkpoint):
         meta = self._staging.stage(checkpoint) if trainer.is_global_zero else None
         self.last_path = path
         self._thread = threading.Thread(
-            target=self._finish_sharded, args=(self._dcp_future, meta, tmp, path), name="AsyncCheckpoint", daemon=True
+            target=self._finish_sharded,
+            args=(self._dcp_future, meta, tmp, path),
+            name="AsyncCheckpoint",
+            daemon=True,
         )
         self._thread.start()
 
@@ -475,16 +488,12 @@ class AsyncCheckpoint(Checkpoint):
             # The directory is renamed into place as a whole, so a plain save + fsync is enough here.
             meta_path = os.path.join(tmp, "meta.pt")
             torch.save(meta, meta_path)
-            fd = os.open(meta_path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            _fsync_dir(tmp)
+            _fsync(meta_path)
+            _fsync(tmp)
             if os.path.isdir(path):
                 shutil.rmtree(path)
             os.replace(tmp, path)
-            _fsync_dir(os.path.dirname(path))
+            _fsync(os.path.dirname(path))
             if self.config.save_last:
                 _point_last(path)
             self._prune()
@@ -502,12 +511,15 @@ class AsyncCheckpoint(Checkpoint):
                 if self._side_stream is None:
                     self._side_stream = torch.cuda.Stream(trainer.strategy.root_device)
                 side = self._side_stream
-                keys = _storage_keys([*trainer.lightning_module.parameters(),
-                                      *[o.state for o in trainer.optimizers]])
+                keys = _storage_keys(
+                    [*trainer.lightning_module.parameters(), *[o.state for o in trainer.optimizers]]
+                )
         staged = self._staging.stage(checkpoint, side, keys)
         self._side_pending = side is not None
         self.last_path = path
-        self._thread = threading.Thread(target=self._write, args=(staged, path), name="AsyncCheckpoint", daemon=True)
+        self._thread = threading.Thread(
+            target=self._write, args=(staged, path), name="AsyncCheckpoint", daemon=True
+        )
         self._thread.start()
 
     def _write(self, staged: Any, path: str) -> None:
@@ -559,7 +571,9 @@ def _sharded_model_key(strategy: Any) -> str | None:
     """The key Lightning's sharded save uses for the model, or None for a full-state strategy."""
     names = {cls.__name__ for cls in type(strategy).__mro__}
     if "DeepSpeedStrategy" in names:
-        raise NotImplementedError("AsyncCheckpoint: DeepSpeed saves through its own engine; use ModelCheckpoint.")
+        raise NotImplementedError(
+            "AsyncCheckpoint: DeepSpeed saves through its own engine; use ModelCheckpoint."
+        )
     if "ModelParallelStrategy" in names:
         return "state_dict" if getattr(strategy, "_save_distributed_checkpoint", True) else None
     if "FSDPStrategy" in names:
@@ -589,7 +603,7 @@ def _point_last(path: str) -> None:
         os.remove(tmp)
     os.symlink(os.path.basename(path), tmp)
     os.replace(tmp, os.path.join(dirpath, "last.ckpt"))
-    _fsync_dir(dirpath)
+    _fsync(dirpath)
 
 
 def _get_rng() -> dict[str, Any]:

@@ -35,7 +35,9 @@ class CudaMemoryHygieneConfig:
 
     def __post_init__(self) -> None:
         if self.gc_every_n_steps is not None and self.gc_every_n_steps < 1:
-            raise ValueError(f"CudaMemoryHygiene: gc_every_n_steps={self.gc_every_n_steps}; use >= 1 or None.")
+            raise ValueError(
+                f"CudaMemoryHygiene: gc_every_n_steps={self.gc_every_n_steps}; use >= 1 or None."
+            )
         if self.gc_generation not in (0, 1, 2):
             raise ValueError(f"CudaMemoryHygiene: gc_generation={self.gc_generation}; use 0, 1 or 2.")
         if self.empty_cache not in ("never", "after_validation", "threshold"):
@@ -45,7 +47,9 @@ class CudaMemoryHygieneConfig:
         if self.empty_cache_threshold_gib <= 0:
             raise ValueError("CudaMemoryHygiene: empty_cache_threshold_gib must be > 0.")
         if self.log_every_n_steps is not None and self.log_every_n_steps < 1:
-            raise ValueError(f"CudaMemoryHygiene: log_every_n_steps={self.log_every_n_steps}; use >= 1 or None.")
+            raise ValueError(
+                f"CudaMemoryHygiene: log_every_n_steps={self.log_every_n_steps}; use >= 1 or None."
+            )
 
 
 class CudaMemoryHygiene(Callback):
@@ -96,8 +100,17 @@ class CudaMemoryHygiene(Callback):
         snapshot_dir: str | None = None,
     ) -> None:
         self.config = CudaMemoryHygieneConfig(
-            gc_every_n_steps, gc_generation, freeze_after_setup, disable_automatic_gc, collect_around_eval,
-            empty_cache, empty_cache_threshold_gib, log_every_n_steps, snapshot_on_oom, record_history, snapshot_dir,
+            gc_every_n_steps,
+            gc_generation,
+            freeze_after_setup,
+            disable_automatic_gc,
+            collect_around_eval,
+            empty_cache,
+            empty_cache_threshold_gib,
+            log_every_n_steps,
+            snapshot_on_oom,
+            record_history,
+            snapshot_dir,
         )
         self.collections = 0
         self.cache_empties = 0
@@ -171,7 +184,9 @@ class CudaMemoryHygiene(Callback):
             self.cache_empties += 1
 
     @override
-    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         if self.config.collect_around_eval:
             self._collect()
 
@@ -189,7 +204,9 @@ class CudaMemoryHygiene(Callback):
             return
         folder = self.config.snapshot_dir or trainer.default_root_dir
         os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"oom_snapshot_rank{trainer.global_rank}_step{trainer.global_step}.pickle")
+        path = os.path.join(
+            folder, f"oom_snapshot_rank{trainer.global_rank}_step{trainer.global_step}.pickle"
+        )
         try:
             torch.cuda.memory._dump_snapshot(path)
         except Exception as err:  # never hide the OOM itself behind a snapshot failure

@@ -27,7 +27,9 @@ class EvalThrottleConfig:
     decide_every_n_steps: int = 10
 
     def __post_init__(self) -> None:
-        chosen = [n for n in ("every_n_steps", "every_seconds", "max_fraction") if getattr(self, n) is not None]
+        chosen = [
+            n for n in ("every_n_steps", "every_seconds", "max_fraction") if getattr(self, n) is not None
+        ]
         if len(chosen) != 1:
             raise ValueError(
                 f"EvalThrottle: set exactly one of every_n_steps, every_seconds, max_fraction (got {chosen or 'none'})."
@@ -37,11 +39,17 @@ class EvalThrottleConfig:
         if self.every_seconds is not None and not self.every_seconds > 0:
             raise ValueError(f"EvalThrottle: every_seconds={self.every_seconds}; it must be > 0.")
         if self.max_fraction is not None and not 0 < self.max_fraction < 1:
-            raise ValueError(f"EvalThrottle: max_fraction={self.max_fraction}; use a fraction in (0, 1), e.g. 0.05.")
+            raise ValueError(
+                f"EvalThrottle: max_fraction={self.max_fraction}; use a fraction in (0, 1), e.g. 0.05."
+            )
         if self.max_val_batches is not None and self.max_val_batches < 1:
-            raise ValueError(f"EvalThrottle: max_val_batches={self.max_val_batches}; it must be >= 1 or None.")
+            raise ValueError(
+                f"EvalThrottle: max_val_batches={self.max_val_batches}; it must be >= 1 or None."
+            )
         if self.decide_every_n_steps < 1:
-            raise ValueError(f"EvalThrottle: decide_every_n_steps={self.decide_every_n_steps}; it must be >= 1.")
+            raise ValueError(
+                f"EvalThrottle: decide_every_n_steps={self.decide_every_n_steps}; it must be >= 1."
+            )
 
 
 class EvalThrottle(Callback):
@@ -76,7 +84,12 @@ class EvalThrottle(Callback):
         decide_every_n_steps: int = 10,
     ) -> None:
         self.config = EvalThrottleConfig(
-            every_n_steps, every_seconds, max_fraction, max_val_batches, final_full_validation, decide_every_n_steps
+            every_n_steps,
+            every_seconds,
+            max_fraction,
+            max_val_batches,
+            final_full_validation,
+            decide_every_n_steps,
         )
         self.val_runs = 0
         self.val_seconds = 0.0
@@ -160,7 +173,11 @@ class EvalThrottle(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"val_runs": self.val_runs, "val_seconds": self.val_seconds, "last_val_step": self.last_val_step}
+        return {
+            "val_runs": self.val_runs,
+            "val_seconds": self.val_seconds,
+            "last_val_step": self.last_val_step,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -171,11 +188,17 @@ class EvalThrottle(Callback):
     # -- decisions ------------------------------------------------------------------------------
     @staticmethod
     def _is_final(trainer: Trainer) -> bool:
-        if trainer.max_steps is not None and trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
+        if (
+            trainer.max_steps is not None
+            and trainer.max_steps != -1
+            and trainer.global_step >= trainer.max_steps
+        ):
             return True
         max_epochs = trainer.max_epochs
         return bool(
-            trainer.is_last_batch and max_epochs is not None and max_epochs != -1
+            trainer.is_last_batch
+            and max_epochs is not None
+            and max_epochs != -1
             and trainer.current_epoch >= max_epochs - 1
         )
 
@@ -209,8 +232,10 @@ class EvalThrottle(Callback):
         if not counts:
             return
         loaders = trainer.val_dataloaders
-        flat = list(loaders.values()) if isinstance(loaders, dict) else (
-            list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+        flat = (
+            list(loaders.values())
+            if isinstance(loaders, dict)
+            else (list(loaders) if isinstance(loaders, (list, tuple)) else [loaders])
         )
         for i, dl in enumerate(flat[: len(counts)]):
             try:
@@ -219,8 +244,10 @@ class EvalThrottle(Callback):
                 length = math.inf
             if full:
                 limit = self._orig_limit if self._orig_limit is not None else 1.0
-                counts[i] = min(length, limit) if isinstance(limit, int) else (
-                    length if math.isinf(length) else int(length * limit)
+                counts[i] = (
+                    min(length, limit)
+                    if isinstance(limit, int)
+                    else (length if math.isinf(length) else int(length * limit))
                 )
             else:
                 counts[i] = min(length, self.config.max_val_batches)

@@ -57,7 +57,9 @@ class LossClamp(Callback):
         trainer = Trainer(callbacks=[LossClamp(max=20.0)])
     """
 
-    def __init__(self, min: float = 0.0, max: float = 20.0, gradient: Literal["zero", "scale"] = "zero") -> None:
+    def __init__(
+        self, min: float = 0.0, max: float = 20.0, gradient: Literal["zero", "scale"] = "zero"
+    ) -> None:
         self.config = LossClampConfig(min, max, gradient)
         self._count: torch.Tensor | None = None  # clamped backward calls this run, on device
         self._base = 0  # clamps from earlier runs (restored state)

@@ -269,7 +269,13 @@ class NaNSkip(Callback):
         recent_window: int = 100,
     ) -> None:
         self.config = NaNSkipConfig(
-            mode, max_consecutive_skips, check_loss, check_grads, spike_zscore, spike_window, spike_warmup,
+            mode,
+            max_consecutive_skips,
+            check_loss,
+            check_grads,
+            spike_zscore,
+            spike_window,
+            spike_warmup,
             recent_window,
         )
         self.skipped_total = 0
@@ -292,7 +298,9 @@ class NaNSkip(Callback):
         self._trainer = trainer
         for opt in trainer.optimizers:
             if isinstance(opt, torch.optim.LBFGS):
-                raise ValueError("NaNSkip: LBFGS re-evaluates its closure inside step(); it is not supported.")
+                raise ValueError(
+                    "NaNSkip: LBFGS re-evaluates its closure inside step(); it is not supported."
+                )
             if getattr(opt.step, _WRAP_TAG, None) is not None:
                 continue
             self._guards.append(_OptimizerGuard(self, opt))
@@ -316,7 +324,9 @@ class NaNSkip(Callback):
         self._scheduler_wraps.append((scheduler, cls))
 
     @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._batch_idx = batch_idx
 
     @override
@@ -355,7 +365,9 @@ class NaNSkip(Callback):
         self.resolve()
 
     @override
-    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         # The checkpoint must hold schedulers as of the last *decided* step: resolve (one read at
         # save time) and refresh what Lightning collected before this hook: the scheduler states
         # and the optimizers' param_groups, whose "lr" the deferred scheduler step just changed.

@@ -25,7 +25,9 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 }
 
 
-def peak_flops_for(device_name: str, precision: str, table: dict[str, dict[str, float]] | None = None) -> float | None:
+def peak_flops_for(
+    device_name: str, precision: str, table: dict[str, dict[str, float]] | None = None
+) -> float | None:
     """Peak FLOP/s of ``device_name`` for a Lightning precision string, or None when unknown."""
     table = table or PEAK_TFLOPS
     name = device_name.lower()
@@ -56,7 +58,11 @@ def _batch_counts(batch: Any) -> tuple[int, int]:
             if item.dim() == 0:
                 continue
             samples = int(item.shape[0])
-            tokens = int(item.shape[0] * item.shape[1]) if item.dim() >= 2 and not item.is_floating_point() else samples
+            tokens = (
+                int(item.shape[0] * item.shape[1])
+                if item.dim() >= 2 and not item.is_floating_point()
+                else samples
+            )
             return samples, tokens
         if isinstance(item, dict):
             stack.extend(item.values())
@@ -115,7 +121,9 @@ class SpeedMonitor(Callback):
         trainer = Trainer(callbacks=[SpeedMonitor()], log_every_n_steps=20)
     """
 
-    def __init__(self, log_every_n_steps: int | None = None, peak_flops: float | None = None, window: int = 50) -> None:
+    def __init__(
+        self, log_every_n_steps: int | None = None, peak_flops: float | None = None, window: int = 50
+    ) -> None:
         self.config = SpeedMonitorConfig(log_every_n_steps, peak_flops, window)
         self.total_samples = 0
         self.total_tokens = 0
@@ -152,7 +160,9 @@ class SpeedMonitor(Callback):
         return event
 
     @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         now = time.perf_counter()
         self._close_checkpoint(now)
         wait = 0.0 if self._t_batch_end is None else now - self._t_batch_end
@@ -201,7 +211,9 @@ class SpeedMonitor(Callback):
         self._t_batch_end = time.perf_counter()  # validation time is not data wait
 
     @override
-    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         self._ckpt_t0 = time.perf_counter()
 
     def _close_checkpoint(self, now: float) -> None:

@@ -28,9 +28,19 @@ class Sharded(TinyModule):
 
 def trainer(root, callbacks, **kw):
     return pl.Trainer(
-        accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-        max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-        limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=callbacks, **kw,
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
+        **kw,
     )
 
 
@@ -42,12 +52,18 @@ def main(root: str) -> None:
     cb = AsyncCheckpoint(dirpath=f"{root}/ck", every_n_steps=2, keep_last_k=1, save_on_train_end=False)
     trainer(f"{root}/b", [cb], max_steps=5).fit(first)
     second = Sharded(batches=batches)
-    t = trainer(f"{root}/c", [AsyncCheckpoint(dirpath=f"{root}/ck2", every_n_steps=100, save_on_train_end=False)])
+    t = trainer(
+        f"{root}/c", [AsyncCheckpoint(dirpath=f"{root}/ck2", every_n_steps=100, save_on_train_end=False)]
+    )
     t.fit(second, ckpt_path=f"{root}/ck/last.ckpt")
     losses = first.losses[:4] + second.losses == full.losses
-    params = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(full.parameters(), second.parameters()))
+    params = all(
+        torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(full.parameters(), second.parameters())
+    )
     names = sorted(n for n in os.listdir(f"{root}/ck") if not n.startswith("."))
-    print(f"RESULT rank={t.global_rank} losses_equal={losses} params_equal={params} names={names}", flush=True)
+    print(
+        f"RESULT rank={t.global_rank} losses_equal={losses} params_equal={params} names={names}", flush=True
+    )
 
 
 if __name__ == "__main__":

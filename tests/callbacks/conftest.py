@@ -14,9 +14,13 @@ from torch import nn
 os.environ.setdefault("PL_DISABLE_FORK", "1")
 
 
-def make_batches(n: int = 8, batch_size: int = 8, dim: int = 16, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_batches(
+    n: int = 8, batch_size: int = 8, dim: int = 16, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch_size, dim, generator=g), torch.randn(batch_size, 1, generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(batch_size, dim, generator=g), torch.randn(batch_size, 1, generator=g)) for _ in range(n)
+    ]
 
 
 class StatefulBatches:
@@ -37,7 +41,11 @@ class StatefulBatches:
         if self.pos >= n:  # the previous epoch ended (Lightning may stop iterating at len())
             self.pos = 0
             self.epoch += 1
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.epoch)) if self.shuffle else range(n)
+        order = (
+            torch.randperm(n, generator=torch.Generator().manual_seed(self.epoch))
+            if self.shuffle
+            else range(n)
+        )
         while self.pos < len(self.batches):
             i = int(order[self.pos])
             self.pos += 1
@@ -169,10 +177,7 @@ def snapshot(module: pl.LightningModule, trainer: pl.Trainer) -> dict[str, Any]:
     opt = trainer.optimizers[0]
     return {
         "params": {k: v.detach().clone() for k, v in module.state_dict().items()},
-        "opt": {
-            i: {k: v.clone() for k, v in s.items()}
-            for i, s in opt.state_dict()["state"].items()
-        },
+        "opt": {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()},
         "sched": trainer.lr_scheduler_configs[0].scheduler.last_epoch,
         "lr": opt.param_groups[0]["lr"],
     }

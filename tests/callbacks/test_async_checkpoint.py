@@ -26,7 +26,9 @@ def _fit(tmp_path, module, cb, **kw):
 
 
 def test_keep_last_k_last_link_and_loadable(tmp_path):
-    cb = AsyncCheckpoint(dirpath=str(tmp_path / "ck"), every_n_steps=2, keep_last_k=2, save_on_train_end=False)
+    cb = AsyncCheckpoint(
+        dirpath=str(tmp_path / "ck"), every_n_steps=2, keep_last_k=2, save_on_train_end=False
+    )
     t = make_trainer(tmp_path, [cb], max_epochs=1)
     t.fit(TinyModule(batches=make_batches(8)))
     names = sorted(n for n in os.listdir(tmp_path / "ck") if not n.startswith("."))
@@ -54,7 +56,10 @@ def test_file_no_larger_than_sync_save_with_tied_weights(tmp_path):
     ours = tmp_path / "ck" / "step=000000003.ckpt"
     assert ours.stat().st_size <= sync.stat().st_size
     loaded = torch.load(ours, weights_only=False)["state_dict"]
-    assert loaded["head.weight"].untyped_storage().data_ptr() == loaded["net.0.weight"].untyped_storage().data_ptr()
+    assert (
+        loaded["head.weight"].untyped_storage().data_ptr()
+        == loaded["net.0.weight"].untyped_storage().data_ptr()
+    )
 
 
 def test_resume_is_bit_exact(tmp_path):
@@ -71,7 +76,9 @@ def test_resume_is_bit_exact(tmp_path):
     _fit(tmp_path / "b", first, cb, max_epochs=2, max_steps=9)  # saves mid-epoch 2, then "crashes"
     torch.manual_seed(1234)  # the resumed run must not depend on the RNG state it starts with
     second = module()
-    t = make_trainer(tmp_path / "c", [AsyncCheckpoint(every_n_steps=100, save_on_train_end=False)], max_epochs=2)
+    t = make_trainer(
+        tmp_path / "c", [AsyncCheckpoint(every_n_steps=100, save_on_train_end=False)], max_epochs=2
+    )
     t.fit(second, ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
     assert len(full.losses) == 12
     assert first.losses[:8] + second.losses == full.losses
@@ -160,10 +167,26 @@ def _spawn_sharded(root: Path) -> list[subprocess.Popen]:
     script = Path(__file__).parent / "_sharded_child.py"
     procs = []
     for rank in range(2):
-        env = dict(os.environ, TORCHELASTIC_RUN_ID="test", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", LOCAL_WORLD_SIZE="2")
-        procs.append(subprocess.Popen([sys.executable, str(script), str(root)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            TORCHELASTIC_RUN_ID="test",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE="2",
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            GROUP_RANK="0",
+            LOCAL_WORLD_SIZE="2",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(root)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -211,8 +234,13 @@ def test_every_minutes(tmp_path):
             time.sleep(0.03)
             return super().training_step(batch, batch_idx)
 
-    cb = AsyncCheckpoint(dirpath=str(tmp_path / "ck"), every_minutes=0.1 / 60, decide_every_n_steps=1,
-                         keep_last_k=None, save_on_train_end=False)
+    cb = AsyncCheckpoint(
+        dirpath=str(tmp_path / "ck"),
+        every_minutes=0.1 / 60,
+        decide_every_n_steps=1,
+        keep_last_k=None,
+        save_on_train_end=False,
+    )
     make_trainer(tmp_path, [cb]).fit(Slow(batches=make_batches(12)))  # ~0.4 s: a save every ~0.1 s
     assert 2 <= cb.saves <= 6, cb.saves
 
@@ -258,7 +286,9 @@ def test_cuda_save_holds_the_state_of_its_step(tmp_path, overlap):
     must capture exactly the state at the save, although training continues right away."""
     dim = 1024  # 8 MB weights + 16 MB of Adam state: the copy is in flight while later steps are queued
     cap = _Capture(step=3)
-    cb = AsyncCheckpoint(dirpath=str(tmp_path / "ck"), every_n_steps=3, save_on_train_end=False, overlap_copy=overlap)
+    cb = AsyncCheckpoint(
+        dirpath=str(tmp_path / "ck"), every_n_steps=3, save_on_train_end=False, overlap_copy=overlap
+    )
     module = TinyModule(batches=make_batches(8, dim=dim), dim=dim, hidden=2048, fused=True)
     trainer = make_trainer(tmp_path, [cap, cb], accelerator="gpu")
     trainer.fit(module)

@@ -53,7 +53,10 @@ def test_conformance(tmp_path, name):
     for run in range(2):  # the same instance survives two fits
         module = TinyModule(batches=make_batches(4), val_batches=3)
         trainer = make_trainer(
-            tmp_path / f"run{run}", [cb], limit_val_batches=3, logger=CSVLogger(tmp_path / f"run{run}"),
+            tmp_path / f"run{run}",
+            [cb],
+            limit_val_batches=3,
+            logger=CSVLogger(tmp_path / f"run{run}"),
             log_every_n_steps=2,
         )
         trainer.fit(module)
@@ -104,7 +107,12 @@ def test_ddp_all_callbacks_nan_on_one_rank(tmp_path):
     ]
     module = TinyModule(batches=make_batches(6), nan_at=(2,), nan_rank=1, val_batches=2)
     trainer = make_trainer(
-        tmp_path, callbacks, strategy="ddp_spawn", devices=2, limit_val_batches=2, use_distributed_sampler=False,
+        tmp_path,
+        callbacks,
+        strategy="ddp_spawn",
+        devices=2,
+        limit_val_batches=2,
+        use_distributed_sampler=False,
     )
     trainer.fit(module)
     names = sorted(n for n in os.listdir(tmp_path / "ck") if n.endswith(".ckpt"))

@@ -36,8 +36,9 @@ def test_every_n_steps_with_cap_and_full_final_validation(tmp_path):
 
 def test_validation_survives_epochs_and_max_steps(tmp_path):
     counter = ValCounter()
-    trainer = make_trainer(tmp_path, [EvalThrottle(every_n_steps=4), counter], limit_val_batches=2, max_epochs=5,
-                           max_steps=9)
+    trainer = make_trainer(
+        tmp_path, [EvalThrottle(every_n_steps=4), counter], limit_val_batches=2, max_epochs=5, max_steps=9
+    )
     trainer.fit(TinyModule(batches=make_batches(3)))
     assert [s for s, _ in counter.runs] == [4, 8, 9]
 

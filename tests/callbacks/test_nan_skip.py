@@ -64,7 +64,9 @@ def test_manual_optimization(tmp_path, mode):
 
 def test_max_consecutive_skips_names_steps_and_batches(tmp_path):
     m = TinyModule(batches=make_batches(8), nan_at=(2, 3, 4))
-    with pytest.raises(RuntimeError, match=r"3 consecutive .*global steps \[2, 3, 4\], batch indices \[2, 3, 4\]"):
+    with pytest.raises(
+        RuntimeError, match=r"3 consecutive .*global steps \[2, 3, 4\], batch indices \[2, 3, 4\]"
+    ):
         _fit(tmp_path, m, [NaNSkip(max_consecutive_skips=3)])
 
 
@@ -102,7 +104,9 @@ def test_config_is_validated():
 def test_optimizer_step_is_unwrapped_after_fit(tmp_path):
     m = TinyModule(batches=make_batches(2))
     t = _fit(tmp_path, m, [NaNSkip()])
-    assert "step" not in t.optimizers[0].__dict__ or not hasattr(t.optimizers[0].step, "_lightning_opt_nan_skip")
+    assert "step" not in t.optimizers[0].__dict__ or not hasattr(
+        t.optimizers[0].step, "_lightning_opt_nan_skip"
+    )
     assert torch.isfinite(next(m.parameters())).all()
 
 
@@ -146,8 +150,12 @@ def test_device_mode_does_not_sync_on_cuda(tmp_path, fused):
     t1 = make_trainer(tmp_path, [skip, Guard()], accelerator="gpu", log_every_n_steps=1000)
     t1.fit(m)
     assert skip.skipped_total == 1
-    ref = TinyModule(batches=[b for i, b in enumerate(batches) if i != 3], fused=fused, capturable=not fused,
-                     record_losses=False)
+    ref = TinyModule(
+        batches=[b for i, b in enumerate(batches) if i != 3],
+        fused=fused,
+        capturable=not fused,
+        record_losses=False,
+    )
     t2 = make_trainer(tmp_path, [], accelerator="gpu")
     t2.fit(ref)
     assert_same(snapshot(m, t1), snapshot(ref, t2))
