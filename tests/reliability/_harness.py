@@ -295,16 +295,28 @@ def ckpt_run(spec: dict[str, Any]) -> None:
         ac._point_last = slow_link
 
     dm = TokenShardDataModule(spec["shard"], None, seq_len=SEQ_LEN, batch_size=BATCH, shuffle=True, seed=3)
-    model = TinyLM(loss_log=spec["loss_log"], step_sleep=spec.get("step_sleep", 0.0), ballast=spec.get("ballast", 0))
+    model = TinyLM(
+        loss_log=spec["loss_log"], step_sleep=spec.get("step_sleep", 0.0), ballast=spec.get("ballast", 0),
+        faults=spec.get("faults"),
+    )
     ckpt = ac.AsyncCheckpoint(
         dirpath=spec["ckdir"], every_n_steps=spec.get("every_n_steps", 3), keep_last_k=spec.get("keep_last_k", 2),
         save_on_train_end=spec.get("save_on_train_end", True),
     )
+    callbacks: list[Any] = [ckpt]
+    if spec.get("faults"):
+        from lightning_opt.callbacks import NaNSkip
+
+        callbacks.append(NaNSkip(max_consecutive_skips=None))
     ddp = {"strategy": "ddp", "devices": 2} if spec.get("ddp") else {}
-    t = trainer(spec["root"], [ckpt], max_steps=spec["max_steps"], max_epochs=-1, **ddp)
+    t = trainer(spec["root"], callbacks, max_steps=spec["max_steps"], max_epochs=-1, **ddp)
     t.fit(model, datamodule=dm, ckpt_path=spec.get("ckpt_path"))
     if spec.get("out"):
-        torch.save(state(model, t), spec["out"])
+        result = state(model, t)
+        if len(callbacks) > 1:
+            callbacks[1].resolve()
+            result["skipped"] = callbacks[1].skipped_total
+        torch.save(result, spec["out"])
 
 
 def start(target: Callable[..., None], *args: Any) -> Any:

@@ -38,16 +38,30 @@ MAX_STEPS = 30  # 3 epochs of 10 steps
 CHILD_TIMEOUT = 60.0
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("reference")
+def _reference(root: Path, **spec_kw: Any) -> dict[str, Any]:
     shard = make_shard(root / "train.bin", 10 * BATCH * SEQ_LEN + 1)
-    spec = _spec(root, shard, "ref")
+    spec = _spec(root, shard, "ref", **spec_kw)
     proc = start(ckpt_run, spec)
     assert join_or_kill(proc, CHILD_TIMEOUT) and proc.exitcode == 0, "the uninterrupted run failed"
     losses = read_losses(Path(spec["loss_log"]))
     assert sorted(losses) == list(range(MAX_STEPS))
-    return {"shard": shard, "losses": losses, "state": torch.load(spec["out"], weights_only=False)}
+    return {"shard": shard, "losses": losses, "state": torch.load(spec["out"], weights_only=False), **spec_kw}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _reference(tmp_path_factory.mktemp("reference"))
+
+
+# NaN / Inf at fixed batch indices of every epoch, skipped by NaNSkip (also in the reference run)
+NAN_FAULTS = {1: "nan_loss", 4: "inf_grad", 5: "nan_grad", 9: "inf_loss"}
+
+
+@pytest.fixture(scope="module")
+def reference_nan(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    ref = _reference(tmp_path_factory.mktemp("reference_nan"), faults=NAN_FAULTS)
+    assert ref["state"]["skipped"] == len(NAN_FAULTS) * MAX_STEPS // 10  # every epoch's faulty steps
+    return ref
 
 
 def _spec(root: Path, shard: Path, name: str, **kw: Any) -> dict[str, Any]:
@@ -80,6 +94,8 @@ def _audit_and_resume(
     start_step = loads(resume_from)["global_step"] if resume_from else 0
     if start_step > killed_after + 1:
         return False, True, False, f"checkpoint at step {start_step} is newer than the run ({killed_after})"
+    if reference.get("faults"):
+        spec_kw["faults"] = reference["faults"]
     spec = _spec(root, reference["shard"], "resumed", ckpt_path=str(resume_from) if resume_from else None, **spec_kw)
     proc = start(ckpt_run, spec)
     if not join_or_kill(proc, CHILD_TIMEOUT):
@@ -91,7 +107,10 @@ def _audit_and_resume(
     if losses != want:
         bad = [s for s in want if losses.get(s) != want[s]][:3]
         return False, True, False, f"resumed from step {start_step}: losses differ at steps {bad}"
-    diffs = state_diff(torch.load(spec["out"], weights_only=False), reference["state"])
+    final = torch.load(spec["out"], weights_only=False)
+    diffs = state_diff(final, reference["state"])
+    if final.get("skipped") != reference["state"].get("skipped"):
+        diffs.append(f"skipped steps {final.get('skipped')} vs {reference['state'].get('skipped')}")
     if diffs:
         return False, True, False, f"resumed from step {start_step}: final state differs in {diffs[:3]}"
     return True, False, False, ""
@@ -101,7 +120,8 @@ def _kill_trial(
     tmp_path: Path, reference: dict[str, Any], rng: random.Random, i: int, ballast: int = 0
 ) -> tuple[bool, bool, bool, str]:
     root = tmp_path / f"t{i}"
-    spec = _spec(root, reference["shard"], "first", out=None, step_sleep=0.005, ballast=ballast)
+    spec = _spec(root, reference["shard"], "first", out=None, step_sleep=0.005, ballast=ballast,
+                 faults=reference.get("faults"))
     log = Path(spec["loss_log"])
     at = rng.randint(1, MAX_STEPS - 2)
     proc = start(ckpt_run, spec)
@@ -117,8 +137,11 @@ def _kill_trial(
 
 
 def _run_kills(fault, tmp_path, reference, trials: int, seed: int, ballast: int = 0) -> None:
-    what = f" (+{4 * ballast >> 20} MiB per checkpoint)" if ballast else ""
-    fault("kill -9 at a random moment", f"SIGKILL at a random time during training with AsyncCheckpoint{what}")
+    if reference.get("faults"):
+        fault("kill -9 with NaN-skipped steps", "SIGKILL at a random time; NaNSkip skips 4 steps per epoch")
+    else:
+        what = f" (+{4 * ballast >> 20} MiB per checkpoint)" if ballast else ""
+        fault("kill -9 at a random moment", f"SIGKILL at a random time during training with AsyncCheckpoint{what}")
     rng = random.Random(seed)
     notes, in_write = [], 0
     for i in range(trials):
@@ -144,6 +167,15 @@ def test_kill9_at_random_moments_long(fault, tmp_path, reference):
 def test_kill9_at_random_moments_big_checkpoints_long(fault, tmp_path, reference):
     """8 MiB checkpoints: the write takes long enough that many random kills land inside it."""
     _run_kills(fault, tmp_path, reference, trials=12, seed=2, ballast=2 << 20)
+
+
+def test_kill9_in_a_run_with_skipped_steps(fault, tmp_path, reference_nan):
+    _run_kills(fault, tmp_path, reference_nan, trials=2, seed=3)
+
+
+@pytest.mark.slow
+def test_kill9_in_a_run_with_skipped_steps_long(fault, tmp_path, reference_nan):
+    _run_kills(fault, tmp_path, reference_nan, trials=12, seed=4)
 
 
 def _run_midwrite(fault, tmp_path, reference, trials: int, seed: int) -> None:
