@@ -20,6 +20,7 @@ from lightning_opt.models.gpt2 import GPTConfig
 from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
 from lightning_opt.optim.factory import OptimConfig
 from tests.reliability._harness import BATCH, SEQ_LEN, TinyLM, loads, make_shard, step_files, trainer
+from tests.reliability._recipes import COMMON, RECIPES, recipe_main
 
 torch.set_num_threads(1)
 
@@ -164,10 +165,8 @@ def test_changed_data_layout_warns_that_resume_is_not_exact(fault, tmp_path, sha
 
 
 def _recipe_resume_with_other_config(tmp_path, monkeypatch, recipe: str, base: list[str], change: list[str]):
-    from tests.reliability.test_bad_config import COMMON, RECIPES, _main
-
     monkeypatch.chdir(tmp_path)
-    main = _main(recipe)
+    main = recipe_main(recipe)
     args = ["--config", str(RECIPES[recipe][1]), *COMMON, "--trainer.enable_checkpointing", "true",
             "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *base]
     main(args)

@@ -9,75 +9,15 @@ an error that names the offending key or value and what to do, raised *before* `
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import warnings
-from pathlib import Path
-from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = ROOT / "recipes" / "configs"
+from tests.reliability._recipes import COMMON, RECIPES, recipe_main, run_bad
+
 torch.set_num_threads(1)
-
-RECIPES = {
-    "gpt2": ("gpt2_speedrun", CONFIGS / "gpt2" / "demo.yaml"),
-    "spd": ("spd", CONFIGS / "spd_tms_5-2.yaml"),
-    "clt": ("clt", CONFIGS / "clt_demo.yaml"),
-}
-COMMON = ["--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false",
-          "--trainer.enable_model_summary", "false"]
-
-
-def _main(recipe: str) -> Any:
-    module, _ = RECIPES[recipe]
-    path = ROOT / "recipes" / f"{module}.py"
-    if not path.exists():
-        pytest.skip(f"recipes/{module}.py is not there yet")
-    spec = importlib.util.spec_from_file_location(f"reliability_{module}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
-
-
-class _FitWatch:
-    """Records whether Trainer.fit started and whether a training batch began."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.started = False
-        self.trained = False
-        original = pl.Trainer.fit
-        watch = self
-
-        class Probe(pl.Callback):
-            def on_train_batch_start(self, *args: Any) -> None:
-                watch.trained = True
-
-        def fit(trainer: pl.Trainer, *a: Any, **k: Any) -> Any:
-            self.started = True
-            trainer.callbacks.append(Probe())
-            return original(trainer, *a, **k)
-
-        monkeypatch.setattr(pl.Trainer, "fit", fit)
-
-
-def run_bad(recipe: str, args: list[str], tmp_path: Path, monkeypatch, capsys, when: str = "started") -> tuple[str, bool]:
-    """Runs the recipe; returns (the error text, whether fit had ``started`` or a batch had been
-    ``trained``, per ``when``). Fails if nothing is raised."""
-    monkeypatch.chdir(tmp_path)
-    watch = _FitWatch(monkeypatch)
-    main = _main(recipe)
-    config = RECIPES[recipe][1]
-    try:
-        main(["--config", str(config), *COMMON, *args])
-    except SystemExit as err:  # jsonargparse prints the reason and exits 2
-        return f"{err}\n{capsys.readouterr().err}", getattr(watch, when)
-    except Exception as err:  # noqa: BLE001 - any clear exception is acceptable; its text is checked
-        return f"{type(err).__name__}: {err}", getattr(watch, when)
-    pytest.fail(f"{recipe} {args}: no error")
 
 
 # (fault kind, recipe, args, every one of these must be in the message)
@@ -138,7 +78,7 @@ def test_missing_bitsandbytes_falls_back_with_a_warning(fault, tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        metrics = _main("gpt2")([
+        metrics = recipe_main("gpt2")([
             "--config", str(RECIPES["gpt2"][1]), *COMMON, "--model.optim.name", "adamw8bit",
             "--model.model_config.n_layer", "1", "--model.model_config.n_embd", "32", "--data.batch_size", "2",
             "--data.val_tokens", "1024", "--trainer.val_check_interval", "2",

@@ -12,7 +12,7 @@ import pytest
 
 from lightning_opt.data import TokenShardDataModule, write_shard
 from lightning_opt.data.shards import HEADER_INTS, MAGIC, VERSION
-from tests.reliability.test_bad_config import RECIPES, run_bad
+from tests.reliability._recipes import run_bad
 
 GOOD_TOKENS = np.arange(4096, dtype=np.uint16) % 64
 
@@ -138,5 +138,3 @@ def test_recipe_names_missing_data(fault, tmp_path, monkeypatch, capsys):
     fault.trial(ok, note=message[-200:])
     assert ok, message[-2000:]
 
-
-assert RECIPES  # the recipe runner is shared with the config tests
