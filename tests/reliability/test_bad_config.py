@@ -101,3 +101,17 @@ def test_missing_transformers_names_the_extra(fault, tmp_path, monkeypatch, caps
     fault.trial(ok and not started, note=f"fit started: {started}")
     assert ok, message[-2000:]
     assert not started, message[-500:]
+
+
+@pytest.mark.slow
+def test_clt_seq_len_beyond_the_target_context(fault, tmp_path, monkeypatch, capsys):
+    """Slow: the demo target GPT (block_size 64) is trained on first use. Its context is known only once
+    the DataModule has loaded it, so the error must come before the first training batch."""
+    fault("bad config: seq_len > model context", "a wrong value in a recipe's YAML / command line")
+    message, trained = run_bad(
+        "clt", ["--data.seq_len", "512", "--data.tokens_per_batch", "1024"], tmp_path, monkeypatch, capsys,
+        when="trained",
+    )
+    ok = "512" in message and "block_size" in message and not trained
+    fault.trial(ok, note=f"trained: {trained}: {message[-200:]}")
+    assert ok, message[-2000:]
