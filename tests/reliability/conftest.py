@@ -43,6 +43,18 @@ class FaultRecord:
             self.notes.append(note)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Bit-exact comparisons between runs want the same reduction order: one intra-op thread (restored
+    afterwards so that the rest of the session keeps its setting)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Iterator[None]:
     outcome = yield

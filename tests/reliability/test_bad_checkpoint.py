@@ -12,7 +12,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
 from lightning_opt.callbacks import AsyncCheckpoint
 from lightning_opt.data import TokenShardDataModule
@@ -21,8 +20,6 @@ from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
 from lightning_opt.optim.factory import OptimConfig
 from tests.reliability._harness import BATCH, SEQ_LEN, TinyLM, loads, make_shard, step_files, trainer
 from tests.reliability._recipes import COMMON, RECIPES, recipe_main
-
-torch.set_num_threads(1)
 
 
 def _fingerprint(d: Path) -> dict[str, str]:

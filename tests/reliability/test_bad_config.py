@@ -13,12 +13,8 @@ import sys
 import warnings
 
 import pytest
-import torch
 
 from tests.reliability._recipes import COMMON, RECIPES, recipe_main, run_bad
-
-torch.set_num_threads(1)
-
 
 # (fault kind, recipe, args, every one of these must be in the message)
 CASES = [

@@ -21,7 +21,6 @@ from lightning.pytorch import Callback
 from lightning_opt.callbacks import AsyncCheckpoint
 from tests.reliability._harness import Batches, TinyLM, loads, random_batches, step_files, trainer
 
-torch.set_num_threads(1)
 STEPS = 8
 
 

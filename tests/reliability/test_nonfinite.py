@@ -24,7 +24,6 @@ from tests.reliability._harness import (
     trainer,
 )
 
-torch.set_num_threads(1)
 STEPS = 16
 
 
