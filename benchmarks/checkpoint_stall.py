@@ -113,6 +113,19 @@ def run(variant: str, args: argparse.Namespace, outdir: str) -> dict[str, Any]:
         )
         callbacks.append(ours)
         saver = SaveAt(args.save_at, path, ours=ours)
+    if ours is None:
+        # Same checkpoint content in every variant: an idle AsyncCheckpoint (never saves, no
+        # buffer prewarm) contributes its state (RNG states) to the other variants' files. Being
+        # a Checkpoint, it also keeps Lightning from adding a ModelCheckpoint that would save.
+        callbacks.append(
+            AsyncCheckpoint(
+                dirpath=os.path.join(outdir, "idle"),
+                every_n_steps=None,
+                save_on_train_end=False,
+                save_on_exception=False,
+                prewarm=False,
+            )
+        )
     if saver is not None:
         callbacks.append(saver)
     trainer = pl.Trainer(
@@ -126,7 +139,7 @@ def run(variant: str, args: argparse.Namespace, outdir: str) -> dict[str, Any]:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=ours is not None,
+        enable_checkpointing=True,
         callbacks=[*callbacks, window],
         plugins=plugins,
     )
