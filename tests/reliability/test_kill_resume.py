@@ -277,14 +277,14 @@ def test_sigterm_checkpoints_and_exits_cleanly_long(fault, tmp_path, reference):
 
 def test_sigterm_in_a_long_epoch_exits_promptly(fault, tmp_path, reference):
     """Pre-emption grace periods are short (SLURM, Kubernetes: ~30 s); one epoch may be the whole run."""
-    fault("SIGTERM mid-epoch (long epoch)", "SIGTERM in a 2000-step epoch: checkpoint and exit within 10 s")
-    shard = make_shard(tmp_path / "long.bin", 2000 * BATCH * SEQ_LEN + 1)
-    spec = _spec(tmp_path, shard, "first", out=None, step_sleep=0.02, every_n_steps=1000, max_steps=2000)
+    fault("SIGTERM mid-epoch (long epoch)", "SIGTERM in a 4000-step (80 s) epoch: checkpoint and exit within 20 s")
+    shard = make_shard(tmp_path / "long.bin", 4000 * BATCH * SEQ_LEN + 1)
+    spec = _spec(tmp_path, shard, "first", out=None, step_sleep=0.02, every_n_steps=10_000, max_steps=4000)
     log = Path(spec["loss_log"])
     proc = start(ckpt_run, spec)
     assert wait_for(lambda: len(read_losses(log)) >= 3, CHILD_TIMEOUT, proc), "child never started"
     os.kill(proc.pid, signal.SIGTERM)
-    exited = join_or_kill(proc, 10.0)
+    exited = join_or_kill(proc, 20.0)
     files = step_files(tmp_path / "ck")
     ok = exited and proc.exitcode == 0 and bool(files) and loads(files[-1][1]) is not None
     note = f"exited: {exited}, exit code {proc.exitcode}, checkpoints {[p.name for _, p in files]}"
