@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--val-tokens", type=int, default=1_048_576)
     p.add_argument("--amp", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--smoke-compile", action="store_true", help="with --smoke: keep torch.compile on (slow on CPU)")
     p.add_argument("--only", default=None, help="comma-separated variant names to run")
     p.add_argument("--lightning-logger", default="tensorboard", choices=["tensorboard", "none"])
     p.add_argument("--need-s", type=float, default=75.0, help="seconds one variant needs (for skipping)")
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     if args.smoke:
         args.steps, args.warm, args.micro_batch, args.accum, args.seq_len = 4, 1, 4, 2, 64
-        args.val_every, args.val_tokens, args.no_compile, args.need_s = 2, 4096, True, 0.0
+        args.val_every, args.val_tokens, args.no_compile, args.need_s = 2, 4096, not args.smoke_compile, 0.0
         args.amp = "fp32"  # CPUs have no fast bf16 matmul
         args.lightning_logger = "none"
     deadline = deadline_from(args)
