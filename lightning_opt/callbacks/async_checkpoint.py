@@ -9,6 +9,7 @@ import re
 import shutil
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -397,7 +398,12 @@ class AsyncCheckpoint(Checkpoint):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self.wait()
+        try:
+            self.wait()
+        finally:
+            # The process group may be torn down and re-created before the next fit.
+            self._gloo = None
+            self._dcp_writer = None
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -601,7 +607,13 @@ def _point_last(path: str) -> None:
     tmp = os.path.join(dirpath, ".last.ckpt.tmp")
     if os.path.lexists(tmp):
         os.remove(tmp)
-    os.symlink(os.path.basename(path), tmp)
+    try:
+        os.symlink(os.path.basename(path), tmp)
+    except OSError as err:  # a filesystem without symlinks: keep the checkpoints, skip the link
+        warnings.warn(
+            f"AsyncCheckpoint: cannot create the last.ckpt symlink in {dirpath}: {err}", stacklevel=2
+        )
+        return
     os.replace(tmp, os.path.join(dirpath, "last.ckpt"))
     _fsync(dirpath)
 
