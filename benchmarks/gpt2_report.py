@@ -42,6 +42,10 @@ def fmt(v: Any, spec: str = "", dash: str = "-") -> str:
         return str(v)
 
 
+def pct(v: Any, spec: str = "+.1f") -> str:
+    return "-" if v is None else f"{format(v, spec)}%"
+
+
 def rel(path: Path, doc: Path) -> str:
     return os.path.relpath(path.resolve(), doc.parent.resolve())
 
@@ -72,7 +76,7 @@ def speedrun_section(d: dict[str, Any] | None, path: Path | None, doc: Path) -> 
         if "tokens_per_s" not in r:
             out.append(f"| {name} | - | - | - | - | - | - | {(r.get('error') or r.get('skipped') or '')[:120]} |")
             continue
-        out.append(f"| {name} | {r['tokens_per_s']:,.0f} | {fmt(r.get('mfu') and 100 * r['mfu'], '.1f')}% | "
+        out.append(f"| {name} | {r['tokens_per_s']:,.0f} | {pct(r.get('mfu') and 100 * r['mfu'], '.1f')} | "
                    f"{fmt(r.get('step_ms'), '.1f')} | {fmt(r.get('compile_s'), '.1f')} | "
                    f"{fmt(r.get('peak_mem_gb'), '.1f')} | {fmt(r.get('final_val_loss'), '.4f')} | "
                    f"{r.get('stopped') or ''} |")
@@ -115,7 +119,7 @@ def ablation_section(d: dict[str, Any] | None, path: Path | None, doc: Path) -> 
     for name, r in d["rows"].items():
         out.append(
             f"| {name} | {r.get('toggle', '')} | {fmt(r.get('tokens_per_s'), ',.0f')} | "
-            f"{fmt(r.get('d_tokens_per_s_pct'), '+.1f')}% | {fmt(r.get('peak_mem_gb'), '.1f')} | "
+            f"{pct(r.get('d_tokens_per_s_pct'))} | {fmt(r.get('peak_mem_gb'), '.1f')} | "
             f"{fmt(r.get('final_val_loss'), '.4f')} | {fmt(r.get('d_val_loss'), '+.4f')} | "
             f"{r.get('verdict', '')}{' (fallback: ' + r['fallback'][0][:100] + ')' if r.get('fallback') else ''} |")
     return out + [""]
@@ -146,6 +150,9 @@ def plot(speedrun: dict | None, record: dict | None, img: Path) -> bool:
         pts = [(row["train_s"], row["val_loss"]) for row in curve if row.get("train_s") is not None]
         if pts:
             ax.plot(*zip(*pts), style, marker="o", ms=3, label=label)
+    target = (record or {}).get("summary", {}).get("target_val_loss")
+    if target is not None:
+        ax.axhline(target, color="grey", lw=0.8, ls=":", label=f"target (record's final val loss {target:.3f})")
     ax.set_xlabel("training seconds (compile and validation excluded)")
     ax.set_ylabel("val loss")
     ax.set_title("GPT-2 124M on the novels shards, one GPU")
