@@ -69,3 +69,28 @@ def test_parse_record_log_of_an_unfinished_run_sets_no_target():
     out = parse_record_log("step:0/127 val_loss:10.8258 train_time:0ms step_avg:nanms\n"
                            "step:1/127 train_time:90000ms step_avg:nanms\n")
     assert out["final_val_loss"] is None and out["last_val_loss"] == 10.8258
+
+
+def test_oom_retry_halves_the_micro_batch_and_keeps_tokens_per_step():
+    import torch
+
+    from benchmarks.gpt2_common import Deadline, RunSpec, guarded, oom_retry
+    from lightning_opt.models.gpt2 import GPTConfig
+    from lightning_opt.optim.factory import OptimConfig
+    from lightning_opt.optim.schedules import ScheduleConfig
+
+    spec = RunSpec(GPTConfig(n_layer=1), OptimConfig(), ScheduleConfig(), micro_batch=32, accum=2, val_batch=32)
+    seen = []
+
+    def run(s):
+        seen.append((s.micro_batch, s.accum))
+        if s.micro_batch > 8:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return {"tokens_per_s": 1.0}
+
+    out = oom_retry(run, spec)
+    assert seen == [(32, 2), (16, 4), (8, 8)] and len(out["oom_fallback"]) == 2
+    # an error that persists is recorded by guarded, not raised; a variant past the deadline is skipped
+    failed = guarded("v", lambda: oom_retry(lambda s: run(RunSpec(**{**s.__dict__, "micro_batch": 64})), spec))
+    assert failed["name"] == "v" and "out of memory" in failed["error"] and failed["oom"] is True
+    assert "skipped" in guarded("late", lambda: {}, Deadline(1.0), need_s=5.0)
