@@ -12,7 +12,8 @@ tokens per step = 32 x 1024 x 16 = 524,288, like nanoGPT's train.py and the spee
   ``benchmarks/peers/nanogpt_runner.py``), imported from the git-ignored ``.peers/nanoGPT/``;
 - ``ours-speedrun-fp8head-lightning``: the speedrun recipe path with ``loss_impl="chunked_fp8"`` (head
   matmuls in FP8 inside the chunked soft-capped cross-entropy);
-- ``ours-speedrun-chunkedce-bare``: the speedrun with the chunked cross-entropy in bf16 (if time is left).
+- ``ours-speedrun-chunkedce-bare``: the speedrun with the chunked cross-entropy in bf16, and
+  ``ours-speedrun-chunkedce-mb2x-lightning`` the same with twice the micro-batch (if time is left).
 
 Reports tokens/s and MFU (compile excluded; compile time separately), peak memory, val loss on the first
 1,048,576 val tokens (a few points along the way, excluded from the clock), the Lightning overhead and the
@@ -132,6 +133,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ours-speedrun-fp8head-lightning": lambda: oom_retry(lightning, with_model(sp, loss_impl="chunked_fp8")),
         "ours-speedrun-chunkedce-bare": lambda: oom_retry(
             lambda s: train_bare(s, data), with_model(sp, loss_impl="chunked")),
+        # the chunked loss frees the float32 logits: twice the micro-batch, half the accumulation
+        "ours-speedrun-chunkedce-mb2x-lightning": lambda: oom_retry(lightning, with_model(
+            replace(sp, micro_batch=2 * sp.micro_batch, accum=max(1, sp.accum // 2)), loss_impl="chunked")),
     }
     if args.only:
         keep = set(args.only.split(","))
