@@ -116,9 +116,16 @@ def table(result: dict[str, Any]) -> str:
     if failing:
         lines += ["", "Trials that did not survive (first notes per kind):", ""]
         for k in failing:
-            notes = "; ".join(n.replace("|", "/")[:240] for n in k["notes"][:2]) or "see the test output"
-            lines.append(f"- **{k['kind']}**: {notes}")
+            lines.append(f"- **{k['kind']}**: {_notes(k)}")
+    info = [k for k in kinds if k["survived"] == k["trials"] and k["notes"]]
+    if info:
+        lines += ["", "Notes:", ""] + [f"- **{k['kind']}**: {_notes(k)}" for k in info]
     return "\n".join(lines)
+
+
+def _notes(kind: dict[str, Any]) -> str:
+    flat = (" ".join(n.split()).replace("|", "/") for n in kind["notes"][:2])
+    return "; ".join(n if len(n) <= 240 else n[:240] + " ..." for n in flat) or "see the test output"
 
 
 def write_doc(doc: Path, text: str) -> None:

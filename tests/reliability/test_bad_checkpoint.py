@@ -19,7 +19,7 @@ from lightning_opt.models.gpt2 import GPTConfig
 from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
 from lightning_opt.optim.factory import OptimConfig
 from tests.reliability._harness import BATCH, SEQ_LEN, TinyLM, loads, make_shard, step_files, trainer
-from tests.reliability._recipes import COMMON, RECIPES, recipe_main
+from tests.reliability._recipes import COMMON, RECIPES, recipe_main, run_bad
 
 
 def _fingerprint(d: Path) -> dict[str, str]:
@@ -94,6 +94,26 @@ def test_truncated_checkpoint_is_refused(fault, tmp_path, shard):
     err, untouched, steps = _resume_fails(tmp_path, shard, TinyLM(), damaged, ckdir)
     fault.trial(err is not None and untouched and steps == 0, data_lost=not untouched, note=str(err)[:200])
     assert err is not None and untouched and steps == 0
+
+
+def test_truncated_checkpoint_in_the_recipe_names_the_file(fault, tmp_path, monkeypatch, capsys):
+    """Through the GPT-2 recipe the user must learn which file is damaged (torch alone says
+    "[Errno 22] Invalid argument" or "failed finding central directory")."""
+    fault("truncated checkpoint file (recipe)", "--ckpt_path to a checkpoint cut in half, GPT-2 recipe")
+    ckdir = _first_run(tmp_path, make_shard(tmp_path / "t.bin", 10 * BATCH * SEQ_LEN + 1), _gpt(32))
+    data = (ckdir / "last.ckpt").read_bytes()
+    words = ("damaged", "truncated", "incomplete", "corrupt", "not a complete")
+    problems = []
+    for fraction in (0.25, 0.5, 0.9):  # where the cut lands changes what torch raises
+        damaged = tmp_path / f"copied_{int(fraction * 100)}.ckpt"
+        damaged.write_bytes(data[: int(len(data) * fraction)])
+        message, trained = run_bad("gpt2", ["--ckpt_path", str(damaged)], tmp_path, monkeypatch, capsys,
+                                   when="trained")
+        ok = damaged.name in message and any(w in message for w in words) and not trained
+        fault.trial(ok, note=f"cut at {fraction}: {message[-250:]}")
+        if not ok:
+            problems.append(f"cut at {fraction}: {message[-300:]}")
+    assert not problems, problems
 
 
 def test_dangling_last_link_is_refused(fault, tmp_path, shard):
