@@ -34,6 +34,14 @@ class FaultRecord:
         self.kind, self.description = kind, description
         return self
 
+    def shown(self, message: str, needle: str = "") -> None:
+        """Report what the user was told: the message's line holding ``needle`` (else its first line)."""
+        # warnings printed on stderr ("/path/file.py:12: ...") are not what the user was told
+        lines = [ln.strip(" -\t") for ln in str(message).splitlines() if ln.strip() and not ln.startswith("/")]
+        line = next((ln for ln in lines if needle and needle in ln), lines[0] if lines else "")
+        if line and len(self.notes) < 5:
+            self.notes.append(f"says: {line[:220]}")
+
     def trial(self, survived: bool, data_lost: bool = False, hang: bool = False, note: str = "") -> None:
         self.trials += 1
         self.survived += int(survived and not data_lost and not hang)

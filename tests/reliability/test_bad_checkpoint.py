@@ -69,6 +69,7 @@ def test_checkpoint_of_another_config(fault, tmp_path, shard):
     msg = str(err)
     clear = err is not None and "n_embd=32 vs 64" in msg and "another model" in msg and "model_config" in msg
     fault.trial(clear and untouched and steps == 0, data_lost=not untouched, note=msg[:200])
+    fault.shown(msg)
     assert clear, msg
     assert untouched and steps == 0
 
@@ -81,6 +82,7 @@ def test_checkpoint_of_another_model(fault, tmp_path, shard):
     # must say it is the wrong kind of checkpoint (not only list missing keys) and what to do
     clear = err is not None and ("another model" in msg or "not a GPT2SpeedrunModule" in msg)
     fault.trial(clear and untouched and steps == 0, data_lost=not untouched, note=msg[:200])
+    fault.shown(msg)
     assert untouched and steps == 0
     assert clear, msg[:1000]
 
@@ -128,6 +130,7 @@ def test_dangling_last_link_is_refused(fault, tmp_path, shard):
     older = step_files(ckdir)
     ok = "last.ckpt" in str(info.value) and len(older) == 1 and loads(older[0][1]) is not None
     fault.trial(ok, data_lost=len(older) != 1, note=str(info.value)[:200])
+    fault.shown(str(info.value))
     assert ok, (str(info.value), older)
 
 
@@ -175,6 +178,7 @@ def test_changed_data_layout_warns_that_resume_is_not_exact(fault, tmp_path, sha
     texts = [str(w.message) for w in caught]
     ok = any("batch_size=4" in m and "not an exact resume" in m for m in texts)
     fault.trial(ok, note="" if ok else f"warnings: {texts[:3]}")
+    fault.shown("\n".join(texts), "not an exact resume")
     assert ok, texts
 
 

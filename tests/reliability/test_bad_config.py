@@ -49,6 +49,7 @@ def test_bad_recipe_config_is_refused_before_training(fault, tmp_path, monkeypat
     message, started = run_bad(recipe, args, tmp_path, monkeypatch, capsys)
     missing = [n for n in needles if n not in message]
     fault.trial(not missing and not started, note=f"fit started: {started}; missing {missing}")
+    fault.shown(message, max(needles, key=len))
     assert not missing, f"the error does not say {missing}:\n{message[-2000:]}"
     assert not started, f"the error came only after Trainer.fit started:\n{message[-500:]}"
 
@@ -64,6 +65,7 @@ def test_missing_flash_attn_names_the_extra(fault, tmp_path, monkeypatch, capsys
     )
     ok = "lightning-opt[gpu]" in message and "flash" in message
     fault.trial(ok and not started, note=f"fit started: {started}")
+    fault.shown(message, "lightning-opt[gpu]")
     assert ok, message
     assert not started, f"the missing package was noticed only in a training step:\n{message[-500:]}"
 
@@ -82,6 +84,24 @@ def test_missing_bitsandbytes_falls_back_with_a_warning(fault, tmp_path, monkeyp
     texts = [str(w.message) for w in caught]
     ok = metrics["steps"] == 2 and any("bitsandbytes" in t and "Falling back to torch AdamW" in t for t in texts)
     fault.trial(ok, note="" if ok else f"warnings: {texts[:5]}")
+    fault.shown("\n".join(texts), "bitsandbytes")
+    assert ok, texts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: on CPU adamw8bit falls back before importing")
+def test_missing_bitsandbytes_on_gpu_names_the_extra(fault, monkeypatch):
+    fault("missing bitsandbytes", "optim name adamw8bit without bitsandbytes: warn, fall back to torch AdamW")
+    from lightning_opt.optim.factory import OptimConfig, build_optimizer
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    model = torch.nn.Linear(8, 8).cuda()
+    with pytest.warns(UserWarning) as caught:
+        (opt,) = build_optimizer(model, OptimConfig(name="adamw8bit"))
+    texts = [str(w.message) for w in caught]
+    ok = type(opt) is torch.optim.AdamW and any("lightning-opt[gpu]" in t for t in texts)
+    fault.trial(ok, note=f"{type(opt).__name__}: {texts[:3]}")
+    fault.shown("\n".join(texts), "lightning-opt[gpu]")
     assert ok, texts
 
 
@@ -95,6 +115,7 @@ def test_missing_transformers_names_the_extra(fault, tmp_path, monkeypatch, caps
     message, started = run_bad(recipe, args, tmp_path, monkeypatch, capsys, when="trained")
     ok = "transformers" in message and "lightning-opt[hf]" in message
     fault.trial(ok and not started, note=f"fit started: {started}")
+    fault.shown(message, "lightning-opt[hf]")
     assert ok, message[-2000:]
     assert not started, message[-500:]
 
@@ -110,4 +131,5 @@ def test_clt_seq_len_beyond_the_target_context(fault, tmp_path, monkeypatch, cap
     )
     ok = "512" in message and "block_size" in message and not trained
     fault.trial(ok, note=f"trained: {trained}: {message[-200:]}")
+    fault.shown(message, "block_size")
     assert ok, message[-2000:]

@@ -112,6 +112,7 @@ def test_bad_shard_is_refused_at_construction(fault, tmp_path, kind, make, kwarg
     needles = needles[role] if isinstance(needles, dict) else [*needles, Path(str(bad)).name]
     missing = [n for n in needles if n not in msg]
     fault.trial(not missing, note=f"missing {missing}: {msg[:200]}" if missing else "")
+    fault.shown(msg)
     assert not missing, f"{msg!r} does not say {missing}"
 
 
@@ -125,6 +126,7 @@ def test_out_of_vocab_shard_in_the_gpt2_recipe_is_refused_before_training(fault,
     )
     ok = "vocab_size" in message and not started
     fault.trial(ok, note=f"fit started: {started}: {message[-200:]}")
+    fault.shown(message, "vocab_size")
     assert "vocab_size" in message, message[-2000:]
     assert not started, f"refused only inside Trainer.fit: {message[-500:]}"
 
@@ -136,5 +138,6 @@ def test_recipe_names_missing_data(fault, tmp_path, monkeypatch, capsys):
     )
     ok = "matches no files" in message and "nope_*.bin" in message and not started
     fault.trial(ok, note=message[-200:])
+    fault.shown(message, "matches no files")
     assert ok, message[-2000:]
 

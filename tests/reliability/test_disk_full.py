@@ -143,5 +143,7 @@ def test_enospc_injected(fault, tmp_path, monkeypatch, fail_at):
         problems.append("training went on although no checkpoint could be written")
     elif "No space left on device" not in str(err) or "AsyncCheckpoint" not in str(err):
         problems.append(f"unclear error: {err!r}")
+    if err is not None:
+        fault.shown(str(err))
     fault.trial(not problems, data_lost=lost, note="; ".join(problems))
     assert not problems, problems
