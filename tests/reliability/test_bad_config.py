@@ -13,6 +13,7 @@ import sys
 import warnings
 
 import pytest
+import torch
 
 from tests.reliability._recipes import COMMON, RECIPES, recipe_main, run_bad
 
