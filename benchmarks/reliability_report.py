@@ -119,7 +119,8 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"- **{k['kind']}**: {_notes(k)}")
     info = [k for k in kinds if k["survived"] == k["trials"] and k["notes"]]
     if info:
-        lines += ["", "Notes:", ""] + [f"- **{k['kind']}**: {_notes(k)}" for k in info]
+        lines += ["", "What the user is told (first message per kind) and other facts from the runs:", ""]
+        lines += [f"- **{k['kind']}**: {_notes(k)}" for k in info]
     return "\n".join(lines)
 
 
