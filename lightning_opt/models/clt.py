@@ -568,11 +568,24 @@ def preactivation_loss(pre: torch.Tensor, threshold: torch.Tensor | None = None)
 
 
 def auxk_loss(
-    model: CLT, pre: torch.Tensor, residual: torch.Tensor, dead: torch.Tensor, k_aux: int
+    model: CLT,
+    pre: torch.Tensor,
+    residual: torch.Tensor,
+    dead: torch.Tensor,
+    k_aux: int,
+    max_dead: int | None = None,
+    staleness: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """AuxK (Gao et al., 2024): the top-``k_aux`` *dead* features per token and layer should predict the
     residual ``target - recon`` (normalised space, detached). Returns ``||e - e_hat||^2 / ||e||^2``;
     equals 1 with no gradient when no feature is dead.
+
+    With ``max_dead`` only that many candidate features per layer are considered: the ``max_dead`` with the
+    largest ``staleness`` (e.g. tokens since they last fired; default: the dead mask itself), of which the
+    dead ones take part. The result equals the uncapped loss whenever a layer has at most ``max_dead`` dead
+    features (ties in the per-token top-k aside). The capped form never touches ``[L, N, F]`` beyond one
+    gather of ``[L, N, max_dead]`` and decodes with a dense ``[N, max_dead]`` matmul per layer, instead of a
+    masked copy of ``pre``, a top-k over all features and a second sparse decode.
 
     Args:
         model: the CLT (its decoder is used without bias).
@@ -580,16 +593,50 @@ def auxk_loss(
         residual: ``[N, L, d_out]`` detached reconstruction error.
         dead: ``[L, F]`` bool mask of dead features.
         k_aux: dead features kept per token and layer.
+        max_dead: candidate features per layer (``None`` = all ``F``).
+        staleness: ``[L, F]`` scores that rank the candidates when ``max_dead`` is set.
     """
     L, N, nf = pre.shape
-    k_aux = min(k_aux, nf)
-    masked = pre.masked_fill(~dead[:, None, :], float("-inf"))
-    idx, vals = token_topk(masked, k_aux)
-    vals = torch.where(torch.isfinite(vals), F.relu(vals), torch.zeros_like(vals))
-    # through decode_sparse, so a strategy that wraps it (decoder sharding) also handles AuxK
-    e_hat = model.decode_sparse(idx, vals, N) - model.b_dec
+    if max_dead is not None and max_dead <= 0:
+        raise ValueError(f"max_dead={max_dead} must be positive (or None for all features)")
+    capped = max_dead is not None and max_dead < nf
+    if capped:
+        score = (staleness if staleness is not None else dead).float().masked_fill(~dead, float("-inf"))
+        cols = torch.topk(score, max_dead, dim=1).indices  # [L, D]: fixed size, so no host sync
+        ok = dead.gather(1, cols)
+        sub = pre.gather(2, cols[:, None, :].expand(L, N, max_dead))
+    else:
+        cols, ok, sub = None, dead, pre
+    kk = min(k_aux, sub.shape[2])
+    masked = sub.masked_fill(~ok[:, None, :], float("-inf"))
+    top = torch.topk(masked, kk, dim=2, sorted=False)
+    vals = torch.where(torch.isfinite(top.values), F.relu(top.values), torch.zeros_like(top.values))
     e = residual.float()
+    wrapped = "decode_sparse" in vars(model)  # a strategy (decoder sharding) wraps decode_sparse: go through it
+    if capped and not wrapped and model.config.decoder_tying == "untied":
+        e_hat = _decode_columns(model, cols, top.indices, vals)
+    else:
+        feat = top.indices if cols is None else cols[:, None, :].expand(L, N, max_dead).gather(2, top.indices)
+        rows = torch.arange(L * N, device=pre.device).view(L, N, 1)
+        flat = (rows * nf + feat).reshape(-1)  # grouped by layer, then token (the decode_sparse contract)
+        e_hat = model.decode_sparse(flat, vals.reshape(-1), N) - model.b_dec
     return (e - e_hat).pow(2).sum() / e.pow(2).sum().clamp_min(1e-12)
+
+
+def _decode_columns(model: CLT, cols: torch.Tensor, local: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """Decode (no bias) activations that live on ``cols`` ``[L, D]`` features per layer: ``vals`` at positions
+    ``local`` ``[L, N, k]`` of a ``[L, N, D]`` block. One dense ``[N, D] x [D, (L - l) * d]`` matmul per layer."""
+    L, N, _ = local.shape
+    D = cols.shape[1]
+    acts = torch.zeros(L, N, D, dtype=vals.dtype, device=vals.device).scatter(2, local, vals)
+    d = model.d_out
+    on = torch.is_autocast_enabled(vals.device.type)
+    dtype = torch.get_autocast_dtype(vals.device.type) if on else model.W_dec[0].dtype
+    out = torch.zeros(N, L, d, dtype=torch.float32, device=vals.device)
+    for s in range(L):
+        w = model.W_dec[s].index_select(0, cols[s]).reshape(D, -1)  # [D, (L - s) * d]
+        out[:, s:] += (acts[s].to(dtype) @ w.to(dtype)).view(N, L - s, d)
+    return out
 
 
 # ------------------------------------------------------- circuit-tracer format

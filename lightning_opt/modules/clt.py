@@ -26,6 +26,10 @@ from lightning_opt.optim.schedules import ScheduleConfig
 __all__ = ["CLTModule", "FVUMetric", "L0Metric", "ScalarMean", "replacement_kl"]
 
 _DECODES = ("auto", "dense", "sparse")
+# decode="auto" on CUDA: sparse from this many features per layer. Measured on an H200 (12 x 768, 4096 tokens,
+# k=200, benchmarks/results/clt_step.json): dense wins at 8192 (56.7 vs 61.8 ms), sparse at 16384 (82.8 vs
+# 100.7 ms); linear interpolation crosses near 10k.
+SPARSE_DECODE_MIN_FEATURES = 10240
 
 
 class FVUMetric(Metric):
@@ -102,7 +106,14 @@ class CLTModule(TrainingModule):
     ``lambda`` ramping linearly from 0 to ``sparsity_coef`` over the first ``sparsity_ramp_fraction`` of the
     run. A feature is dead when it has not fired for ``dead_tokens`` training tokens.
 
-    Logged keys: ``train/loss``, ``train/mse``, ``train/fvu``, ``train/l0``, ``train/sparsity_lambda``,
+    Per-step cost: the training metrics (FVU, L0, dead fraction) and every ``self.log`` call run only on the
+    steps the Trainer writes logs (``log_every_n_steps``), so other steps do no metric work. AuxK is skipped
+    without a host sync while no feature is dead (the previous step's answer is copied to pinned host memory
+    asynchronously and is complete once the forward's own selection sync has happened) and otherwise
+    considers at most ``aux_max_dead`` dead features per layer, the ones silent longest (see
+    :func:`~lightning_opt.models.clt.auxk_loss`).
+
+    Logged keys (values of the logging step): ``train/loss``, ``train/mse``, ``train/fvu``, ``train/l0``, ``train/sparsity_lambda``,
     ``train/sparsity``, ``train/preact``, ``train/auxk``, ``train/dead_fraction``; ``val/fvu``,
     ``val/fvu_layer{l}``, ``val/explained_variance``, ``val/l0``, ``val/l0_layer{l}``, ``val/dead_fraction``,
     ``val/kl`` and ``val/next_token_agreement`` (replacement model vs original, when the datamodule has a
@@ -114,8 +125,10 @@ class CLTModule(TrainingModule):
         sparsity_coef, sparsity_c, sparsity_ramp_fraction: tanh penalty weight, its ``c``, and the ramp.
         preact_coef: weight of the pre-activation loss (0 = off).
         aux_coef, aux_k: AuxK weight (0 = off) and dead features used per token and layer.
+        aux_max_dead: dead features per layer AuxK chooses from (the ones silent longest); ``None`` = all.
         dead_tokens: window (tokens) after which a feature that never fired counts as dead.
-        decode: ``dense``, ``sparse`` (top-k activations only) or ``auto`` (sparse on CPU, dense on GPU).
+        decode: ``dense``, ``sparse`` (top-k activations only) or ``auto`` (sparse on CPU; on GPU sparse from
+            ``SPARSE_DECODE_MIN_FEATURES`` features per layer, dense below).
         eval_replacement: compute the replacement model's KL / agreement at validation.
     """
 
@@ -130,6 +143,7 @@ class CLTModule(TrainingModule):
         preact_coef: float = 0.0,
         aux_coef: float = 0.0,
         aux_k: int = 64,
+        aux_max_dead: int | None = 1024,
         dead_tokens: int = 1_000_000,
         decode: str = "auto",
         eval_replacement: bool = True,
@@ -147,11 +161,16 @@ class CLTModule(TrainingModule):
             raise ValueError(f"sparsity_ramp_fraction={sparsity_ramp_fraction} must be in (0, 1]")
         if dead_tokens <= 0 or aux_k <= 0:
             raise ValueError("dead_tokens and aux_k must be positive")
+        if aux_max_dead is not None and aux_max_dead < aux_k:
+            raise ValueError(f"aux_max_dead={aux_max_dead} must be >= aux_k={aux_k} (or None for all features)")
         self.save_hyperparameters()
         self.clt_config = clt
         self.model = CLT(clt)
         self.sparsity_coef, self.sparsity_c, self.ramp = sparsity_coef, sparsity_c, sparsity_ramp_fraction
         self.preact_coef, self.aux_coef, self.aux_k = preact_coef, aux_coef, aux_k
+        self.aux_max_dead = aux_max_dead
+        # "any feature dead?" after the last step, read one step later without a sync (see training_step)
+        self._any_dead: tuple[torch.Tensor, Any] | None = None
         self.dead_tokens, self.decode_mode, self.eval_replacement = dead_tokens, decode, eval_replacement
         L, nf, d = clt.n_layers, clt.n_features, clt.d_model
         self.register_buffer("tokens_since_fired", torch.zeros(L, nf, dtype=torch.long))
@@ -193,8 +212,8 @@ class CLTModule(TrainingModule):
         if not out_has_indices:
             return False
         if self.decode_mode == "auto":
-            # on CPU decoding k of F features beats the dense matmul; on GPU dense until measured otherwise
-            return self.device.type == "cpu"
+            # on CPU decoding k of F features beats the dense matmul; on GPU only for wide layers (measured)
+            return self.device.type == "cpu" or self.clt_config.n_features >= SPARSE_DECODE_MIN_FEATURES
         return self.decode_mode == "sparse"
 
     @torch.no_grad()
@@ -225,6 +244,40 @@ class CLTModule(TrainingModule):
             return torch.zeros(L, device=layer.device).index_add_(0, layer, (out.values > 0).float())
         return (out.acts > 0).sum(dim=(1, 2)).float()
 
+    def _should_log(self) -> bool:
+        """Whether the Trainer writes logs after this training step (``log_every_n_steps``)."""
+        if self._trainer is None:
+            return True
+        connector = getattr(self.trainer, "_logger_connector", None)
+        return bool(getattr(connector, "should_update_logs", True)) or self.trainer.is_last_batch
+
+    def _maybe_dead(self) -> bool:
+        """False only when the last step's update left no dead feature (answer read without waiting)."""
+        if self._any_dead is None:
+            return True
+        flag, event = self._any_dead
+        if event is not None:
+            # Recorded at the end of the previous step; the forward's top-k selection has synced with the
+            # host since, so this returns at once and the answer is the same on every rank.
+            event.synchronize()
+        return bool(flag)
+
+    def _publish_dead(self, dead_next: torch.Tensor) -> None:
+        # Only when no collective runs inside AuxK (a wrapped decode_sparse all-reduces in backward): ranks
+        # must never disagree about running it.
+        if "decode_sparse" in vars(self.model) or (self._trainer is not None and self.trainer.world_size > 1):
+            self._any_dead = None
+            return
+        anyd = dead_next.any()
+        if anyd.device.type == "cuda":
+            if self._any_dead is None or self._any_dead[1] is None:
+                self._any_dead = (torch.empty((), dtype=torch.bool, pin_memory=True), torch.cuda.Event())
+            flag, event = self._any_dead
+            flag.copy_(anyd, non_blocking=True)
+            event.record()
+        else:
+            self._any_dead = (anyd, None)  # CPU: reading it is free
+
     # ------------------------------------------------------------- training
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch[0], batch[1]
@@ -238,6 +291,7 @@ class CLTModule(TrainingModule):
         mse = (out.recon - yn).pow(2).mean()
         loss = mse
         lam = self.sparsity_lambda()
+        log = self._should_log()
         logs: dict[str, Any] = {"train/mse": mse.detach(), "train/sparsity_lambda": lam}
         if lam > 0:
             norms = clt.decoder_norms()
@@ -254,21 +308,29 @@ class CLTModule(TrainingModule):
         fired = self._fired(out, n)
         dead = self.tokens_since_fired >= self.dead_tokens
         # No feature can be dead before dead_tokens tokens have passed (tokens_seen counts all ranks, so it is
-        # at least this rank's count): skip AuxK's extra decode until then, without a host sync.
+        # at least this rank's count), nor when the last step left none dead: skip AuxK then, without a sync.
         if self.aux_coef > 0 and self.tokens_seen >= self.dead_tokens:
-            aux = auxk_loss(clt, out.pre, (yn - out.recon).detach(), dead, self.aux_k)
-            loss = loss + self.aux_coef * aux
-            logs["train/auxk"] = aux.detach()
+            if self._maybe_dead():
+                aux = auxk_loss(clt, out.pre, (yn - out.recon).detach(), dead, self.aux_k,
+                                max_dead=self.aux_max_dead, staleness=self.tokens_since_fired)
+                loss = loss + self.aux_coef * aux
+                logs["train/auxk"] = aux.detach()
+            else:
+                logs["train/auxk"] = 1.0  # AuxK's value when no feature is dead
         with torch.no_grad():
             self.tokens_since_fired.add_(n).masked_fill_(fired, 0)
-            logs["train/dead_fraction"] = dead.float().mean()
-            logs["train/l0"] = self._active_per_layer(out, n).sum() / n
-            if clt.d_out_slice is None:
-                sse, sst = fvu_per_layer(clt.denormalize(out.recon.detach()), y)
-                logs["train/fvu"] = sse.sum() / sst.sum().clamp_min(1e-12)
-        logs["train/loss"] = loss.detach()
-        self.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False)
-        self.log("train/loss_pb", loss.detach(), prog_bar=True, logger=False)
+            if self.aux_coef > 0:
+                self._publish_dead(self.tokens_since_fired >= self.dead_tokens)
+            if log:
+                logs["train/dead_fraction"] = dead.float().mean()
+                logs["train/l0"] = self._active_per_layer(out, n).sum() / n
+                if clt.d_out_slice is None:
+                    sse, sst = fvu_per_layer(clt.denormalize(out.recon.detach()), y)
+                    logs["train/fvu"] = sse.sum() / sst.sum().clamp_min(1e-12)
+        if log:
+            logs["train/loss"] = loss.detach()
+            self.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False)
+            self.log("train/loss_pb", loss.detach(), prog_bar=True, logger=False)
         self.count_tokens(n)
         return loss
 

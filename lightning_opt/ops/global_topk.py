@@ -14,7 +14,8 @@ Algorithm (per rank, ``N`` local entries, ``K = k * tokens_total``):
 
 1. Lower bound ``lo``: each rank estimates, from a fixed-seed random sample of its entries, a value that about
    ``1.25 K / world`` of its entries reach, and the group takes the minimum (scalar collective).
-2. Candidates: ``idx = nonzero(x >= lo)``; one host sync sizes them. If fewer than ``K`` entries reach ``lo``
+2. Candidates: the flat indices with ``x >= lo``, ascending (``ops.topk.candidates_ge``: a fused Triton
+   compare-and-compact pass on CUDA when Triton is installed, else ``nonzero``); one host sync sizes them. If fewer than ``K`` entries reach ``lo``
    over the group (an unlucky sample), the candidates are the entries at or above the local ``min(K, N)``-th
    largest value instead (exact, slower).
 3. Threshold ``t``: the ``K``-th largest of all candidate values (``all_gather`` of the padded values; a top-k
@@ -35,6 +36,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from lightning_opt.ops.topk import candidates_ge
 
 __all__ = ["global_batch_topk", "batch_topk_threshold_sparse"]
 
@@ -74,6 +77,13 @@ def _all_gather(t: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.
     return out.view(world, *t.shape)
 
 
+def _sample_rank(s: int, frac: float) -> int:
+    """Rank in a sample of ``s`` whose value bounds the top ``frac`` of the data with a margin."""
+    mean = s * frac
+    # Margin: 25% plus four binomial standard deviations plus a constant, so a fallback is rare.
+    return min(s, int(math.ceil(1.25 * mean + 4.0 * math.sqrt(mean) + 16)))
+
+
 def _lower_bound(flat: torch.Tensor, frac: float) -> torch.Tensor:
     """A value that about ``frac * 1.25`` of ``flat`` reaches, estimated from a fixed-seed sample."""
     n = flat.numel()
@@ -82,11 +92,7 @@ def _lower_bound(flat: torch.Tensor, frac: float) -> torch.Tensor:
     else:
         pos = torch.randint(0, n, (_SAMPLE_SIZE,), device=flat.device, generator=_generator(flat.device))
         sample = flat[pos]
-    s = sample.numel()
-    mean = s * frac
-    # Margin: 25% plus four binomial standard deviations plus a constant, so a fallback is rare.
-    j = min(s, int(math.ceil(1.25 * mean + 4.0 * math.sqrt(mean) + 16)))
-    return torch.topk(sample.float(), j, sorted=False).values.min()
+    return torch.topk(sample.float(), _sample_rank(sample.numel(), frac), sorted=False).values.min()
 
 
 def _kth_largest(pool: torch.Tensor, kth: int) -> torch.Tensor:
@@ -147,7 +153,10 @@ def _select(
 
     # Candidates at or above the sampled bound. nonzero syncs with the host once: the candidate count sizes
     # every buffer after it.
-    idx = torch.nonzero(flat >= lo).squeeze(1) if n > 0 else empty_idx
+    # The bound is the group's minimum, so this rank may see more than its own estimate: size by the larger.
+    s = min(n, _SAMPLE_SIZE)
+    expected = int(min(1.0, max(_sample_rank(s, frac) / max(1, s), 1.25 * frac)) * n)
+    idx, vals = candidates_ge(flat, lo.view(1), n, expected) if n > 0 else (empty_idx, flat[:0])
     count = torch.tensor([idx.numel()], dtype=torch.long, device=device)
     counts_host = (_all_gather(count, group, world).view(-1) if world > 1 else count).tolist()
     if sum(counts_host) < big_k:
@@ -156,7 +165,7 @@ def _select(
         idx = torch.nonzero(flat >= _kth_largest(flat, min(big_k, n))).squeeze(1) if n > 0 else empty_idx
         count = torch.tensor([idx.numel()], dtype=torch.long, device=device)
         counts_host = (_all_gather(count, group, world).view(-1) if world > 1 else count).tolist()
-    vals = flat[idx]
+        vals = flat[idx]
 
     if world > 1:
         padded = torch.full((max(counts_host),), float("-inf"), dtype=vals.dtype, device=device)

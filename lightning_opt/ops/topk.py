@@ -11,8 +11,11 @@ BatchTopK algorithm (``batch_topk_rows``), for ``R`` rows of ``M`` entries keepi
 
 1. A per-row lower bound ``lo`` from a fixed-seed sample of columns: a value that about ``1.25 n`` entries
    of the row reach (with a binomial margin), so every true top-``n`` entry is at or above it.
-2. Candidates ``nonzero(x >= lo)`` (one host sync: the count sizes the rest). If a row has fewer than
-   ``n`` candidates (unlucky sample) that row falls back to ``lo = -inf``.
+2. Candidates: the entries with ``x >= lo``, as ascending flat indices and values (one host sync: the count
+   sizes the rest). On CUDA with Triton installed this is one fused pass (compare, block-local prefix sum,
+   one atomic per block, compaction into preallocated buffers; ``ops._topk_triton``) followed by a sort of
+   the few hits; otherwise ``nonzero(x >= lo)``. Both give the same indices. If a row has fewer than ``n``
+   candidates (unlucky sample) that row falls back to ``lo = -inf``.
 3. Per row, the ``n``-th largest candidate is the exact threshold ``t``; keep ``> t`` and the first
    ``n - count(> t)`` entries ``== t``.
 
@@ -36,6 +39,9 @@ __all__ = [
 
 _SAMPLE_COLS = 1 << 15
 _SEED = 0x7A9B
+# candidate step: "auto" (Triton kernel on CUDA when importable, else torch), "torch" or "triton"
+CANDIDATES_BACKEND = "auto"
+
 def _check_k(n_keep: int, m: int, what: str) -> None:
     if isinstance(n_keep, bool) or not isinstance(n_keep, int) or n_keep < 0:
         raise ValueError(f"{what} must be a non-negative int, got {n_keep!r}")
@@ -43,12 +49,13 @@ def _check_k(n_keep: int, m: int, what: str) -> None:
         raise ValueError(f"{what}={n_keep} exceeds the {m} entries available; lower k.")
 
 
-def _row_lower_bounds(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
-    """Per-row value that at least ``n_keep`` entries reach with high probability."""
+def _row_lower_bounds(x2d: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, float]:
+    """Per-row value that at least ``n_keep`` entries reach with high probability, and the fraction of a
+    row expected to reach it (sizes the candidate buffers)."""
     rows, m = x2d.shape
     if m <= _SAMPLE_COLS:
         # The whole row is the sample: the n-th largest is exact.
-        return torch.topk(x2d.float(), n_keep, dim=1, sorted=False).values.amin(dim=1)
+        return torch.topk(x2d.float(), n_keep, dim=1, sorted=False).values.amin(dim=1), n_keep / m
     # A fresh fixed-seed generator: sampling must not advance the user's RNG stream.
     gen = torch.Generator(device=x2d.device).manual_seed(_SEED)
     cols = torch.randint(0, m, (_SAMPLE_COLS,), device=x2d.device, generator=gen)
@@ -56,7 +63,32 @@ def _row_lower_bounds(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
     mean = _SAMPLE_COLS * n_keep / m
     # 25% plus four binomial standard deviations plus a constant: a fallback is rare.
     j = min(_SAMPLE_COLS, int(math.ceil(1.25 * mean + 4.0 * math.sqrt(mean) + 16)))
-    return torch.topk(sample, j, dim=1, sorted=False).values.amin(dim=1)
+    return torch.topk(sample, j, dim=1, sorted=False).values.amin(dim=1), j / _SAMPLE_COLS
+
+
+def candidates_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int, expected: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ascending flat indices and values of the entries with ``flat[i] >= lo_rows[i // row_len]``.
+
+    Triton (one fused pass, see ``ops._topk_triton``) on CUDA when available, else ``nonzero``; the results
+    are identical. One host sync: the count sizes the result.
+
+    Args:
+        flat: 1-D scores.
+        lo_rows: per-row bounds (``flat``'s dtype).
+        row_len: entries per row.
+        expected: about how many hits to expect (sizes the Triton buffers; a miss costs a second pass).
+    """
+    backend = CANDIDATES_BACKEND
+    if backend != "torch":
+        from lightning_opt.ops import _topk_triton
+
+        if backend == "triton" or _topk_triton.available(flat):
+            # 30% headroom over the expected count: an overflow reruns the kernel with the exact size
+            return _topk_triton.compact_ge(flat, lo_rows, row_len, int(1.3 * expected) + 1024)
+    lo = lo_rows.to(flat.dtype)
+    mask = (flat.view(-1, row_len) >= lo[:, None]).view(-1) if lo.numel() > 1 else flat >= lo.view(())
+    idx = torch.nonzero(mask).squeeze(1)  # host sync: the count sizes the result
+    return idx, flat[idx]
 
 
 @torch.no_grad()
@@ -68,10 +100,12 @@ def _select_rows(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.long, device=device)
     if n_keep == m:
         return torch.arange(rows * m, device=device)
-    lo = _row_lower_bounds(x2d, n_keep).to(x2d.dtype)
+    lo, frac = _row_lower_bounds(x2d, n_keep)
+    lo = lo.to(x2d.dtype)
+    flat = x2d.reshape(-1)
     for _attempt in range(2):
-        # nonzero syncs with the host once: the candidate count sizes every buffer after it.
-        cand = torch.nonzero((x2d >= lo[:, None]).view(-1)).squeeze(1)
+        # one host sync: the candidate count sizes every buffer after it
+        cand, vals = candidates_ge(flat, lo, m, int(rows * min(m, math.ceil(frac * m))))
         row_of = torch.div(cand, m, rounding_mode="floor")
         counts = torch.bincount(row_of, minlength=rows)
         counts_host = counts.tolist()  # tiny (rows ints); the sync already happened in nonzero
@@ -85,7 +119,6 @@ def _select_rows(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
             )
         lo = lo.clone()
         lo[short] = float("-inf")
-    vals = x2d.reshape(-1)[cand]
     kept: list[torch.Tensor] = []
     start = 0
     for c in counts_host:
