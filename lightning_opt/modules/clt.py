@@ -106,8 +106,9 @@ class CLTModule(TrainingModule):
     ``lambda`` ramping linearly from 0 to ``sparsity_coef`` over the first ``sparsity_ramp_fraction`` of the
     run. A feature is dead when it has not fired for ``dead_tokens`` training tokens.
 
-    Per-step cost: the training metrics (FVU, L0, dead fraction) and every ``self.log`` call run only on the
-    steps the Trainer writes logs (``log_every_n_steps``), so other steps do no metric work. AuxK is skipped
+    Per-step cost: the training metrics (FVU, L0, dead fraction, ...) are computed and logged only on the
+    steps the Trainer writes logs (``log_every_n_steps``) and on the last batch of an epoch; ``train/loss``
+    is logged every step (a device tensor: no host sync unless a logger or progress bar reads it). AuxK is skipped
     without a host sync while no feature is dead (the previous step's answer is copied to pinned host memory
     asynchronously and is complete once the forward's own selection sync has happened) and otherwise
     considers at most ``aux_max_dead`` dead features per layer, the ones silent longest (see
@@ -258,7 +259,7 @@ class CLTModule(TrainingModule):
         flag, event = self._any_dead
         if event is not None:
             # Recorded at the end of the previous step; the forward's top-k selection has synced with the
-            # host since, so this returns at once and the answer is the same on every rank.
+            # host since, so this returns at once (a deterministic answer, not a racy query()).
             event.synchronize()
         return bool(flag)
 
@@ -328,9 +329,11 @@ class CLTModule(TrainingModule):
                     sse, sst = fvu_per_layer(clt.denormalize(out.recon.detach()), y)
                     logs["train/fvu"] = sse.sum() / sst.sum().clamp_min(1e-12)
         if log:
-            logs["train/loss"] = loss.detach()
             self.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False)
-            self.log("train/loss_pb", loss.detach(), prog_bar=True, logger=False)
+        # every step (a monitored key must always exist); a device tensor, so no sync unless a logger or the
+        # progress bar reads it
+        self.log("train/loss", loss.detach(), on_step=True, on_epoch=False)
+        self.log("train/loss_pb", loss.detach(), prog_bar=True, logger=False)
         self.count_tokens(n)
         return loss
 

@@ -216,6 +216,46 @@ def test_auxk_uses_only_dead_features() -> None:
     assert g[5:].abs().sum() == 0 and g[:5].abs().sum() > 0
 
 
+def _auxk_grads(clt: CLT, pre: torch.Tensor, residual: torch.Tensor, dead: torch.Tensor, **kw):
+    clt.zero_grad(set_to_none=True)
+    p = pre.detach().requires_grad_(True)
+    loss = auxk_loss(clt, p, residual, dead, 4, **kw)
+    loss.backward()
+    return loss.detach(), p.grad, [w.grad.clone() for w in clt.W_dec]
+
+
+@pytest.mark.parametrize("via_decode_sparse", [False, True])
+def test_auxk_capped_dead_set_equals_full_when_few_are_dead(via_decode_sparse: bool) -> None:
+    clt = make("batchtopk_global", k=3)
+    torch.manual_seed(1)
+    pre, residual = clt.encode(torch.randn(N, L, D)).detach(), torch.randn(N, L, D)
+    dead = torch.zeros(L, NF, dtype=torch.bool)
+    dead[0, [1, 4, 9, 12, 15]] = True
+    dead[2, [0, 3]] = True
+    staleness = torch.randint(0, 100, (L, NF)) + dead * 1000
+    if via_decode_sparse:  # what a strategy that wraps decode_sparse sees: the mapped sparse path
+        clt.decode_sparse = clt.decode_sparse
+    full = _auxk_grads(clt, pre, residual, dead)
+    capped = _auxk_grads(clt, pre, residual, dead, max_dead=6, staleness=staleness)
+    torch.testing.assert_close(capped[0], full[0])
+    torch.testing.assert_close(capped[1], full[1])
+    for a, b in zip(capped[2], full[2]):
+        torch.testing.assert_close(a, b)
+    assert float(full[0]) != pytest.approx(1.0)  # the dead features took part
+
+
+def test_auxk_cap_keeps_the_stalest_dead_features() -> None:
+    clt = make("batchtopk_global", k=3)
+    pre, residual = clt.encode(torch.randn(N, L, D)).detach(), torch.randn(N, L, D)
+    dead = torch.ones(L, NF, dtype=torch.bool)
+    staleness = torch.arange(NF).repeat(L, 1)  # features 12..15 are silent longest
+    _, gpre, gdec = _auxk_grads(clt, pre, residual, dead, max_dead=4, staleness=staleness)
+    assert gpre[:, :, :12].abs().sum() == 0 and gpre[:, :, 12:].abs().sum() > 0
+    assert gdec[0][:12].abs().sum() == 0 and gdec[0][12:].abs().sum() > 0
+    with pytest.raises(ValueError, match="max_dead"):
+        auxk_loss(clt, pre, residual, dead, 4, max_dead=0)
+
+
 # ---------------------------------------------------------- normalisation
 def _stats(x: torch.Tensor, y: torch.Tensor) -> dict:
     return {

@@ -135,3 +135,45 @@ def test_gpt2_small_clt_fits_one_80gb_gpu(tmp_path) -> None:
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(Repeat(), batch_size=None))
     assert torch.cuda.max_memory_allocated() < 78e9
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
+
+
+def _xy_loader(batches: int, n: int = 32, layers: int = 2, d: int = 8):
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(n, layers, d, generator=g), torch.randn(n, layers, d, generator=g)) for _ in range(batches)]
+    return torch.utils.data.DataLoader(data, batch_size=None)
+
+
+def test_train_metrics_only_on_logging_steps(tmp_path) -> None:
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    cfg = CLTConfig(n_layers=2, d_model=8, n_features=32, activation="batchtopk_global", k=4)
+    module = CLTModule(cfg, sparsity_coef=1e-4, aux_coef=0.03, aux_k=4, aux_max_dead=8, dead_tokens=32)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=CSVLogger(tmp_path, name="m"),
+                        log_every_n_steps=3, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(module, train_dataloaders=_xy_loader(7))
+    rows = list(csv.DictReader(open(trainer.logger.log_dir + "/metrics.csv")))
+    steps_with = lambda key: sorted(int(r["step"]) for r in rows if r.get(key))  # noqa: E731
+    assert steps_with("train/fvu") == [2, 5]  # the logger writes every 3rd step
+    assert steps_with("train/auxk") == [2, 5] and steps_with("train/l0") == [2, 5]
+    assert steps_with("train/loss") == [2, 5]
+    # callbacks (e.g. a checkpoint monitor) see the latest values
+    for key in ("train/loss", "train/fvu", "train/l0", "train/dead_fraction"):
+        assert key in trainer.callback_metrics, key
+
+
+@pytest.mark.parametrize("activation,expect_dead", [("relu", False), ("batchtopk_global", True)])
+def test_auxk_is_skipped_while_no_feature_is_dead(tmp_path, activation: str, expect_dead: bool) -> None:
+    # relu on random data: every feature fires in every batch, so none is ever dead and AuxK is skipped
+    # (without a host sync on GPU); k=1 of 2 * 256 features leaves most of them dead.
+    cfg = CLTConfig(n_layers=2, d_model=8, n_features=256, activation=activation,
+                    k=1 if activation != "relu" else None)
+    module = CLTModule(cfg, aux_coef=0.03, aux_k=4, aux_max_dead=16, dead_tokens=32)
+    trainer = _trainer(tmp_path, 3, limit_val_batches=0)
+    trainer.fit(module, train_dataloaders=_xy_loader(3))
+    dead_now = bool((module.tokens_since_fired >= module.dead_tokens).any())
+    assert dead_now == expect_dead and module._maybe_dead() == expect_dead
+    with pytest.raises(ValueError, match="aux_max_dead"):
+        CLTModule(cfg, aux_k=8, aux_max_dead=4)
