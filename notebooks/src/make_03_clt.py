@@ -187,15 +187,21 @@ CELLS = [
         right = tok.decode(tokens[i + 1: min(end, i + 1 + after)].tolist())
         return (left + "[" + here + "]" + right).replace("\\n", "⏎")
 
+    in_context = acts.masked_fill((position < 16)[None, :, None], 0)  # [L, N, F]
+    freq_ctx = (in_context > 0).float().mean(dim=1)
     for layer in (0, L_ - 1):
         # features that fire on 0.2-5% of tokens: the densest ones tend to be generic
-        order = torch.argsort(freq[layer], descending=True)
-        chosen = [f for f in order.tolist() if 0.002 < freq[layer, f] < 0.05][:3] or order[:3].tolist()
+        order = torch.argsort(freq_ctx[layer], descending=True)
+        chosen = [f for f in order.tolist() if 0.002 < freq_ctx[layer, f] < 0.05][:3]
+        chosen = chosen or [f for f in order[:3].tolist() if freq_ctx[layer, f] > 0]
+        if not chosen:
+            print(f"layer {layer}: no feature fires after position 16 yet (train longer)")
         for feature in chosen:
-            values, where = acts[layer, :, feature].masked_fill(position < 16, 0).topk(4)
-            print(f"layer {layer} feature {feature} (fires on {freq[layer, feature]:.1%} of tokens)")
+            values, where = in_context[layer, :, feature].topk(4)
+            print(f"layer {layer} feature {feature} (fires on {freq_ctx[layer, feature]:.1%} of tokens)")
             for v, i in zip(values.tolist(), where.tolist()):
-                print(f"   {v:6.2f}  {context(i)!r}")
+                if v > 0:
+                    print(f"   {v:6.2f}  {context(i)!r}")
     """),
 ]
 
