@@ -7,8 +7,12 @@ synthetic activations; 4096 / 8192 / 16384 / 32768 features per layer. Per featu
   sparsity + pre-activation loss, backward, fused AdamW.
 * ``ours_sparse``: the same with the sparse decode (``ops.sparse_decode``: Triton on CUDA).
 * ``module``: the real ``CLTModule`` in a Lightning ``Trainer`` (bf16-mixed) with the gpt2-small config's
-  loss terms (tanh sparsity, pre-activation, AuxK active from the second step, dead-feature tracking, train
-  metrics).
+  loss terms (tanh sparsity, pre-activation, AuxK with aux_k=16 and its default ``aux_max_dead`` active from
+  the second step - ``dead_tokens`` is one batch, so every feature silent in the last batch is dead -,
+  dead-feature tracking, train metrics every ``log_every_n_steps=50``) and ``decode=auto`` (the decode the
+  module picks by F). ``module_noaux``: the same with ``aux_coef=0``. Both also count the host syncs of one
+  extra step (``torch.cuda.set_sync_debug_mode``) and, at ``--profile-features``, record the top kernels of
+  one step (``torch.profiler``).
 * ``select_ours`` / ``select_torch_topk`` / ``select_global_topk``: the BatchTopK selection alone on the bf16
   pre-activations ``[12 * 4096 * F]`` (ours = ``ops.topk.batch_topk_rows``; ``torch.topk`` of k*tokens; the
   strategies helper's ``global_batch_topk`` with ``group=None``).
@@ -23,7 +27,8 @@ Step time: median of CUDA-event intervals over ``--steps`` steps after ``--warmu
 AdamW state).
 
     python benchmarks/clt_step.py                   # CUDA, about 3 min on an H100
-    python benchmarks/clt_step.py --smoke           # CPU, seconds (tiny shapes; checks the script runs)
+    python benchmarks/clt_step.py --smoke           # CPU, seconds (tiny shapes; checks the script runs and
+                                                    # prints the module step's op profile)
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -115,9 +121,10 @@ def ours_step(nf: int, args: argparse.Namespace, dev: torch.device, sparse: bool
     return time_fn(step, dev, args.warmup, args.steps)
 
 
-def module_step(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
+def module_step(nf: int, args: argparse.Namespace, dev: torch.device, aux: bool = True) -> dict[str, Any]:
     """The real ``CLTModule`` under a Lightning ``Trainer`` (bf16-mixed), with the gpt2-small config's loss terms
-    (tanh sparsity, pre-activation, AuxK, dead tracking, train metrics): step time and peak memory."""
+    (tanh sparsity, pre-activation, AuxK unless ``aux=False``, dead tracking, train metrics): step time, peak
+    memory, host syncs of one step and (at ``--profile-features``) its top ops."""
     import lightning as L
     from torch.utils.data import DataLoader, IterableDataset
 
@@ -125,8 +132,10 @@ def module_step(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[st
 
     cfg = CLTConfig(n_layers=args.layers, d_model=args.d_model, n_features=nf, activation="batchtopk_global", k=args.k)
     with torch.device(dev):
-        module = CLTModule(cfg, sparsity_coef=1e-4, preact_coef=PREACT, aux_coef=0.03, aux_k=16,
+        module = CLTModule(cfg, sparsity_coef=1e-4, preact_coef=PREACT, aux_coef=0.03 if aux else 0.0, aux_k=16,
+                           aux_max_dead=args.aux_max_dead,
                            dead_tokens=args.tokens, decode=args.module_decode, eval_replacement=False)
+    decode = "sparse" if module._use_sparse(True) else "dense"
     x, y = synthetic(args.tokens, args.layers, args.d_model, dev)
 
     class Repeat(IterableDataset):
@@ -136,33 +145,56 @@ def module_step(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[st
 
     times: list[float] = []
     state: dict[str, Any] = {}
+    last = args.warmup + args.steps  # the extra step after the timed ones: sync count and profile
+    profile = nf == args.profile_features
 
     class Clock(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if batch_idx == args.warmup and dev.type == "cuda":
                 torch.cuda.synchronize(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
-            if batch_idx >= args.warmup:
+            if batch_idx == last:
+                _record(times, dev)
                 if dev.type == "cuda":
-                    ev = torch.cuda.Event(enable_timing=True)
-                    ev.record()
-                    times.append(ev)  # type: ignore[arg-type]
-                else:
-                    times.append(time.perf_counter())
+                    torch.cuda.synchronize(dev)
+                    state["peak"] = torch.cuda.max_memory_allocated(dev)
+                    torch.cuda.set_sync_debug_mode("warn")
+                state["warnings"] = warnings.catch_warnings(record=True)
+                state["caught"] = state["warnings"].__enter__()
+                warnings.simplefilter("always")
+                if profile:
+                    acts = [torch.profiler.ProfilerActivity.CPU]
+                    if dev.type == "cuda":
+                        acts.append(torch.profiler.ProfilerActivity.CUDA)
+                    try:  # a profiler failure (no CUPTI) must not lose the timings
+                        prof = torch.profiler.profile(activities=acts)
+                        prof.__enter__()
+                        state["prof"] = prof
+                    except Exception as err:
+                        state["prof_error"] = repr(err)
+                return
+            if args.warmup <= batch_idx < last:
+                _record(times, dev)
 
-        def on_train_end(self, trainer, pl_module) -> None:
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if batch_idx != last:
+                return
+            if "prof" in state:
+                _sync(dev)
+                try:
+                    state["prof"].__exit__(None, None, None)
+                except Exception as err:
+                    state["prof_error"] = repr(err)
+                    del state["prof"]
             if dev.type == "cuda":
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record()
-                times.append(ev)  # type: ignore[arg-type]
-                torch.cuda.synchronize(dev)
-                state["peak"] = torch.cuda.max_memory_allocated(dev)
-            else:
-                times.append(time.perf_counter())
+                torch.cuda.set_sync_debug_mode(0)
+            state["warnings"].__exit__(None, None, None)
+            syncs = [str(w.message) for w in state["caught"] if "synchroniz" in str(w.message)]
+            state["syncs"] = len(syncs)
 
     trainer = L.Trainer(
         accelerator="gpu" if dev.type == "cuda" else "cpu", devices=1,
-        precision="bf16-mixed" if dev.type == "cuda" else "32-true", max_steps=args.warmup + args.steps,
+        precision="bf16-mixed" if dev.type == "cuda" else "32-true", max_steps=last + 1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Clock()],
     )
@@ -171,8 +203,49 @@ def module_step(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[st
         ms = [a.elapsed_time(b) for a, b in zip(times[:-1], times[1:])]
     else:
         ms = [(b - a) * 1e3 for a, b in zip(times[:-1], times[1:])]
-    return {"median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms),
-            "peak_memory_gb": state.get("peak", 0) / 1e9, "decode": args.module_decode}
+    res = {"median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms),
+           "peak_memory_gb": state.get("peak", 0) / 1e9, "decode": decode, "aux": aux,
+           "aux_max_dead": module.aux_max_dead, "log_every_n_steps": trainer.log_every_n_steps,
+           "host_syncs_per_step": state.get("syncs") if dev.type == "cuda" else "not counted on CPU"}
+    try:
+        if "prof" in state:
+            res["profile_top_ops"] = _top_ops(state["prof"], dev)
+    except Exception as err:
+        state["prof_error"] = repr(err)
+    if "prof_error" in state:
+        res["profile_error"] = state["prof_error"]
+    return res
+
+
+def _record(times: list, dev: torch.device) -> None:
+    if dev.type == "cuda":
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        times.append(ev)
+    else:
+        times.append(time.perf_counter())
+
+
+def _top_ops(prof: Any, dev: torch.device, n: int = 15) -> list[dict[str, Any]]:
+    """The ``n`` ops with the largest self time (device time on CUDA) of one profiled step."""
+    rows = []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(e, "self_cuda_time_total", 0)
+        t = dev_us if dev.type == "cuda" else e.self_cpu_time_total
+        rows.append({"op": e.key, "self_ms": t / 1e3, "calls": e.count})
+    rows.sort(key=lambda r: -r["self_ms"])
+    return rows[:n]
+
+
+def _triton_ok(x: torch.Tensor) -> bool:
+    try:
+        from lightning_opt.ops import _topk_triton
+
+        return _topk_triton.available(x)
+    except Exception:
+        return False
 
 
 def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
@@ -182,8 +255,27 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     pre = torch.randn(args.layers * args.tokens * nf, device=dev, generator=g).to(dtype)
     out: dict[str, Any] = {}
+
+    from lightning_opt.ops import topk as topk_mod
+
+    def with_backend(backend: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            old, topk_mod.CANDIDATES_BACKEND = topk_mod.CANDIDATES_BACKEND, backend
+            try:
+                return fn()
+            finally:
+                topk_mod.CANDIDATES_BACKEND = old
+        return run
+
+    lo, frac = topk_mod._row_lower_bounds(pre.view(1, -1), n_keep)
+    lo = lo.to(pre.dtype)
+    expected = int(frac * pre.numel())
+    out["select_candidates_backend"] = "triton" if _triton_ok(pre) else "torch"
     variants: dict[str, Callable[[], Any]] = {
         "select_ours": lambda: batch_topk_rows(pre.view(1, -1), n_keep),
+        "select_ours_torch_candidates": with_backend("torch", lambda: batch_topk_rows(pre.view(1, -1), n_keep)),
+        "phase_candidates": lambda: topk_mod.candidates_ge(pre, lo, pre.numel(), expected),
+        "phase_candidates_torch": with_backend("torch", lambda: topk_mod.candidates_ge(pre, lo, pre.numel(), expected)),
         "select_torch_topk": lambda: torch.topk(pre, n_keep, sorted=False),
     }
     try:
@@ -204,6 +296,12 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
         out["select_exact"] = bool(idx.numel() == n_keep and torch.equal(vals.float().sort().values, ref.sort().values))
     except Exception as err:
         out["select_exact"] = repr(err)
+    try:  # the Triton and torch candidate paths must select the same indices
+        a = variants["select_ours"]()[0]
+        b = variants["select_ours_torch_candidates"]()[0]
+        out["select_backends_agree"] = bool(torch.equal(a, b))
+    except Exception as err:
+        out["select_backends_agree"] = repr(err)
     return out
 
 
@@ -292,8 +390,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--select-steps", type=int, default=10)
-    p.add_argument("--variants", nargs="+", default=["ours_dense", "ours_sparse", "module", "select", "peer"])
-    p.add_argument("--module-decode", default="dense", help="decode mode of the `module` variant")
+    p.add_argument("--variants", nargs="+",
+                   default=["ours_dense", "ours_sparse", "module", "module_noaux", "select", "peer"])
+    p.add_argument("--module-decode", default="auto", help="CLTModule decode of the module variants (auto|dense|sparse)")
+    p.add_argument("--aux-max-dead", type=int, default=1024, help="CLTModule aux_max_dead (its default)")
+    p.add_argument("--profile-features", type=int, default=8192,
+                   help="profile one module step (top ops) at this feature count")
     p.add_argument("--device", default=None)
     p.add_argument("--peer-timeout", type=int, default=240)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "clt_step.json"))
@@ -308,6 +410,7 @@ def main() -> None:
     if args.smoke:
         args.features, args.layers, args.d_model, args.tokens, args.k = [64, 128], 3, 16, 64, 4
         args.steps, args.warmup, args.select_steps = 2, 1, 2
+        args.profile_features, args.aux_max_dead = 128, 32
         if args.out.endswith("clt_step.json"):
             args.out = args.out.replace("clt_step.json", "clt_step_smoke.json")
     dev = torch.device(args.device)
@@ -318,8 +421,8 @@ def main() -> None:
             try:
                 if variant in ("ours_dense", "ours_sparse"):
                     row[variant] = ours_step(nf, args, dev, sparse=variant == "ours_sparse")
-                elif variant == "module":
-                    row[variant] = module_step(nf, args, dev)
+                elif variant in ("module", "module_noaux"):
+                    row[variant] = module_step(nf, args, dev, aux=variant == "module")
                 elif variant == "select":
                     row.update(selection(nf, args, dev))
                 elif variant == "peer":
@@ -342,8 +445,11 @@ def main() -> None:
     for nf, row in results.items():
         peer, peer_sel = ms(row, "peer_step"), ms(row, "peer_select")
         best = min([t for t in (ms(row, "ours_dense"), ms(row, "ours_sparse")) if t is not None], default=None)
+        mod, mod_noaux = ms(row, "module"), ms(row, "module_noaux")
         ratios[nf] = {
             "step_speedup_vs_peer": peer / best if peer and best else None,
+            "module_speedup_vs_peer": peer / mod if peer and mod else None,
+            "module_noaux_speedup_vs_peer": peer / mod_noaux if peer and mod_noaux else None,
             "select_speedup_vs_peer": peer_sel / ms(row, "select_ours") if peer_sel and ms(row, "select_ours") else None,
         }
     report = {
@@ -366,7 +472,8 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(f"\n{'features':>9} | {'ours dense':>10} | {'ours sparse':>11} | {'peer step':>9} | {'speedup':>7} | "
-          f"{'sel ours':>8} | {'sel topk':>8} | {'sel peer':>8} | {'module':>7} | {'peak GB dense/sparse/module/peer':>32}")
+          f"{'sel ours':>8} | {'sel topk':>8} | {'sel peer':>8} | {'module':>7} | {'mod-aux':>7} | {'mod x':>6} | "
+          f"{'peak GB dense/sparse/module/peer':>32}")
     for nf, row in results.items():
         def f(key: str, row: dict = row) -> str:
             v = ms(row, key)
@@ -376,10 +483,19 @@ def main() -> None:
         for key in ("ours_dense", "ours_sparse", "module", "peer_step"):
             v = row.get(key)
             peaks.append(f"{v['peak_memory_gb']:.1f}" if isinstance(v, dict) and "peak_memory_gb" in v else "-")
-        sp = ratios[nf]["step_speedup_vs_peer"]
+        sp, msp = ratios[nf]["step_speedup_vs_peer"], ratios[nf]["module_speedup_vs_peer"]
         print(f"{nf:>9} | {f('ours_dense'):>10} | {f('ours_sparse'):>11} | {f('peer_step'):>9} | "
               f"{(f'{sp:.2f}x' if sp else '-'):>7} | {f('select_ours'):>8} | {f('select_torch_topk'):>8} | "
-              f"{f('peer_select'):>8} | {f('module'):>7} | {'/'.join(peaks):>32}")
+              f"{f('peer_select'):>8} | {f('module'):>7} | {f('module_noaux'):>7} | "
+              f"{(f'{msp:.2f}x' if msp else '-'):>6} | {'/'.join(peaks):>32}")
+    for nf, row in results.items():
+        for key in ("module", "module_noaux"):
+            v = row.get(key)
+            if isinstance(v, dict) and "profile_top_ops" in v:
+                print(f"\n{key} at {nf} features: decode={v['decode']}, host syncs per step: "
+                      f"{v['host_syncs_per_step']}; top ops of one step (self time, ms):")
+                for op in v["profile_top_ops"][:12]:
+                    print(f"  {op['self_ms']:9.3f}  x{op['calls']:<4} {op['op'][:90]}")
     print(f"wrote {args.out}")
 
 
