@@ -393,7 +393,7 @@ def main() -> None:
     p.add_argument("--variants", nargs="+",
                    default=["ours_dense", "ours_sparse", "module", "module_noaux", "select", "peer"])
     p.add_argument("--module-decode", default="auto", help="CLTModule decode of the module variants (auto|dense|sparse)")
-    p.add_argument("--aux-max-dead", type=int, default=1024, help="CLTModule aux_max_dead (its default)")
+    p.add_argument("--aux-max-dead", type=int, default=512, help="CLTModule aux_max_dead (512 = its default)")
     p.add_argument("--profile-features", type=int, default=8192,
                    help="profile one module step (top ops) at this feature count")
     p.add_argument("--device", default=None)

@@ -144,7 +144,7 @@ class CLTModule(TrainingModule):
         preact_coef: float = 0.0,
         aux_coef: float = 0.0,
         aux_k: int = 64,
-        aux_max_dead: int | None = 1024,
+        aux_max_dead: int | None = 512,
         dead_tokens: int = 1_000_000,
         decode: str = "auto",
         eval_replacement: bool = True,

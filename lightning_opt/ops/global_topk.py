@@ -224,7 +224,8 @@ def global_batch_topk(
     vals = flat[idx] if keep is None else torch.where(keep, flat[idx], 0)
     # Scatter the candidates (non-kept ones multiplied by 0) into zeros: no second host sync, and the
     # gradient of every non-kept entry is exactly zero.
-    out = torch.zeros(x.numel(), dtype=x.dtype, device=x.device).index_put((idx,), vals)
+    # (index_put_ in place: the out-of-place form would first copy the whole zero tensor)
+    out = torch.zeros(x.numel(), dtype=x.dtype, device=x.device).index_put_((idx,), vals)
     return out.view_as(x)
 
 

@@ -184,7 +184,8 @@ def token_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def scatter_dense(indices: torch.Tensor, values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A zero tensor shaped like ``like`` holding ``values`` at ``indices`` (differentiable in values)."""
     flat = torch.zeros(like.numel(), dtype=values.dtype, device=values.device)
-    return flat.scatter(0, indices, values).view(like.shape)
+    # in place: the out-of-place scatter would first copy the whole zero tensor (autograd is fine with it)
+    return flat.scatter_(0, indices, values).view(like.shape)
 
 
 class JumpReLUFunction(torch.autograd.Function):
