@@ -60,6 +60,26 @@ class TrainingModule(L.LightningModule):
         scheduler = LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        """Clip without the precision plugin when no loss scaler is in use.
+
+        Lightning refuses to clip for optimizers that unscale internally (fused AdamW) under any
+        mixed precision, but with bf16 there is no scaler and the gradients are already true gradients.
+        ``clip_grad_norm_`` keeps the norm on the device: no host sync.
+        """
+        if not gradient_clip_val:
+            return
+        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:  # fp16: Lightning's path
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val, foreach=True)
+
     def count_tokens(self, batch_tokens: int) -> None:
         self.tokens_seen += batch_tokens * max(1, self.trainer.world_size if self._trainer else 1)
 

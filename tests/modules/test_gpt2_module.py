@@ -101,3 +101,16 @@ def test_number_logs_only_on_logger_steps(tmp_path):
     # steps 4 and 9 (0-based) are logger steps: both micro-batches of each log
     assert calls == [4, 4, 9, 9]
     assert "lr/group0" in trainer.callback_metrics and "tokens_seen" in trainer.callback_metrics
+
+
+def test_gradient_clipping_with_fused_adamw(tmp_path):
+    """Lightning refuses to clip for fused AdamW under mixed precision; our modules clip themselves."""
+    torch.manual_seed(0)
+    module = GPT2SpeedrunModule(CFG, OptimConfig(name="adamw", lr=3e-3, fused=True))
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", precision="bf16-mixed", gradient_clip_val=1e-3,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer.fit(module, _loader())
+    assert trainer.global_step == 3
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.parameters()))
