@@ -362,7 +362,20 @@ class CLT(nn.Module):
             return CLTOutput(recon, pre, None, idx, vals)
         if acts is None:
             acts = scatter_dense(idx, vals, pre)
+        if idx is not None and self.config.decoder_tying == "untied" and "decode" not in vars(self):
+            # not when a strategy wrapped decode (decoder sharding): it must see the dense call
+            return CLTOutput(self._decode_dense_sparse_grad(acts, idx, vals), pre, acts, idx, vals)
         return CLTOutput(self.decode(acts), pre, acts, idx, vals)
+
+    def _decode_dense_sparse_grad(self, acts: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` of top-k activations (``acts`` = ``vals`` scattered at ``idx``, zeros elsewhere) whose
+        backward computes the activation gradient at the kept entries only (see :class:`_DenseDecodeSparseGrad`)."""
+        L, N, nf = acts.shape
+        ws = [w.reshape(nf, -1).to(acts.dtype) for w in self.W_dec]
+        # One host sync: the layer bounds of the kept entries. The selection synced just before, so the queue
+        # it waits for is short.
+        bounds = torch.searchsorted(idx, torch.arange(L + 1, device=idx.device) * (N * nf)).tolist()
+        return _DenseDecodeSparseGrad.apply(vals, acts.detach(), idx, bounds, *ws) + self.b_dec
 
     # ----------------------------------------------------------- norms, misc
     def decoder_norms(self) -> torch.Tensor:
@@ -472,6 +485,69 @@ class CLT(nn.Module):
             out["W_dec"].append((self.full_decoder(layer).float() * self.out_scale[layer:][None]).contiguous())
             out["b_dec"].append(self.b_dec[layer].float() * self.out_scale[layer] + self.out_shift[layer])
         return out
+
+
+class _DenseDecodeSparseGrad(torch.autograd.Function):
+    """Dense decode (one ``[N, F] x [F, (L-l) d]`` matmul per source layer) of top-k activations.
+
+    Forward and the decoder gradient are the plain dense matmuls. The activation gradient is needed only at
+    the ``k N`` kept entries (the activations are zero elsewhere and only ``values`` carry gradients), so
+    instead of the dense ``grad_out @ W^T`` (as many FLOPs as the forward) it is a gather-dot per kept entry:
+    the Triton kernel of ``ops.sparse_decode`` on CUDA, a chunked torch gather elsewhere.
+
+    Inputs: ``values`` (differentiable, at ``indices``), ``acts`` ``[L, N, F]`` (detached dense form),
+    ``indices`` (flat into ``[L, N, F]``, grouped by layer), ``bounds`` (``L + 1`` layer offsets into
+    ``indices``), then the ``L`` decoders ``[F, (L - l) d]`` in the compute dtype. Output ``[N, L, d]`` float32.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, values: torch.Tensor, acts: torch.Tensor, indices: torch.Tensor, bounds: list[int],
+                *weights: torch.Tensor) -> torch.Tensor:
+        L, N, _ = acts.shape
+        d = weights[0].shape[1] // L
+        out = torch.zeros(N, L, d, dtype=torch.float32, device=acts.device)
+        for s, w in enumerate(weights):
+            out[:, s:] += (acts[s] @ w).view(N, L - s, d)
+        ctx.save_for_backward(acts, indices, *weights)
+        ctx.bounds, ctx.values_dtype = bounds, values.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        acts, indices, *weights = ctx.saved_tensors
+        L, N, nf = acts.shape
+        bounds = ctx.bounds
+        grad_out = grad_out.contiguous()  # e.g. an expanded (stride 0) gradient of a sum
+        grad_vals = torch.zeros(indices.numel(), dtype=torch.float32, device=acts.device)
+        grad_w: list[torch.Tensor | None] = [None] * L
+        for s, w in enumerate(weights):
+            g = grad_out[:, s:].reshape(N, -1).to(acts.dtype)  # [N, (L - s) d], the dtype of the matmuls
+            if ctx.needs_input_grad[4 + s]:
+                grad_w[s] = acts[s].t() @ g
+            lo, hi = bounds[s], bounds[s + 1]
+            if ctx.needs_input_grad[0] and hi > lo:
+                local = indices[lo:hi] - s * N * nf
+                tok = torch.div(local, nf, rounding_mode="floor")
+                grad_vals[lo:hi] = _gather_dot(local - tok * nf, tok, g, w)
+        return (grad_vals.to(ctx.values_dtype), None, None, None, *grad_w)
+
+
+def _gather_dot(feat: torch.Tensor, tok: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``out[e] = <g[tok[e]], w[feat[e]]>`` in float32 (``g``'s rows may be strided, columns contiguous)."""
+    if w.is_cuda:
+        from lightning_opt._optional import is_available
+        from lightning_opt.ops import sparse_decode as sd
+
+        if is_available("triton") and sd._triton_works(w.device):
+            from lightning_opt.ops import _sparse_decode_triton as kernels
+
+            return kernels.grad_values(feat, tok, g, w.contiguous())
+    out = torch.empty(feat.numel(), dtype=torch.float32, device=w.device)
+    step = max(1, (1 << 24) // max(1, w.shape[1]))  # bounds the [chunk, D] temporaries
+    for i in range(0, feat.numel(), step):
+        f, t = feat[i : i + step], tok[i : i + step]
+        out[i : i + step] = (g[t].float() * w[f].float()).sum(-1)
+    return out
 
 
 def _sparse_decode_layers(

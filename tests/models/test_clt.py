@@ -18,6 +18,7 @@ from lightning_opt.models.clt import (
     tanh_sparsity_penalty,
     tanh_sparsity_penalty_sparse,
 )
+from lightning_opt.ops.topk import scatter_dense
 
 L, D, NF, N = 3, 8, 16, 20
 
@@ -216,6 +217,26 @@ def test_auxk_uses_only_dead_features() -> None:
     assert g[5:].abs().sum() == 0 and g[:5].abs().sum() > 0
 
 
+@pytest.mark.parametrize("activation", ["batchtopk_global", "batchtopk", "topk"])
+def test_dense_decode_with_sparse_activation_grad_matches_plain_dense(activation: str) -> None:
+    # forward(dense=True) of top-k activations computes d/dvalues only at the kept entries (gather-dot)
+    clt = make(activation, k=3)
+    x, y = torch.randn(N, L, D), torch.randn(N, L, D)
+    grads = []
+    for plain in (False, True):
+        clt.zero_grad(set_to_none=True)
+        if plain:
+            pre = clt.encode(x)
+            _, idx, vals = clt.activate(pre)
+            recon = clt.decode(scatter_dense(idx, vals, pre))
+        else:
+            recon = clt(x, dense=True).recon
+        (recon - y).pow(2).sum().backward()
+        grads.append([recon.detach()] + [p.grad.clone() for p in (clt.W_enc, clt.b_enc, clt.b_dec, *clt.W_dec)])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def _auxk_grads(clt: CLT, pre: torch.Tensor, residual: torch.Tensor, dead: torch.Tensor, **kw):
     clt.zero_grad(set_to_none=True)
     p = pre.detach().requires_grad_(True)
@@ -348,3 +369,28 @@ def test_sparse_and_dense_decode_agree_on_gpu_bf16() -> None:
         dense = clt(x, dense=True).recon
         sparse = clt(x, dense=False).recon
     torch.testing.assert_close(sparse, dense, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dense_decode_sparse_grad_matches_plain_dense_on_gpu_bf16() -> None:
+    # the gather-dot backward (Triton kernel of ops.sparse_decode) against the dense matmul backward
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        clt = CLT(CLTConfig(n_layers=4, d_model=64, n_features=512, activation="batchtopk_global", k=16))
+        x, y = torch.randn(256, 4, 64), torch.randn(256, 4, 64)
+    grads = []
+    for plain in (False, True):
+        clt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if plain:
+                pre = clt.encode(x)
+                _, idx, vals = clt.activate(pre)
+                recon = clt.decode(scatter_dense(idx, vals, pre))
+            else:
+                recon = clt(x, dense=True).recon
+            loss = (recon - y).pow(2).mean()
+        loss.backward()
+        grads.append([clt.W_enc.grad.clone(), clt.W_dec[0].grad.clone(), clt.W_dec[3].grad.clone()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-3 * float(b.abs().max()))
