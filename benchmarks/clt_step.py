@@ -5,6 +5,8 @@ synthetic activations; 4096 / 8192 / 16384 / 32768 features per layer. Per featu
 
 * ``ours_dense``: ``CLT`` forward (batched encoder, exact global BatchTopK), dense decode, MSE + tanh
   sparsity + pre-activation loss, backward, fused AdamW.
+* ``ours_dense_plaingrad``: the same with the activation gradient of the dense decode as a dense matmul
+  (``CLT.dense_sparse_grad = False``, the behaviour before the gather-dot backward).
 * ``ours_sparse``: the same with the sparse decode (``ops.sparse_decode``: Triton on CUDA).
 * ``module``: the real ``CLTModule`` in a Lightning ``Trainer`` (bf16-mixed) with the gpt2-small config's
   loss terms (tanh sparsity, pre-activation, AuxK with aux_k=16 and its default ``aux_max_dead`` active from
@@ -100,10 +102,12 @@ def synthetic(n: int, layers: int, d: int, dev: torch.device) -> tuple[torch.Ten
     return x, y
 
 
-def ours_step(nf: int, args: argparse.Namespace, dev: torch.device, sparse: bool) -> dict[str, Any]:
+def ours_step(nf: int, args: argparse.Namespace, dev: torch.device, sparse: bool,
+              sparse_grad: bool = True) -> dict[str, Any]:
     cfg = CLTConfig(n_layers=args.layers, d_model=args.d_model, n_features=nf, activation="batchtopk_global", k=args.k)
     with torch.device(dev):
         clt = CLT(cfg)
+    clt.dense_sparse_grad = sparse_grad
     opt = torch.optim.AdamW(clt.parameters(), lr=1e-4, fused=dev.type == "cuda")
     x, y = synthetic(args.tokens, args.layers, args.d_model, dev)
     amp = dev.type == "cuda"
@@ -391,7 +395,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--select-steps", type=int, default=10)
     p.add_argument("--variants", nargs="+",
-                   default=["ours_dense", "ours_sparse", "module", "module_noaux", "select", "peer"])
+                   default=["ours_dense", "ours_dense_plaingrad", "ours_sparse", "module", "module_noaux", "select",
+                            "peer"])
     p.add_argument("--module-decode", default="auto", help="CLTModule decode of the module variants (auto|dense|sparse)")
     p.add_argument("--aux-max-dead", type=int, default=512, help="CLTModule aux_max_dead (512 = its default)")
     p.add_argument("--profile-features", type=int, default=8192,
@@ -419,8 +424,9 @@ def main() -> None:
         row: dict[str, Any] = {}
         for variant in args.variants:
             try:
-                if variant in ("ours_dense", "ours_sparse"):
-                    row[variant] = ours_step(nf, args, dev, sparse=variant == "ours_sparse")
+                if variant in ("ours_dense", "ours_sparse", "ours_dense_plaingrad"):
+                    row[variant] = ours_step(nf, args, dev, sparse=variant == "ours_sparse",
+                                             sparse_grad=variant != "ours_dense_plaingrad")
                 elif variant in ("module", "module_noaux"):
                     row[variant] = module_step(nf, args, dev, aux=variant == "module")
                 elif variant == "select":
@@ -471,7 +477,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
-    print(f"\n{'features':>9} | {'ours dense':>10} | {'ours sparse':>11} | {'peer step':>9} | {'speedup':>7} | "
+    print(f"\n{'features':>9} | {'ours dense':>10} | {'dense plain-grad':>16} | {'ours sparse':>11} | {'peer step':>9} | {'speedup':>7} | "
           f"{'sel ours':>8} | {'sel topk':>8} | {'sel peer':>8} | {'module':>7} | {'mod-aux':>7} | {'mod x':>6} | "
           f"{'peak GB dense/sparse/module/peer':>32}")
     for nf, row in results.items():
@@ -484,7 +490,7 @@ def main() -> None:
             v = row.get(key)
             peaks.append(f"{v['peak_memory_gb']:.1f}" if isinstance(v, dict) and "peak_memory_gb" in v else "-")
         sp, msp = ratios[nf]["step_speedup_vs_peer"], ratios[nf]["module_speedup_vs_peer"]
-        print(f"{nf:>9} | {f('ours_dense'):>10} | {f('ours_sparse'):>11} | {f('peer_step'):>9} | "
+        print(f"{nf:>9} | {f('ours_dense'):>10} | {f('ours_dense_plaingrad'):>16} | {f('ours_sparse'):>11} | {f('peer_step'):>9} | "
               f"{(f'{sp:.2f}x' if sp else '-'):>7} | {f('select_ours'):>8} | {f('select_torch_topk'):>8} | "
               f"{f('peer_select'):>8} | {f('module'):>7} | {f('module_noaux'):>7} | "
               f"{(f'{msp:.2f}x' if msp else '-'):>6} | {'/'.join(peaks):>32}")

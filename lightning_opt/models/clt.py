@@ -158,6 +158,8 @@ class CLT(nn.Module):
         L, d, nf = config.n_layers, config.d_model, config.n_features
         self.topk_group: Any = None
         self.sparse_decode_impl = "auto"  # backend of ops.sparse_decode: auto | torch | triton
+        # dense decode of top-k activations: activation gradient at the kept entries only (False: dense matmul)
+        self.dense_sparse_grad = True
         self.d_out_slice: tuple[int, int] | None = None
         self.W_enc = nn.Parameter(torch.empty(L, d, nf))
         self.b_enc = nn.Parameter(torch.zeros(L, nf))
@@ -362,7 +364,8 @@ class CLT(nn.Module):
             return CLTOutput(recon, pre, None, idx, vals)
         if acts is None:
             acts = scatter_dense(idx, vals, pre)
-        if idx is not None and self.config.decoder_tying == "untied" and "decode" not in vars(self):
+        if (idx is not None and self.dense_sparse_grad and self.config.decoder_tying == "untied"
+                and "decode" not in vars(self)):
             # not when a strategy wrapped decode (decoder sharding): it must see the dense call
             return CLTOutput(self._decode_dense_sparse_grad(acts, idx, vals), pre, acts, idx, vals)
         return CLTOutput(self.decode(acts), pre, acts, idx, vals)
