@@ -180,6 +180,11 @@ class CLTModule(TrainingModule):
         self.val_kl = ScalarMean()
         self.val_agree = ScalarMean()
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_any_dead"] = None  # a CUDA event cannot be copied or pickled; the next step recomputes it
+        return state
+
     # ------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None

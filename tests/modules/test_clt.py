@@ -175,5 +175,8 @@ def test_auxk_is_skipped_while_no_feature_is_dead(tmp_path, activation: str, exp
     trainer.fit(module, train_dataloaders=_xy_loader(3))
     dead_now = bool((module.tokens_since_fired >= module.dead_tokens).any())
     assert dead_now == expect_dead and module._maybe_dead() == expect_dead
+    import copy
+
+    assert copy.deepcopy(module)._maybe_dead()  # a copy does not carry the flag (nor a CUDA event)
     with pytest.raises(ValueError, match="aux_max_dead"):
         CLTModule(cfg, aux_k=8, aux_max_dead=4)
