@@ -49,12 +49,14 @@ _DEVICE = ("device_name", "device", "gpu_name", "gpu", "machine", "hardware")
 _COMMAND = ("command", "cmd", "command_line", "argv")
 _DATE = ("date_utc", "date", "timestamp", "time_utc", "created", "when")
 _NESTED = ("env", "environment", "meta", "metadata", "versions", "system", "info", "config", "args")
-_HEADLINE = re.compile(r"speedup|ratio|overhead|stall|reduction|_vs_|/|mfu|parity|max_abs|max_rel|saved|frac")
+_HEADLINE = re.compile(r"speedup|ratio|overhead|stall|reduction|_vs_|/|mfu|parity|max_abs|max_rel|saved")
+# Path segments that hold settings rather than measurements (``baseline_spec.model.mlp_ratio`` is no headline).
+_SETTINGS = re.compile(r"spec|config|args|settings|hparams|hyper|schedule|optim")
 # Preferred columns to plot, in order (first match wins): throughputs and speed-ups, then times.
 _PLOT_PREFS = (r"speedup", r"tokens_per_s(ec)?$", r"per_s(ec)?$", r"throughput", r"step_ms$", r"median_ms$",
                r"_ms$", r"^ms$",
                r"stall", r"_s$", r"seconds")
-_MEASURED = re.compile(r"bytes|_ms|_s$|per_|mem|params|loss|time|count|total|tokens")
+_MEASURED = re.compile(r"bytes|_ms|_s$|mem|params|loss|time|count|total|tokens")
 _LABEL_MAX = 3
 _TABLE_COLUMNS = 14
 _TABLE_ROWS = 60
@@ -220,7 +222,9 @@ def read_result(path: Path) -> Result:
     r.smoke = find_smoke(data, path.name)
     r.tables = find_tables(data)
     leaves = numeric_leaves(data) if isinstance(data, dict) else []
-    r.headline = [(k, v) for k, v in leaves if _HEADLINE.search(k.lower())][:12]
+    r.headline = [(k, v) for k, v in leaves if _HEADLINE.search(k.lower().rsplit(".", 1)[-1])
+                  and not any(_SETTINGS.search(seg) for seg in k.lower().split(".")[:-1])
+                  and not re.search(r"(mlp|min|max)_ratio$", k.lower())][:12]
     r.errors = find_errors(data)
     for pattern, page, generator in OWN_PAGES:
         if pattern.search(path.name):
@@ -272,7 +276,7 @@ def row_label(table: Table, row: dict[str, Any], metric: str) -> str:
              and len({r.get(c) for r in table.rows}) > 1 and c not in text and not _MEASURED.search(c.lower())]
     parts = [str(row[c]) for c in text[:_LABEL_MAX]] + [f"{c}={row[c]}" for c in small[: max(0, _LABEL_MAX - len(text))]]
     label = " ".join(parts) or "row"
-    return label if len(label) <= 60 else label[:57] + "..."
+    return label if len(label) <= 80 else label[:77] + "..."
 
 
 def plot_table(table: Table, title: str, path: Path) -> str | None:
@@ -290,7 +294,7 @@ def plot_table(table: Table, title: str, path: Path) -> str | None:
 
     labels = [row_label(table, r, metric) for r in rows]
     values = [float(r[metric]) for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.2))
+    fig, ax = plt.subplots(figsize=(10, 0.32 * len(rows) + 1.2))
     ax.barh(range(len(rows)), values, color="tab:blue")
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.invert_yaxis()
@@ -361,6 +365,8 @@ def headline_cell(r: Result, limit: int = 2) -> str:
         metric = plot_column(t)
         if metric:
             best = [row for row in t.rows if is_number(row.get(metric))]
+            if re.search(r"speedup|per_s|throughput|mfu", metric.lower()):  # higher is better: the best rows
+                best.sort(key=lambda row: -float(row[metric]))
             parts = [f"{row_label(t, row, metric)}: {metric} = {fmt(row[metric])}" for row in best[:limit]]
         else:
             parts = [f"{len(t.rows)} rows in `{t.path}`"]
