@@ -49,7 +49,7 @@ def test_tms_recipe_writes_mmcs_ml2r_ci_l0(tmp_path):
     assert -1.0 <= m["mmcs"] <= 1.0
 
 
-@pytest.mark.parametrize("config", ["spd_tms_40-10.yaml", "spd_tms_5-2-id.yaml", "spd_resid_mlp1.yaml", "spd_resid_mlp2.yaml"])
+@pytest.mark.parametrize("config", ["spd_tms_40-10.yaml", "spd_tms_5-2-id.yaml", "spd_resid_mlp1.yaml", "spd_resid_mlp2.yaml", "spd_resid_mlp3.yaml"])
 def test_other_toy_configs_parse_and_run_two_steps(tmp_path, config):
     m = _run(
         tmp_path, config,
