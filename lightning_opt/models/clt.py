@@ -158,8 +158,10 @@ class CLT(nn.Module):
         L, d, nf = config.n_layers, config.d_model, config.n_features
         self.topk_group: Any = None
         self.sparse_decode_impl = "auto"  # backend of ops.sparse_decode: auto | torch | triton
-        # dense decode of top-k activations: activation gradient at the kept entries only (False: dense matmul)
-        self.dense_sparse_grad = True
+        # dense decode of top-k activations: activation gradient at the kept entries only (True) or the
+        # plain dense matmul (False). Off by default: on an H100 the gather kernel made the step slower
+        # (8192 features: 102 ms vs 65 ms; benchmarks/results/clt_step.json, rows ours_dense*)
+        self.dense_sparse_grad = False
         self.d_out_slice: tuple[int, int] | None = None
         self.W_enc = nn.Parameter(torch.empty(L, d, nf))
         self.b_enc = nn.Parameter(torch.zeros(L, nf))
