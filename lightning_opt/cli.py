@@ -149,10 +149,37 @@ class RecipeCLI(LightningCLI):
             cfg.trainer.precision = "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
 
 
+def check_checkpoint_file(path: str | os.PathLike) -> None:
+    """Refuse a missing, truncated or damaged checkpoint before any work starts, naming the file."""
+    import zipfile
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"checkpoint {str(p)!r} does not exist or is not a file; check --ckpt_path")
+    try:
+        with zipfile.ZipFile(p):  # torch.save writes a zip archive; a cut file has no central directory
+            pass
+    except (zipfile.BadZipFile, OSError) as err:
+        raise ValueError(
+            f"checkpoint {str(p)!r} is truncated or damaged ({err}); resume from an earlier checkpoint "
+            "(AsyncCheckpoint keeps the last K) or start without --ckpt_path"
+        ) from err
+
+
 def run_recipe(cli: RecipeCLI, summary: RunSummary, **extra: Any) -> dict[str, Any]:
     """Fit, validate once more if the last step was not validated, write ``metrics.json``."""
     trainer, model, data = cli.trainer, cli.model, cli.datamodule
-    trainer.fit(model, datamodule=data, ckpt_path=cli.config.get("ckpt_path"))
+    block = getattr(getattr(model, "model_config", None), "block_size", None)
+    seq_len = getattr(data, "seq_len", None)
+    if block is not None and seq_len is not None and seq_len > block:
+        raise ValueError(
+            f"data.seq_len={seq_len} exceeds the model's context model.model_config.block_size={block}; "
+            "lower data.seq_len or raise block_size"
+        )
+    ckpt_path = cli.config.get("ckpt_path")
+    if ckpt_path not in (None, "last", "hpc", "best", "registry"):
+        check_checkpoint_file(ckpt_path)
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     if not summary.val_history or summary.val_history[-1]["step"] != trainer.global_step:
         trainer.validate(model, datamodule=data, verbose=False)
     metrics = summary.summary(trainer, model, **extra)

@@ -302,6 +302,14 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = cfg = config
+        if cfg.attn_backend == "flash":
+            from lightning_opt.ops.attention import flash_available
+
+            if not flash_available():  # say so now, not at the first training step
+                raise ImportError(
+                    "GPTConfig.attn_backend='flash' needs flash-attn: pip install 'lightning-opt[gpu]' "
+                    "(or set attn_backend='auto' to fall back to PyTorch SDPA)"
+                )
         v = cfg.padded_vocab_size
         self.wte = nn.Embedding(v, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos_emb == "learned" else None

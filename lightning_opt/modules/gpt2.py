@@ -49,6 +49,15 @@ class GPT2SpeedrunModule(TrainingModule):
         self.val_loss = MeanMetric()
         self.flops_per_batch: float | None = None
 
+    def setup(self, stage: str) -> None:
+        data = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        seq_len = getattr(data, "seq_len", None)
+        if seq_len is not None and seq_len > self.model_config.block_size:
+            raise ValueError(
+                f"data.seq_len={seq_len} exceeds the model's context model_config.block_size="
+                f"{self.model_config.block_size}; lower data.seq_len or raise block_size"
+            )
+
     def configure_model(self) -> None:
         if self.compile_model and not getattr(self, "_compiled", False):
             self.model.compile(dynamic=False)
