@@ -132,7 +132,6 @@ class RecipeCLI(LightningCLI):
         if data is not None and "train_files" in data and data.get("train_files") in (None, "builtin"):
             # the offline demo corpus: Python's own documentation, tokenized on first use and cached
             from lightning_opt.data.corpus import default_corpus_shards
-
             from lightning_opt.data.shards import read_shard
 
             train, val = default_corpus_shards()

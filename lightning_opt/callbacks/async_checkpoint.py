@@ -502,7 +502,7 @@ class AsyncCheckpoint(Checkpoint):
             _fsync(os.path.dirname(path))
             if self.config.save_last:
                 _point_last(path)
-            self._prune()
+            self._prune(path)
         except BaseException as err:
             self._error = err
 
@@ -534,7 +534,7 @@ class AsyncCheckpoint(Checkpoint):
             atomic_torch_save(staged, path)
             if self.config.save_last:
                 _point_last(path)
-            self._prune()
+            self._prune(path)
         except BaseException as err:  # surfaced by wait() in the training thread
             self._error = err
 
@@ -556,9 +556,17 @@ class AsyncCheckpoint(Checkpoint):
             thread.join()
         err, self._error = self._error, None
         if err is not None:
-            raise RuntimeError(f"AsyncCheckpoint: writing {self.last_path} failed: {err}") from err
+            raise RuntimeError(
+                f"AsyncCheckpoint: writing {self.last_path} failed: {err}{_disk_hint(err, self.last_path)}"
+            ) from err
 
-    def _prune(self) -> None:
+    def _prune(self, just_written: str | None = None) -> None:
+        """Keep the newest ``keep_last_k`` checkpoints of this run's lineage.
+
+        Only checkpoints at or before the step just written are candidates: newer files in the folder
+        belong to another run (or to the future of a resumed one) and are never deleted, and neither is
+        the file just written or the one ``last.ckpt`` points to.
+        """
         k = self.config.keep_last_k
         if k is None or self.dirpath is None:
             return
@@ -567,8 +575,28 @@ class AsyncCheckpoint(Checkpoint):
             m = _STEP_RE.fullmatch(name.removesuffix(".ckpt"))
             if m and name.endswith(".ckpt"):
                 found.append((int(m.group(1)), name))
-        found.sort()
-        for _, name in found[:-k]:
+        protected = set()
+        limit = None
+        if just_written is not None:
+            protected.add(os.path.basename(just_written))
+            m = _STEP_RE.fullmatch(os.path.basename(just_written).removesuffix(".ckpt"))
+            limit = int(m.group(1)) if m else None
+        last = os.path.join(self.dirpath, "last.ckpt")
+        if os.path.islink(last):
+            protected.add(os.path.basename(os.readlink(last)))
+        newer = [name for step, name in found if limit is not None and step > limit]
+        if newer and not getattr(self, "_warned_newer", False):
+            self._warned_newer = True
+            warnings.warn(
+                f"AsyncCheckpoint: {self.dirpath} holds checkpoints newer than this run's step {limit} "
+                f"({sorted(newer)[-1]}, ...), probably from another run; they are left alone. Pass "
+                "ckpt_path=.../last.ckpt to resume, or use a new dirpath.",
+                stacklevel=2,
+            )
+        candidates = sorted((step, name) for step, name in found if limit is None or step <= limit)
+        for _, name in candidates[:-k]:
+            if name in protected:
+                continue
             target = os.path.join(self.dirpath, name)
             shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
 
@@ -599,6 +627,26 @@ def _storage_keys(objects: list[Any]) -> set[tuple[str, int]]:
         elif isinstance(obj, (list, tuple)):
             stack.extend(obj)
     return keys
+
+
+def _disk_hint(err: BaseException, path: str | None) -> str:
+    """Say so when a failed write looks like a full disk (torch's zip writer hides ENOSPC)."""
+    import errno
+
+    if path is None:
+        return ""
+    folder = os.path.dirname(path) or "."
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return ""
+    sizes = [os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)
+             if n.endswith(".ckpt") and os.path.isfile(os.path.join(folder, n))]
+    full = (isinstance(err, OSError) and err.errno == errno.ENOSPC) or free < max([64 << 20, *sizes])
+    if not full:
+        return ""
+    return (f" - No space left on device (the disk is full, {free / 2**20:.1f} MiB free in {folder}): free space or point dirpath at "
+            "another disk. The previous checkpoint is intact and last.ckpt still points at it.")
 
 
 def _point_last(path: str) -> None:
