@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -125,7 +126,9 @@ def table(result: dict[str, Any]) -> str:
 
 
 def _notes(kind: dict[str, Any]) -> str:
-    flat = (" ".join(n.split()).replace("|", "/") for n in kind["notes"][:2])
+    # pytest's temporary folders say nothing to a reader: "<tmp>/file" instead
+    flat = (re.sub(r"/tmp/pytest-of-[^/]+/pytest-\d+/[^/]+/", "<tmp>/", " ".join(n.split())).replace("|", "/")
+            for n in kind["notes"][:2])
     return "; ".join(n if len(n) <= 240 else n[:240] + " ..." for n in flat) or "see the test output"
 
 
