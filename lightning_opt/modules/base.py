@@ -24,6 +24,38 @@ def register_safe_globals(*classes: type) -> None:
 register_safe_globals(OptimConfig, ScheduleConfig)
 
 
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    if hasattr(value, "__dataclass_fields__"):
+        value = {f: getattr(value, f) for f in value.__dataclass_fields__}
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): value}
+
+
+def check_checkpoint_matches(module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+    """Raise a ``ValueError`` that names the config differences when a checkpoint's weights do not fit.
+
+    Only a shape or key mismatch is an error (changing the learning rate on resume is fine); the message
+    lists the hyperparameters that differ so the user sees *which setting* made another model.
+    """
+    theirs = checkpoint.get("state_dict", {})
+    ours = module.state_dict()
+    shape_diff = [k for k in ours if k in theirs and tuple(theirs[k].shape) != tuple(ours[k].shape)]
+    missing = [k for k in ours if k not in theirs]
+    if not shape_diff and not missing:
+        return
+    a, b = _flat(dict(module.hparams)), _flat(dict(checkpoint.get("hyper_parameters", {})))
+    diffs = [f"{k}={b.get(k)!r} (checkpoint) vs {a[k]!r} (this run)" for k in a if k in b and a[k] != b[k]]
+    detail = "; ".join(diffs[:8]) or f"no saved config to compare; weights differ at {(shape_diff or missing)[:3]}"
+    raise ValueError(
+        f"checkpoint was made by another model or config ({type(module).__name__}): {detail}. "
+        "Resume with the checkpoint's config, or start a new run without ckpt_path."
+    )
+
+
 class TrainingModule(L.LightningModule):
     """Base class: builds optimizers from :class:`OptimConfig` and a per-step schedule.
 
@@ -87,6 +119,7 @@ class TrainingModule(L.LightningModule):
         checkpoint["tokens_seen"] = self.tokens_seen
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        check_checkpoint_matches(self, checkpoint)
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
 
     def log_lrs(self) -> None:

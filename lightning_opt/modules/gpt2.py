@@ -69,7 +69,6 @@ class GPT2SpeedrunModule(TrainingModule):
         return {"hidden": m.hidden_matrices(), "embeddings": None, "head": head}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)
         theirs = checkpoint.get("hyper_parameters", {}).get("model_config")
         if theirs is None and "model.wte.weight" not in checkpoint.get("state_dict", {}):
             keys = list(checkpoint.get("state_dict", {}))[:3]
@@ -85,6 +84,7 @@ class GPT2SpeedrunModule(TrainingModule):
                 + ", ".join(f"{k}={v[0]!r} vs {v[1]!r}" for k, v in diffs.items())
                 + ". Use the checkpoint's model_config (see its hyper_parameters) or train from scratch."
             )
+        super().on_load_checkpoint(checkpoint)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

@@ -433,6 +433,11 @@ class SPDModule(L.LightningModule):
             opt.step()
         return float(loss.detach())
 
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        from lightning_opt.modules.base import check_checkpoint_matches
+
+        check_checkpoint_matches(self, checkpoint)
+
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         max_steps = max(int(self.trainer.max_steps), 1) if self._trainer is not None else 1
         self._frac.fill_(self.global_step / max_steps)

@@ -142,6 +142,7 @@ def test_whole_step_traces_as_one_graph():
     import torch._dynamo
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # the counters are process-wide: other tests compile too
     m = _module(SPDLossConfig(stochastic_recon_subset=1.0, faithfulness=0.1, p_final=0.5, p_anneal_start=0.0, beta=0.1))
     x = next(iter(_loader(m)))
     fn = torch.compile(m.compute_losses, fullgraph=True, backend="eager")

@@ -220,8 +220,6 @@ def test_spd_checkpoint_of_another_config(fault, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="bug: CLTModule has no config check on resume (a tensor-shape dump); "
-                   "see docs/reliability.md")
 def test_clt_checkpoint_of_another_config(fault, tmp_path, monkeypatch):
     """Slow: the demo target GPT is trained on first use (cached afterwards)."""
     fault("checkpoint of another config (CLT)", "resume a CLT with n_features=128 from a checkpoint of the demo config (256)")
