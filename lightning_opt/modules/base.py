@@ -35,20 +35,35 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): value}
 
 
-def check_checkpoint_matches(module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+def _differs(x: Any, y: Any) -> bool:
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+                    and x.shape == y.shape and torch.equal(x, y))
+    try:
+        return bool(x != y)
+    except Exception:  # values that cannot be compared count as different
+        return True
+
+
+def check_checkpoint_matches(
+    module: L.LightningModule,
+    checkpoint: dict[str, Any],
+    ours: dict[str, Any] | None = None,
+    theirs: dict[str, Any] | None = None,
+) -> None:
     """Raise a ``ValueError`` that names the config differences when a checkpoint's weights do not fit.
 
     Only a shape or key mismatch is an error (changing the learning rate on resume is fine); the message
     lists the hyperparameters that differ so the user sees *which setting* made another model.
     """
-    theirs = checkpoint.get("state_dict", {})
-    ours = module.state_dict()
-    shape_diff = [k for k in ours if k in theirs and tuple(theirs[k].shape) != tuple(ours[k].shape)]
-    missing = [k for k in ours if k not in theirs]
+    saved, current = checkpoint.get("state_dict", {}), module.state_dict()
+    shape_diff = [k for k in current if k in saved and tuple(saved[k].shape) != tuple(current[k].shape)]
+    missing = [k for k in current if k not in saved]
     if not shape_diff and not missing:
         return
-    a, b = _flat(dict(module.hparams)), _flat(dict(checkpoint.get("hyper_parameters", {})))
-    diffs = [f"{k}={b.get(k)!r} (checkpoint) vs {a[k]!r} (this run)" for k in a if k in b and a[k] != b[k]]
+    a = _flat(ours if ours is not None else dict(module.hparams))
+    b = _flat(theirs if theirs is not None else dict(checkpoint.get("hyper_parameters", {})))
+    diffs = [f"{k}={b.get(k)!r} (checkpoint) vs {a[k]!r} (this run)" for k in a if k in b and _differs(a[k], b[k])]
     detail = "; ".join(diffs[:8]) or f"no saved config to compare; weights differ at {(shape_diff or missing)[:3]}"
     raise ValueError(
         f"checkpoint was made by another model or config ({type(module).__name__}): {detail}. "

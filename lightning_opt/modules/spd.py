@@ -433,10 +433,19 @@ class SPDModule(L.LightningModule):
             opt.step()
         return float(loss.detach())
 
+    def _config_record(self) -> dict[str, Any]:
+        import dataclasses
+
+        return {"spd": dataclasses.asdict(self.spd_cfg)}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["lightning_opt_config"] = self._config_record()  # plain types: weights_only-safe
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         from lightning_opt.modules.base import check_checkpoint_matches
 
-        check_checkpoint_matches(self, checkpoint)
+        check_checkpoint_matches(self, checkpoint, ours=self._config_record(),
+                                 theirs=checkpoint.get("lightning_opt_config"))
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         max_steps = max(int(self.trainer.max_steps), 1) if self._trainer is not None else 1

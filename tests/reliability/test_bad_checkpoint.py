@@ -203,8 +203,6 @@ def _recipe_resume_with_other_config(tmp_path, monkeypatch, recipe: str, base: l
     return err, untouched
 
 
-@pytest.mark.xfail(strict=True, reason="bug: SPDModule has no config check on resume (a tensor-shape dump); "
-                   "see docs/reliability.md")
 def test_spd_checkpoint_of_another_config(fault, tmp_path, monkeypatch):
     fault("checkpoint of another config (SPD)", "resume SPD with C=10 components from a C=20 checkpoint")
     err, untouched = _recipe_resume_with_other_config(
