@@ -130,7 +130,9 @@ class TMSModel(nn.Module):
 
     def feature_directions(self) -> Tensor:
         """``W^T [n_features, n_hidden]``: the direction each feature is written to."""
-        return self.linear1.weight.detach().t()
+        w = self.linear1.weight.detach()
+        # nn.Linear stores [n_hidden, n_features]; an SPD component layer that replaced it stores [d_in, d_out]
+        return w.t() if isinstance(self.linear1, nn.Linear) else w
 
 
 def train_tms(

@@ -68,3 +68,14 @@ def test_resid_mlp_embedding_and_training():
     assert after < 0.7 * before
     with pytest.raises(ValueError, match="act"):
         ResidMLPConfig(act="tanh")
+
+
+def test_feature_directions_survive_spd_module_replacement():
+    from lightning_opt.models.spd import SPDConfig, SPDModel
+
+    torch.manual_seed(0)
+    tms = TMSModel(TMSConfig(n_features=5, n_hidden=2))
+    before = tms.feature_directions().clone()
+    assert before.shape == (5, 2)
+    SPDModel(tms, SPDConfig(components=[{"pattern": "linear1", "C": 4}]))
+    torch.testing.assert_close(tms.feature_directions(), before)
