@@ -40,3 +40,17 @@ def test_bad_config_value_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises((SystemExit, ValueError)):
         _recipe().main(["--config", str(ROOT / "recipes/configs/gpt2/demo.yaml"), "--model.optim.lr", "-1"])
+
+
+@pytest.mark.parametrize("name", ["gpt2-124m-classic", "gpt2-124m-speedrun"])
+def test_full_size_configs_parse_and_run_shrunk(name, tmp_path, monkeypatch):
+    """The GPU configs stay valid: run them shrunk to seconds on CPU (built-in corpus, no compile)."""
+    monkeypatch.chdir(tmp_path)
+    metrics = _recipe().main([
+        "--config", str(ROOT / f"recipes/configs/gpt2/{name}.yaml"),
+        "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
+        "--model.model_config.n_layer", "6", "--model.model_config.n_embd", "64", "--model.model_config.n_head", "2",
+        "--model.model_config.block_size", "64", "--model.compile", "false",
+        "--data.seq_len", "64", "--data.batch_size", "2", "--data.val_tokens", "1024",
+    ])
+    assert metrics["steps"] == 2 and metrics["final_val_loss"] is not None
