@@ -180,23 +180,10 @@ def random_batches(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def trainer(root: Path | str, callbacks: list[Any], **kw: Any) -> pl.Trainer:
-    from lightning.pytorch.callbacks import Checkpoint
+    """The callbacks suite's CPU Trainer (same defaults), rooted at ``root``."""
+    from tests.callbacks.conftest import make_trainer
 
-    defaults: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(root),
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        deterministic=True,
-    )
-    defaults.update(kw)
-    return pl.Trainer(callbacks=callbacks, **defaults)
+    return make_trainer(root, callbacks, **kw)
 
 
 def state(module: pl.LightningModule, trainer: pl.Trainer) -> dict[str, Any]:
