@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 __all__ = ["available", "compact_ge"]
 
 BLOCK = 4096
+NUM_WARPS = 8  # module-level so benchmarks/clt_step.py can sweep BLOCK and NUM_WARPS
 
 
 def available(x: torch.Tensor) -> bool:
@@ -37,12 +38,17 @@ def available(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _compact_ge_kernel(x_ptr, lo_ptr, idx_ptr, val_ptr, counter_ptr, n, row_len, cap, BLOCK: tl.constexpr):
+    def _compact_ge_kernel(x_ptr, lo_ptr, idx_ptr, val_ptr, counter_ptr, n, row_len, cap, BLOCK: tl.constexpr,
+                           BLOCK_IN_ONE_ROW: tl.constexpr):
         pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: x may exceed 2**31 entries
+        start = pid.to(tl.int64) * BLOCK  # int64: x may exceed 2**31 entries
+        offs = start + tl.arange(0, BLOCK)
         inb = offs < n
         x = tl.load(x_ptr + offs, mask=inb, other=0.0)
-        lo = tl.load(lo_ptr + offs // row_len, mask=inb, other=0.0)
+        if BLOCK_IN_ONE_ROW:
+            lo = tl.load(lo_ptr + start // row_len)  # one scalar load: no 64-bit division per entry
+        else:
+            lo = tl.load(lo_ptr + offs // row_len, mask=inb, other=0.0)
         # compare in float32 (exact for bf16/fp16 inputs); NaN compares False: never a candidate
         keep = (x.to(tl.float32) >= lo.to(tl.float32)) & inb
         hit = keep.to(tl.int32)
@@ -77,8 +83,9 @@ def compact_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int, capacity
     idx = torch.empty(capacity, dtype=torch.int64, device=flat.device)
     val = torch.empty(capacity, dtype=flat.dtype, device=flat.device)
     if n > 0:
+        one_row = lo_rows.numel() == 1 or row_len % BLOCK == 0
         _compact_ge_kernel[(triton.cdiv(n, BLOCK),)](flat, lo_rows, idx, val, counter, n, row_len, capacity,
-                                                     BLOCK=BLOCK, num_warps=8)
+                                                     BLOCK=BLOCK, BLOCK_IN_ONE_ROW=one_row, num_warps=NUM_WARPS)
     count = int(counter.item())  # host sync: the hit count sizes every buffer after this
     if count > capacity:
         return compact_ge(flat, lo_rows, row_len, count)

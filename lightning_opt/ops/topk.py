@@ -41,6 +41,12 @@ _SAMPLE_COLS = 1 << 15
 _SEED = 0x7A9B
 # candidate step: "auto" (Triton kernel on CUDA when importable, else torch), "torch" or "triton"
 CANDIDATES_BACKEND = "auto"
+# threshold step: "histogram" (order-key histogram: no sort, no extra sync), "topk" (a top-k over the candidates)
+# or "auto" (histogram on CUDA; on CPU the top-k is faster)
+THRESHOLD_METHOD = "auto"
+_KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
+_BINS = 1 << 16
+_MAX_BINS = 1 << 24  # rows * bins of the histogram; more rows use the top-k step
 
 def _check_k(n_keep: int, m: int, what: str) -> None:
     if isinstance(n_keep, bool) or not isinstance(n_keep, int) or n_keep < 0:
@@ -106,9 +112,11 @@ def _select_rows(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
     for _attempt in range(2):
         # one host sync: the candidate count sizes every buffer after it
         cand, vals = candidates_ge(flat, lo, m, int(rows * min(m, math.ceil(frac * m))))
-        row_of = torch.div(cand, m, rounding_mode="floor")
-        counts = torch.bincount(row_of, minlength=rows)
-        counts_host = counts.tolist()  # tiny (rows ints); the sync already happened in nonzero
+        if rows == 1:
+            counts_host = [cand.numel()]  # already on the host: no second sync
+        else:
+            row_of = torch.div(cand, m, rounding_mode="floor")
+            counts_host = torch.bincount(row_of, minlength=rows).tolist()  # tiny; rows ints
         short = [r for r, c in enumerate(counts_host) if c < n_keep]
         if not short:
             break
@@ -119,6 +127,16 @@ def _select_rows(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
             )
         lo = lo.clone()
         lo[short] = float("-inf")
+    method = THRESHOLD_METHOD
+    if method == "auto":
+        method = "histogram" if x2d.is_cuda else "topk"
+    if method == "histogram" and vals.dtype in _KEY_BITS and rows * _BINS <= _MAX_BINS:
+        return _keep_by_histogram(cand, vals, rows, m, n_keep)
+    return _keep_by_topk(cand, vals, counts_host, n_keep)
+
+
+def _keep_by_topk(cand: torch.Tensor, vals: torch.Tensor, counts_host: list[int], n_keep: int) -> torch.Tensor:
+    """Reference threshold step: a top-k over each row's candidates, then the tie quota (any dtype)."""
     kept: list[torch.Tensor] = []
     start = 0
     for c in counts_host:
@@ -139,6 +157,64 @@ def _select_rows(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
         kept.append(seg_idx[order])
         start += c
     return torch.cat(kept) if len(kept) > 1 else kept[0]
+
+
+def _order_keys(v: torch.Tensor) -> torch.Tensor:
+    """Non-negative int64 keys with the order of the float values ``v`` (bf16/fp16: 16 bits, fp32: 32 bits).
+
+    Sign-magnitude bits become an unsigned order: positives get the top bit set, negatives are reflected.
+    ``-0`` gets ``+0``'s key (they are equal values, hence ties). NaN must not occur (never a candidate)."""
+    bits = _KEY_BITS[v.dtype]
+    top = 1 << (bits - 1)
+    full = (1 << bits) - 1
+    ints = torch.int16 if bits == 16 else torch.int32
+    b = v.view(ints).to(torch.int64) & full
+    key = torch.where(b >= top, full - b, b + top)
+    return torch.where(b == top, top, key)
+
+
+def _hist_cut(bins: torch.Tensor, valid: torch.Tensor | None, rows: int, row: torch.Tensor,
+              need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the largest bin ``t`` with at least ``need`` entries in bins ``>= t`` and the count in bins
+    ``> t``. ``bins`` in ``[0, 2**16)``; entries with ``valid`` False are ignored."""
+    slot = row * _BINS + bins
+    if valid is not None:
+        slot = torch.where(valid, slot, rows * _BINS)  # a dump bin past the end
+    hist = torch.bincount(slot, minlength=rows * _BINS + 1)[: rows * _BINS].view(rows, _BINS)
+    at_or_above = hist.flip(1).cumsum(1).flip(1)  # [rows, bins]: entries in bins >= b
+    t = (at_or_above >= need[:, None]).sum(1) - 1  # non-increasing in b, so a count finds the last bin
+    padded = torch.cat([at_or_above, at_or_above.new_zeros(rows, 1)], dim=1)
+    above = padded.gather(1, (t + 1)[:, None]).squeeze(1)
+    return t, above
+
+
+def _keep_by_histogram(cand: torch.Tensor, vals: torch.Tensor, rows: int, m: int, n_keep: int) -> torch.Tensor:
+    """Threshold step without sorting: the exact cut-off key per row from a 2**16-bin histogram of the
+    candidates' order keys (two levels for fp32), then keep ``> t`` and the first ties ``== t`` by flat index.
+    Fixed-size output (``rows * n_keep``, rows in order, ascending inside a row): no host sync."""
+    key = _order_keys(vals)
+    row = torch.div(cand, m, rounding_mode="floor") if rows > 1 else torch.zeros_like(cand)
+    need = torch.full((rows,), n_keep, dtype=torch.int64, device=cand.device)
+    if _KEY_BITS[vals.dtype] == 16:
+        t, above = _hist_cut(key, None, rows, row, need)
+    else:  # fp32: the high 16 bits pick a bin, the low 16 bits of the entries in that bin refine it
+        hi = key >> 16
+        t_hi, above_hi = _hist_cut(hi, None, rows, row, need)
+        t_lo, above_lo = _hist_cut(key & (_BINS - 1), hi == t_hi[row], rows, row, need - above_hi)
+        t, above = (t_hi << 16) | t_lo, above_hi + above_lo
+    cut = t[row]
+    gt = key > cut
+    eq = key == cut
+    rank = torch.cumsum(eq, 0)
+    if rows > 1:  # tie rank inside the row: subtract the ties of the rows before
+        per_row = torch.zeros(rows, dtype=torch.int64, device=cand.device).index_add_(0, row, eq.long())
+        rank = rank - (torch.cumsum(per_row, 0) - per_row)[row]
+    keep = gt | (eq & (rank <= (n_keep - above)[row]))
+    total = rows * n_keep
+    # every row keeps exactly n_keep and rows come in order: the running count is the output slot
+    slot = torch.where(keep, torch.cumsum(keep, 0) - 1, total)
+    out = torch.empty(total + 1, dtype=cand.dtype, device=cand.device)
+    return out.scatter_(0, slot, cand)[:total]
 
 
 def batch_topk_rows(x2d: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,8 +14,15 @@ def _reference(x2d: torch.Tensor, n: int) -> torch.Tensor:
     return (order + torch.arange(rows)[:, None] * m).reshape(-1).sort().values
 
 
+@pytest.fixture(params=["histogram", "topk"])
+def threshold_method(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with each threshold step of the selection (both must give identical indices)."""
+    monkeypatch.setattr(topk_mod, "THRESHOLD_METHOD", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("rows,m,n", [(1, 3000, 700), (4, 5000, 321), (1, 200_000, 4000), (3, 70_000, 1000)])
-def test_batch_topk_rows_matches_sorted_reference(rows: int, m: int, n: int) -> None:
+def test_batch_topk_rows_matches_sorted_reference(rows: int, m: int, n: int, threshold_method: str) -> None:
     torch.manual_seed(0)
     x = torch.randn(rows, m)
     idx, vals = batch_topk_rows(x, n)
@@ -27,7 +34,7 @@ def test_batch_topk_rows_matches_sorted_reference(rows: int, m: int, n: int) -> 
     assert torch.equal(vals.sort().values, ref_vals)
 
 
-def test_batch_topk_ties_keep_smallest_flat_index() -> None:
+def test_batch_topk_ties_keep_smallest_flat_index(threshold_method: str) -> None:
     # bf16 has few distinct values: many ties at the cut-off, also on the sampled path
     torch.manual_seed(1)
     x = (torch.randn(2, 100_000) * 4).round().to(torch.bfloat16)
@@ -36,7 +43,38 @@ def test_batch_topk_ties_keep_smallest_flat_index() -> None:
     assert torch.equal(idx, _reference(x.float(), 5000))
 
 
-def test_batch_topk_fallback_when_sample_misses(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_batch_topk_signed_zero_and_negative_cutoffs(dtype: torch.dtype, rows: int, threshold_method: str) -> None:
+    # cut-off at 0 with +0 and -0 mixed (equal values: ties by flat index), then a cut-off among negatives
+    torch.manual_seed(4)
+    x = torch.randn(rows, 30_000).clamp_max(0.0)  # about half the entries are +0
+    x[:, ::3] = -0.0
+    x = x.to(dtype)
+    for n in (9_000, 20_000):  # 9000: the cut-off is a zero; 20000: a negative value (fp16/bf16: many ties)
+        idx, vals = batch_topk_rows(x, n)
+        assert torch.equal(idx, _reference(x.float(), n)), n
+        assert torch.equal(vals, x.reshape(-1)[idx])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_histogram_and_topk_threshold_steps_agree_with_torch_topk(dtype: torch.dtype) -> None:
+    # the same candidates through both threshold steps, and the kept multiset against torch.topk
+    torch.manual_seed(5)
+    x = (torch.randn(2, 120_000) * 8).round().div(8).to(dtype)  # coarse values: heavy ties
+    out = {}
+    for method in ("histogram", "topk"):
+        topk_mod.THRESHOLD_METHOD = method
+        try:
+            out[method] = batch_topk_rows(x, 3_000)
+        finally:
+            topk_mod.THRESHOLD_METHOD = "auto"
+    assert torch.equal(out["histogram"][0], out["topk"][0])
+    ref = torch.topk(x.float(), 3_000, dim=1).values.reshape(-1).sort().values
+    assert torch.equal(out["histogram"][1].float().sort().values, ref)
+
+
+def test_batch_topk_fallback_when_sample_misses(monkeypatch: pytest.MonkeyPatch, threshold_method: str) -> None:
     # A bound that is too high forces the exact fallback path; the result must not change.
     torch.manual_seed(2)
     x = torch.randn(2, 50_000)
