@@ -427,9 +427,53 @@ def _validate(spec: RunSpec, model, val_fn, data: Tokens, clock: Clock, curve: l
     return None
 
 
+class SyncProbe:
+    """Records where the host waits for the GPU during a window of steps (``set_sync_debug_mode("warn")``).
+
+    Each synchronising call raises a warning from the Python frame that caused it; we keep the op and the
+    innermost frames outside torch, deduplicated, so a report says which line of whose code synchronised.
+    """
+
+    def __init__(self) -> None:
+        self.found: dict[str, dict[str, Any]] = {}
+        self._old: Any = None
+
+    def start(self) -> None:
+        import warnings
+
+        self._old = warnings.showwarning
+        warnings.simplefilter("always", UserWarning)
+        warnings.showwarning = self._record  # type: ignore[assignment]
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> None:
+        import warnings
+
+        torch.cuda.set_sync_debug_mode("default")
+        if self._old is not None:
+            warnings.showwarning = self._old  # type: ignore[assignment]
+            self._old = None
+
+    def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        import traceback
+
+        text = str(message)
+        if "synchroniz" not in text.lower():
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+        where = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-6:]]
+        key = text.split("\n")[0][:120] + " @ " + (where[-1] if where else "?")
+        entry = self.found.setdefault(key, {"op": text.split("\n")[0][:200], "stack": where, "count": 0})
+        entry["count"] += 1
+
+
 def train_lightning(spec: RunSpec, data: Tokens, train_path: Path, logger: str = "tensorboard",
-                    log_dir: str | None = None) -> dict[str, Any]:
-    """Our recipe path: GPT2SpeedrunModule + TokenShardDataModule + Trainer (bf16-mixed, compile)."""
+                    log_dir: str | None = None, sync_probe_steps: int = 0) -> dict[str, Any]:
+    """Our recipe path: GPT2SpeedrunModule + TokenShardDataModule + Trainer (bf16-mixed, compile).
+
+    ``sync_probe_steps``: after the warm-up steps, record every host-device synchronisation during that
+    many optimizer steps (see :class:`SyncProbe`); reported under ``sync_probe`` (CUDA only).
+    """
     import lightning as L
     from lightning.pytorch.callbacks import Callback
 
@@ -448,9 +492,17 @@ def train_lightning(spec: RunSpec, data: Tokens, train_path: Path, logger: str =
     curve: list[dict[str, Any]] = []
     state: dict[str, Any] = {"t_warm": None, "last": 0, "stopped": None, "tokens": 0}
 
+    probe = SyncProbe() if sync_probe_steps and dev.type == "cuda" else None
+    probe_window = (spec.warm + 1, spec.warm + 1 + sync_probe_steps)
+
     class Timing(Callback):
         def on_train_start(self, trainer, pl_module):
             state["clock"] = Clock(dev)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if probe is not None and trainer.global_step == probe_window[0] and probe._old is None \
+                    and not probe.found:
+                probe.start()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             state["tokens"] += batch[0].numel()
@@ -461,6 +513,8 @@ def train_lightning(spec: RunSpec, data: Tokens, train_path: Path, logger: str =
             clock: Clock = state["clock"]
             if done == spec.warm:
                 state["t_warm"] = clock.now()
+            if probe is not None and done >= probe_window[1] and probe._old is not None:
+                probe.stop()
             if spec.val_every and (done % spec.val_every == 0 or done == spec.steps):
                 model = pl_module.model
                 stop = _validate(spec, model, model.forward, data, clock, curve, done, state["tokens"])
@@ -470,6 +524,8 @@ def train_lightning(spec: RunSpec, data: Tokens, train_path: Path, logger: str =
 
         def on_train_end(self, trainer, pl_module):
             state["end"] = state["clock"].now()
+            if probe is not None:
+                probe.stop()
 
     if logger == "tensorboard" and not any(_importable(m) for m in ("tensorboard", "tensorboardX")):
         logger = "none (tensorboard is not installed)"
@@ -495,7 +551,9 @@ def train_lightning(spec: RunSpec, data: Tokens, train_path: Path, logger: str =
     end = curve[-1]["clock_s"] if curve else state["end"]
     return summarize(spec, module.model, end, state["t_warm"], trainer.global_step, module.tokens_seen, curve,
                      dev, {"runner": "lightning", "stopped": state["stopped"], "logger": logger,
-                           "spec": spec.describe()})
+                           "spec": spec.describe(),
+                           **({"sync_probe": {"optimizer_steps": sync_probe_steps,
+                                              "syncs": list(probe.found.values())}} if probe else {})})
 
 
 def oom_retry(run: Callable[[RunSpec], dict[str, Any]], spec: RunSpec, tries: int = 2) -> dict[str, Any]:

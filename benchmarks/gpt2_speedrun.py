@@ -10,8 +10,11 @@ tokens per step = 32 x 1024 x 16 = 524,288, like nanoGPT's train.py and the spee
 - ``ours-classic-bare`` / ``ours-classic-lightning``: ``gpt2-124m-classic`` (fused AdamW, clip 1.0);
 - ``nanogpt``: Karpathy's nanoGPT ``model.py`` trained as its ``bench.py`` does (see
   ``benchmarks/peers/nanogpt_runner.py``), imported from the git-ignored ``.peers/nanoGPT/``;
-- ``ours-speedrun-fp8head-lightning``: the speedrun recipe path with ``loss_impl="chunked_fp8"`` (head
-  matmuls in FP8 inside the chunked soft-capped cross-entropy);
+- ``ours-speedrun-fp8head-bare`` / ``-lightning``: the speedrun with ``head_fp8=True`` (the output head's
+  three matmuls in FP8 with static scales, :func:`lightning_opt.ops.fp8.fp8_linear`; the soft-cap and
+  cross-entropy stay in the compiled graph);
+- ``ours-speedrun-chunkedfp8-lightning``: the speedrun recipe path with ``loss_impl="chunked_fp8"`` (head
+  matmuls in FP8 inside the chunked soft-capped cross-entropy, outside the compiled graph);
 - ``ours-speedrun-chunkedce-bare``: the speedrun with the chunked cross-entropy in bf16, and
   ``ours-speedrun-chunkedce-mb2x-lightning`` the same with twice the micro-batch (if time is left).
 
@@ -101,6 +104,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--only", default=None, help="comma-separated variant names to run")
     p.add_argument("--lightning-logger", default="tensorboard", choices=["tensorboard", "none"])
     p.add_argument("--need-s", type=float, default=75.0, help="seconds one variant needs (for skipping)")
+    p.add_argument("--sync-probe-steps", type=int, default=1,
+                   help="Lightning variants: record host-device syncs during this many steps after warm-up")
     args = p.parse_args(argv)
 
     if args.smoke:
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     nano_vocab = SMOKE_VOCAB if args.smoke else 50304
 
     def lightning(s: RunSpec) -> dict[str, Any]:
-        return train_lightning(s, data, train_path, args.lightning_logger, log_dir)
+        return train_lightning(s, data, train_path, args.lightning_logger, log_dir, args.sync_probe_steps)
 
     variants = {
         "ours-speedrun-bare": lambda: oom_retry(lambda s: train_bare(s, data), sp),
@@ -130,7 +135,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "nanogpt": lambda: oom_retry(lambda s: train_nanogpt(s, data, nano_shape, vocab_size=nano_vocab), cl),
         "ours-classic-bare": lambda: oom_retry(lambda s: train_bare(s, data), cl),
         "ours-classic-lightning": lambda: oom_retry(lightning, cl),
-        "ours-speedrun-fp8head-lightning": lambda: oom_retry(lightning, with_model(sp, loss_impl="chunked_fp8")),
+        "ours-speedrun-fp8head-bare": lambda: oom_retry(lambda s: train_bare(s, data), with_model(sp, head_fp8=True)),
+        "ours-speedrun-fp8head-lightning": lambda: oom_retry(lightning, with_model(sp, head_fp8=True)),
+        "ours-speedrun-chunkedfp8-lightning": lambda: oom_retry(lightning, with_model(sp, loss_impl="chunked_fp8")),
         "ours-speedrun-chunkedce-bare": lambda: oom_retry(
             lambda s: train_bare(s, data), with_model(sp, loss_impl="chunked")),
         # the chunked loss frees the float32 logits: twice the micro-batch, half the accumulation

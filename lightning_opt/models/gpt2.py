@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_opt.ops.attention import BACKENDS, attention, resolve_backend
 from lightning_opt.ops.cross_entropy import linear_cross_entropy
+from lightning_opt.ops.fp8 import fp8_linear
 
 _MLPS = ("gelu", "relu2", "swiglu")
 _NORMS = ("layernorm", "rmsnorm")
@@ -61,6 +62,9 @@ class GPTConfig:
             GPUs, training loss only: ``model(idx)`` logits stay in the autocast dtype).
         loss_chunk_size: tokens per chunk for ``chunked``.
         grad_checkpoint: recompute each block in the backward pass (activation checkpointing) to save memory.
+        head_fp8: in training, run the output head's matmul (forward and both backward matmuls) in FP8 with
+            static scales (:func:`~lightning_opt.ops.fp8.fp8_linear`; GPUs of compute capability 8.9+).
+            Evaluation and ``model(idx)`` keep the autocast dtype. Needs an untied head.
     """
 
     vocab_size: int = 50257
@@ -96,6 +100,7 @@ class GPTConfig:
     loss_impl: str = "torch"
     loss_chunk_size: int = 4096
     grad_checkpoint: bool = False
+    head_fp8: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, want: str) -> ValueError:
@@ -132,6 +137,11 @@ class GPTConfig:
             raise bad("moe_top_k", self.moe_top_k, f"must be in [1, moe_experts={self.moe_experts}]")
         if self.loss_impl not in _LOSS_IMPLS:
             raise bad("loss_impl", self.loss_impl, f"choose one of {_LOSS_IMPLS}")
+        if self.head_fp8 and (self.tie_embeddings or self.loss_impl != "torch"):
+            raise bad("head_fp8", self.head_fp8, "needs tie_embeddings=False and loss_impl='torch'")
+        if self.head_fp8 and (self.n_embd % 16 or self.padded_vocab_size % 16):
+            raise bad("head_fp8", self.head_fp8, "needs n_embd and the padded vocabulary divisible by 16 "
+                      f"(got {self.n_embd} and {self.padded_vocab_size}; set vocab_multiple to 128)")
         if self.loss_chunk_size <= 0:
             raise bad("loss_chunk_size", self.loss_chunk_size, "must be a positive integer")
         if self.doc_causal and not 0 <= self.eot_token < self.vocab_size:
@@ -417,7 +427,10 @@ class GPT(nn.Module):
         return loss
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(h)
+        if self.config.head_fp8 and self.training and math.prod(h.shape[:-1]) % 16 == 0:
+            logits = fp8_linear(h, self.lm_head.weight)
+        else:
+            logits = self.lm_head(h)
         cap = self.config.logit_softcap
         if cap is not None:
             logits = cap * torch.tanh(logits.float() / cap)

@@ -1,0 +1,103 @@
+"""FP8 linear layer (``torch._scaled_mm``) with static per-tensor scales, for H100-class GPUs.
+
+Forward: ``x`` and ``w`` are cast to ``float8_e4m3fn`` after dividing by fixed scales, multiplied with
+FP32 accumulation and returned in bfloat16. Backward: the output gradient is cast to ``float8_e5m2``
+(more range, less precision: gradients need range) and both input gradients are FP8 matmuls too.
+
+Static scales cost nothing at run time (no amax reduction, no host sync) but must bound the values:
+``e4m3fn`` holds magnitudes up to 448 and has no infinity, so a value above ``448 * scale`` would turn
+into NaN. The defaults fit the output head of a pre-norm transformer: the head's input is RMS-normalised,
+so no entry exceeds ``sqrt(width)`` (``x_scale = sqrt(width) / 448`` cannot overflow); head weights stay
+far below 24 (``w_scale = 24 / 448``); the gradient of a mean cross-entropy is below 1 in magnitude
+(``grad_scale = 1 / 448``; ``e5m2`` goes to 57344, so there is ample headroom).
+
+The function is an ``autograd.Function`` made of plain aten ops, so ``torch.compile`` traces through it
+and fuses the casts into the neighbouring kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_E4M3 = torch.float8_e4m3fn
+_E5M2 = torch.float8_e5m2
+
+
+def fp8_supported(device: torch.device | str) -> bool:
+    """True where ``torch._scaled_mm`` runs: CUDA devices of compute capability 8.9+ (Ada, Hopper, ...), or CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu"
+
+
+def _scale(like: torch.Tensor, value: float) -> torch.Tensor:
+    # a device-side fill, not a host-to-device copy of a Python number (that would synchronise)
+    return torch.full((), value, dtype=torch.float32, device=like.device)
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, x_scale, w_scale, grad_scale):  # type: ignore[override]
+        xs, ws = _scale(x, x_scale), _scale(x, w_scale)
+        x8 = (x / xs).to(_E4M3)
+        w8 = (w / ws).to(_E4M3)
+        # _scaled_mm: first operand row-major, second column-major (w8.t() of a row-major w8 is)
+        out = torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16, use_fast_accum=True)
+        ctx.save_for_backward(x8, w8)
+        ctx.scales = (x_scale, w_scale, grad_scale)
+        ctx.w_dtype = w.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x8, w8 = ctx.saved_tensors
+        x_scale, w_scale, grad_scale = ctx.scales
+        xs, ws, gs = _scale(x8, x_scale), _scale(x8, w_scale), _scale(x8, grad_scale)
+        g8 = (grad_out / gs).to(_E5M2)
+        # grad_x [N, K] = g [N, M] @ w [M, K]; w8 must be column-major as the second operand
+        grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16)
+        # grad_w^T [K, M] = x^T [K, N] @ g [N, M]
+        grad_wt = torch._scaled_mm(
+            x8.t().contiguous(), g8.t().contiguous().t(), scale_a=xs, scale_b=gs, out_dtype=torch.float32
+        )
+        return grad_x, grad_wt.t().to(ctx.w_dtype), None, None, None
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    x_scale: float | None = None,
+    w_scale: float = 24.0 / 448.0,
+    grad_scale: float = 1.0 / 448.0,
+) -> torch.Tensor:
+    """``x @ weight.T`` in FP8 with static scales; returns bfloat16 of shape ``[*x.shape[:-1], out]``.
+
+    Args:
+        x: ``[..., in]`` activations (any float dtype); ``prod(x.shape[:-1])`` and ``in`` must be
+            multiples of 16, as must ``out`` (``torch._scaled_mm``'s constraint).
+        weight: ``[out, in]`` weight (an ``nn.Linear``'s).
+        x_scale: FP8 scale of ``x``; default ``sqrt(in) / 448`` (exact bound for RMS-normalised inputs).
+        w_scale: FP8 scale of the weight (values up to ``448 * w_scale`` are representable).
+        grad_scale: FP8 scale of the output gradient.
+    """
+    k = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != k:
+        raise ValueError(f"fp8_linear: weight must be [out, {k}], got {tuple(weight.shape)}")
+    rows = math.prod(x.shape[:-1])
+    if k % 16 or weight.shape[0] % 16 or rows % 16:
+        raise ValueError(
+            f"fp8_linear: torch._scaled_mm needs rows ({rows}), in ({k}) and out ({weight.shape[0]}) to be "
+            "multiples of 16; pad the vocabulary (GPTConfig.vocab_multiple) or change the batch shape."
+        )
+    if not fp8_supported(x.device):
+        raise RuntimeError(
+            f"fp8_linear: FP8 matmuls need a GPU of compute capability 8.9 or newer (H100, L40S, RTX 4090); "
+            f"{torch.cuda.get_device_name(x.device)} has {torch.cuda.get_device_capability(x.device)}. "
+            "Turn the FP8 option off (e.g. GPTConfig.head_fp8=False)."
+        )
+    scale_x = math.sqrt(k) / 448.0 if x_scale is None else x_scale
+    out = _FP8Linear.apply(x.reshape(rows, k), weight, scale_x, w_scale, grad_scale)
+    return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,87 @@
+"""FP8 linear (static scales) against the float matmul, and the GPT head option."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_opt.models.gpt2 import GPT, GPTConfig
+from lightning_opt.ops.fp8 import fp8_linear
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+def test_forward_and_grads_match_float_matmul():
+    torch.manual_seed(0)
+    n, k, m = 64, 128, 96
+    # RMS-normalised rows, as the head sees them; small weights, as a head has
+    x = torch.nn.functional.rms_norm(torch.randn(n, k), (k,)).requires_grad_()
+    w = (0.05 * torch.randn(m, k)).requires_grad_()
+    g = torch.randn(n, m) / n  # the size of a mean cross-entropy's logit gradient
+    out = fp8_linear(x, w)
+    assert out.dtype == torch.bfloat16 and out.shape == (n, m)
+    out.backward(g.to(out.dtype))
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = x2 @ w2.t()
+    ref.backward(g)
+    # e4m3 keeps 3 mantissa bits (~6% per element); errors average out over the dot products
+    assert _rel(out, ref) < 0.08
+    assert _rel(x.grad, x2.grad) < 0.15  # e5m2 gradients: 2 mantissa bits
+    assert _rel(w.grad, w2.grad) < 0.15
+    assert w.grad.dtype == w.dtype
+
+
+def test_default_input_scale_cannot_overflow():
+    # all of a row's RMS mass in one entry: |x| = sqrt(k), the bound the default scale is built on
+    k = 256
+    x = torch.zeros(16, k)
+    x[:, 0] = math.sqrt(k)
+    w = torch.ones(16, k) * 0.01
+    out = fp8_linear(x, w)
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), (x @ w.t()), rtol=0.07, atol=0.0)
+
+
+def test_shape_errors_are_clear():
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fp8_linear(torch.randn(10, 32), torch.randn(32, 32))
+    with pytest.raises(ValueError, match="weight must be"):
+        fp8_linear(torch.randn(16, 32), torch.randn(32, 48))
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="head_fp8"):
+        GPTConfig(head_fp8=True, tie_embeddings=True)
+    with pytest.raises(ValueError, match="vocab_multiple"):
+        GPTConfig(vocab_size=50257, vocab_multiple=1, head_fp8=True, tie_embeddings=False)
+
+
+def test_gpt_with_fp8_head_trains_and_evaluates_in_full_precision():
+    cfg = dict(vocab_size=256, vocab_multiple=16, n_layer=2, n_head=2, n_embd=64, block_size=32,
+               tie_embeddings=False, norm="rmsnorm", bias=False)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**cfg, head_fp8=True))
+    ref = GPT(GPTConfig(**cfg))
+    ref.load_state_dict(model.state_dict())
+    x = torch.randint(0, 256, (4, 32))
+    y = torch.roll(x, -1, dims=1)
+    model.eval()
+    ref.eval()
+    # evaluation keeps the full-precision head: identical to the model without the option
+    torch.testing.assert_close(model(x, y), ref(x, y))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        loss = model(x, y)
+        assert torch.isfinite(loss)
+        loss.backward()
+        assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0
