@@ -266,7 +266,7 @@ def build_step(target: Any, module_info: list[tuple[str, int]], config: dict[str
             calc_ci_l_zero(layer_ci, 0.1)
         opt.step()
         state["step"] += 1
-        return float(total)
+        return float(total.detach())  # their loop reads the loss back every step
 
     step.model = model  # type: ignore[attr-defined]
     return step

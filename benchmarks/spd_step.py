@@ -22,12 +22,18 @@ Needs ``.peers/spd`` (their checkout) and ``.peers/site`` (einops, jaxtyping) fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import dataclasses
+import gc
 import json
+import platform
+import signal
 import sys
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,11 +133,22 @@ def lm(device: str, smoke: bool) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
-def our_step(w: dict[str, Any], device: str, bf16: bool, compiled: bool, steps: int, smoke: bool = False) -> Any:
+def our_step(
+    w: dict[str, Any], device: str, bf16: bool, compiled: bool, steps: int, smoke: bool = False,
+    sync_each_step: bool = False, no_pgd: bool = False,
+) -> Any:
+    """One of our training steps (forward, every loss term, backward, AdamW) as a closure.
+
+    ``sync_each_step`` reads the loss back to the host every step, as goodfire's loop does (ablation
+    for "fewer syncs"); ``no_pgd`` drops the PGD terms (ablation for their cost).
+    """
+    loss = copy.deepcopy(w["loss"])
+    if no_pgd:
+        loss = dataclasses.replace(loss, pgd_recon=0.0, pgd_recon_subset=0.0)
     m = SPDModule(
         target=copy.deepcopy(w["target"]),
         spd=copy.deepcopy(w["spd"]),
-        loss=copy.deepcopy(w["loss"]),
+        loss=loss,
         train=SPDTrainConfig(lr=w["lr"], autocast_bf16=bf16, faithfulness_warmup_steps=0),
     ).to(device)
     params = m.spd.component_parameters() + m.spd.ci_parameters()
@@ -142,20 +159,22 @@ def our_step(w: dict[str, Any], device: str, bf16: bool, compiled: bool, steps: 
     frac = torch.zeros((), device=device)
     state = {"step": 0}
 
-    def step(batch: Any) -> torch.Tensor:
+    def step(batch: Any) -> Any:
         frac.fill_(state["step"] / steps)
-        loss, _terms = fn(batch, frac)
+        total, _terms = fn(batch, frac)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         opt.step()
         state["step"] += 1
-        return loss.detach()
+        return float(total.detach()) if sync_each_step else total.detach()
 
     return step
 
 
-def peer_step(w: dict[str, Any], device: str, bf16: bool) -> Any:
+def peer_step(w: dict[str, Any], device: str, bf16: bool, no_pgd: bool = False) -> Any:
     cfg = dict(w["theirs"], autocast_bf16=bf16)
+    if no_pgd:
+        cfg["loss_metric_configs"] = [c for c in cfg["loss_metric_configs"] if not c["classname"].startswith("PGD")]
     return peer.build_step(copy.deepcopy(w["target"]).to(device), w["patterns"], cfg, device)
 
 
@@ -221,43 +240,153 @@ def count_syncs(step: Any, batch: Any, device: str) -> int | None:
     return sum("synchroniz" in str(c.message) for c in caught)
 
 
-def run_variant(name: str, make: Any, w: dict[str, Any], device: str, warmup: int, iters: int) -> dict[str, Any]:
-    row: dict[str, Any] = {"variant": name}
+class VariantTimeout(Exception):
+    """A variant ran past its time budget (raised from SIGALRM, so also inside torch.compile)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise :class:`VariantTimeout` in the main thread after ``seconds`` (no-op where SIGALRM is missing)."""
+    if not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise VariantTimeout(f"ran past its budget of {seconds:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
     try:
-        t0 = time.perf_counter()
-        step = make()
-        batches = w["batches"]
-        for i in range(warmup):
-            step(batches[i % len(batches)])
-        _sync(device)
-        row["setup_and_warmup_s"] = time.perf_counter() - t0
-        row["syncs_per_step"] = count_syncs(step, batches[0], device)
-        _sync(device)
-        t0 = time.perf_counter()
-        last = None
-        for i in range(iters):
-            last = step(batches[i % len(batches)])
-        _sync(device)
-        row["step_ms"] = 1000 * (time.perf_counter() - t0) / iters
-        row["final_loss"] = float(last) if last is not None else None
-        if device.startswith("cuda"):
-            row["peak_mem_mb"] = torch.cuda.max_memory_allocated() / 2**20
-            torch.cuda.reset_peak_memory_stats()
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def run_variant(
+    name: str, make: Any, w: dict[str, Any], device: str, warmup: int, iters: int, budget_s: float, measure_s: float
+) -> dict[str, Any]:
+    """Build, warm up (compiles here), count syncs, then time up to ``iters`` steps or ``measure_s`` seconds.
+
+    The whole variant runs under ``budget_s``; any error or timeout is recorded in the row, never raised.
+    """
+    row: dict[str, Any] = {"variant": name, "budget_s": round(budget_s, 1)}
+    batches = w["batches"]
+    t_start = time.perf_counter()
+    step = None
+    try:
+        with time_limit(budget_s):
+            step = make()
+            last = None
+            for i in range(warmup):
+                last = step(batches[i % len(batches)])
+            _sync(device)
+            row["setup_and_warmup_s"] = round(time.perf_counter() - t_start, 2)
+            row["syncs_per_step"] = count_syncs(step, batches[0], device)
+            _sync(device)
+            done, t0 = 0, time.perf_counter()
+            while done < iters:  # chunks of 5 steps, synced, so the timed part also respects measure_s
+                for _ in range(min(5, iters - done)):
+                    last = step(batches[done % len(batches)])
+                    done += 1
+                _sync(device)
+                if time.perf_counter() - t0 > measure_s:
+                    break
+            row["timed_iters"] = done
+            row["step_ms"] = 1000 * (time.perf_counter() - t0) / done
+            row["final_loss"] = float(last) if last is not None else None
+            if device.startswith("cuda"):
+                row["peak_mem_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     except Exception as err:  # one failing variant must not kill the others
         row["error"] = f"{type(err).__name__}: {err}"
         row["traceback"] = traceback.format_exc()[-2000:]
+        if isinstance(err, VariantTimeout):
+            torch._dynamo.reset()  # a compile cut off half-way must not leave state for the next variant
+    finally:
+        row["wall_s"] = round(time.perf_counter() - t_start, 2)
+        del step
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
     return row
+
+
+# (ratio name, numerator variant, denominator variant): numerator time / denominator time
+RATIOS = [
+    ("goal: peer_bf16 / ours_compiled_bf16 (both at their defaults)", "peer_bf16", "ours_compiled_bf16"),
+    ("peer_fp32 / ours_compiled_bf16", "peer_fp32", "ours_compiled_bf16"),
+    ("peer_bf16 / ours_eager_bf16 (no compile)", "peer_bf16", "ours_eager_bf16"),
+    ("structure (module replacement, cached target weights, fused unmasked path; both read the loss every step, fp32 eager)",
+     "peer_fp32", "ours_eager_fp32_sync"),
+    ("fewer syncs (ours fp32 eager: loss read every step / never)", "ours_eager_fp32_sync", "ours_eager_fp32"),
+    ("bf16 autocast, ours eager (fp32 / bf16)", "ours_eager_fp32", "ours_eager_bf16"),
+    ("bf16 autocast, peer (fp32 / bf16)", "peer_fp32", "peer_bf16"),
+    ("compile + fused AdamW, bf16 (eager / compiled)", "ours_eager_bf16", "ours_compiled_bf16"),
+    ("compile + fused AdamW, fp32 (eager / compiled)", "ours_eager_fp32", "ours_compiled_fp32"),
+    ("bf16 autocast, ours compiled (fp32 / bf16)", "ours_compiled_fp32", "ours_compiled_bf16"),
+    ("PGD share, ours (step with PGD / without)", "ours_eager_bf16", "ours_eager_bf16_nopgd"),
+    ("PGD share, peer (step with PGD / without)", "peer_bf16", "peer_bf16_nopgd"),
+]
+
+
+def speedups(rows: list[dict[str, Any]]) -> dict[str, float]:
+    by = {r["variant"]: r for r in rows if "step_ms" in r}
+    out = {name: by[a]["step_ms"] / by[b]["step_ms"] for name, a, b in RATIOS if a in by and b in by}
+    peers = [r["step_ms"] for n, r in by.items() if n.startswith("peer") and "nopgd" not in n]
+    ours = [r["step_ms"] for n, r in by.items() if n.startswith("ours") and "nopgd" not in n and "sync" not in n]
+    if peers and ours:
+        out["best peer / best ours"] = min(peers) / min(ours)
+    return out
+
+
+def print_table(results: dict[str, Any]) -> None:
+    print(f"\nSPD step time on {results['device']} (torch {results['torch']})", flush=True)
+    print(f"{'workload':<12}{'variant':<24}{'ms/step':>9}{'iters':>6}{'syncs':>6}{'setup s':>8}{'loss':>11}  note")
+    for wname, res in results["workloads"].items():
+        for r in res["rows"]:
+            ms = f"{r['step_ms']:.2f}" if "step_ms" in r else "-"
+            syncs = "-" if r.get("syncs_per_step") is None else str(r["syncs_per_step"])
+            setup = f"{r['setup_and_warmup_s']:.1f}" if "setup_and_warmup_s" in r else "-"
+            loss = f"{r['final_loss']:.4g}" if r.get("final_loss") is not None else "-"
+            note = (r.get("error") or r.get("skipped") or "")[:60]
+            print(f"{wname:<12}{r['variant']:<24}{ms:>9}{r.get('timed_iters', '-'):>6}{syncs:>6}{setup:>8}{loss:>11}  {note}")
+        for k, v in res.get("speedup", {}).items():
+            print(f"{'':<12}{v:6.2f}x  {k}")
+        if "parity" in res:
+            print(f"{'':<12}parity (same parameters, ours vs theirs): {json.dumps(res['parity'])[:300]}")
+
+
+def _versions() -> dict[str, str | None]:
+    import importlib.metadata as md
+
+    out: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
+    for dist in ("lightning", "triton", "pydantic", "einops", "jaxtyping"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = None
+    out["cuda"] = torch.version.cuda
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU-sized shapes and 2 iterations")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "spd_step.json"))
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=30, help="timed steps per variant (at most)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (torch.compile compiles here)")
+    ap.add_argument("--measure-s", type=float, default=4.0, help="stop timing a variant after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=210.0, help="whole run, from start to JSON; later variants are skipped")
+    ap.add_argument("--eager-budget-s", type=float, default=30.0, help="one eager variant (build, warmup, timing)")
+    ap.add_argument("--compile-budget-s", type=float, default=100.0, help="one compiled variant, compile included")
     ap.add_argument("--workloads", default="resid_mlp1,lm")
     ap.add_argument("--no-peer", action="store_true", help="skip goodfire's spd")
+    ap.add_argument("--no-ablations", action="store_true", help="only the headline variants")
     args = ap.parse_args(argv)
+    t_begin = time.perf_counter()
+    deadline = t_begin + args.budget_s
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     iters, warmup = (2, 1) if args.smoke else (args.iters, args.warmup)
     if device == "cuda":
@@ -266,68 +395,93 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__,
-        "command": " ".join([sys.executable, *sys.argv]),
+        "versions": _versions(),
+        "command": " ".join([sys.executable, *(sys.argv if argv is None else [sys.argv[0], *argv])]),
         "smoke": args.smoke,
         "iters": iters,
         "warmup": warmup,
+        "budgets_s": {"total": args.budget_s, "eager": args.eager_budget_s, "compiled": args.compile_budget_s, "measure": args.measure_s},
         "workloads": {},
     }
-    try:
-        import lightning
-
-        results["lightning"] = lightning.__version__
-    except ImportError:
-        pass
-    try:
-        results["peer_stubbed_imports"] = [] if args.no_peer else peer.install()
-        results["peer_commit"] = (peer.PEER_DIR / "COMMIT").read_text().strip() if (peer.PEER_DIR / "COMMIT").exists() else None
-    except Exception as err:
-        results["peer_error"] = f"{type(err).__name__}: {err}"
-    builders = {"resid_mlp1": resid_mlp1, "lm": lm}
-    for wname in args.workloads.split(","):
-        w = builders[wname](device, args.smoke)
-        steps = int(w["theirs"]["steps"])
-        variants = []
-        if not args.no_peer and "peer_error" not in results:
-            variants += [("peer_bf16", lambda w=w: peer_step(w, device, True)), ("peer_fp32", lambda w=w: peer_step(w, device, False))]
-        variants += [
-            ("ours_eager_fp32", lambda w=w, steps=steps: our_step(w, device, False, False, steps)),
-            ("ours_eager_bf16", lambda w=w, steps=steps: our_step(w, device, True, False, steps)),
-            ("ours_compiled_bf16", lambda w=w, steps=steps: our_step(w, device, True, True, steps, args.smoke)),
-        ]
-        rows = [run_variant(n, mk, w, device, warmup, iters) for n, mk in variants]
-        by = {r["variant"]: r for r in rows}
-        ratios = {}
-        for ours, base in [
-            ("ours_compiled_bf16", "peer_bf16"),
-            ("ours_eager_bf16", "peer_bf16"),
-            ("ours_eager_fp32", "peer_fp32"),
-            ("ours_compiled_bf16", "ours_eager_bf16"),
-        ]:
-            if "step_ms" in by.get(ours, {}) and "step_ms" in by.get(base, {}):
-                ratios[f"{base}/{ours}"] = by[base]["step_ms"] / by[ours]["step_ms"]
-        results["workloads"][wname] = {"rows": rows, "speedup": ratios}
-        if wname == "resid_mlp1" and not args.no_peer and "peer_error" not in results:
-            try:
-                results["workloads"][wname]["parity"] = parity(w, device)
-            except Exception as err:
-                results["workloads"][wname]["parity"] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-2000:]}
-    print(f"\nSPD step time on {results['device']} (iters={iters})")
-    print(f"{'workload':<12}{'variant':<22}{'ms/step':>10}{'syncs':>7}{'loss':>12}")
-    for wname, res in results["workloads"].items():
-        for r in res["rows"]:
-            ms = f"{r['step_ms']:.2f}" if "step_ms" in r else "ERROR"
-            syncs = "-" if r.get("syncs_per_step") is None else str(r["syncs_per_step"])
-            loss = f"{r['final_loss']:.4g}" if r.get("final_loss") is not None else r.get("error", "")[:40]
-            print(f"{wname:<12}{r['variant']:<22}{ms:>10}{syncs:>7}{loss:>12}")
-        for k, v in res["speedup"].items():
-            print(f"{'':<12}speedup {k}: {v:.2f}x")
-        if "parity" in res:
-            print(f"{'':<12}parity (same parameters, ours vs theirs): {json.dumps(res['parity'])[:300]}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+
+    def save() -> None:  # after every variant, so a run killed from outside still leaves its numbers
+        results["elapsed_s"] = round(time.perf_counter() - t_begin, 1)
+        out.write_text(json.dumps(results, indent=2))
+
+    use_peer = not args.no_peer
+    if use_peer:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                results["peer_stubbed_imports"] = peer.install()
+            commit = peer.PEER_DIR / "COMMIT"
+            results["peer_commit"] = commit.read_text().strip() if commit.exists() else None
+        except Exception as err:
+            results["peer_error"] = f"{type(err).__name__}: {err}"
+            use_peer = False
+    builders = {"resid_mlp1": resid_mlp1, "lm": lm}
+    names = [n for n in args.workloads.split(",") if n]
+    unknown = [n for n in names if n not in builders]
+    if unknown:
+        raise SystemExit(f"unknown workload(s) {unknown}; choose from {sorted(builders)}")
+    ws = {n: builders[n](device, args.smoke) for n in names}
+    for n in names:
+        results["workloads"][n] = {"rows": [], "speedup": {}}
+
+    def variants(wname: str, phase: int) -> list[tuple[str, Any, bool]]:
+        w, steps = ws[wname], int(ws[wname]["theirs"]["steps"])
+        has_pgd = any(c["classname"].startswith("PGD") for c in w["theirs"]["loss_metric_configs"])
+
+        def ours(bf16: bool, compiled: bool, **kw: Any) -> Any:
+            return lambda: our_step(w, device, bf16, compiled, steps, args.smoke, **kw)
+
+        v: list[tuple[str, Any, bool]] = []  # (name, factory, compiled)
+        if phase == 1:
+            if use_peer:
+                v.append(("peer_bf16", lambda: peer_step(w, device, True), False))
+            v += [("ours_eager_bf16", ours(True, False), False), ("ours_compiled_bf16", ours(True, True), True)]
+        elif phase == 2 and not args.no_ablations:
+            if use_peer:
+                v.append(("peer_fp32", lambda: peer_step(w, device, False), False))
+            v += [("ours_eager_fp32", ours(False, False), False), ("ours_eager_fp32_sync", ours(False, False, sync_each_step=True), False)]
+            if has_pgd:
+                if use_peer:
+                    v.append(("peer_bf16_nopgd", lambda: peer_step(w, device, True, no_pgd=True), False))
+                v.append(("ours_eager_bf16_nopgd", ours(True, False, no_pgd=True), False))
+        elif phase == 3 and not args.no_ablations:
+            v = [("ours_compiled_fp32", ours(False, True), True)]
+        return v
+
+    reserve_s = 5.0  # parity check + writing the JSON
+    for phase in (1, 2, 3):  # headline variants first, then cheap ablations, then the extra compile
+        for wname in names:
+            res = results["workloads"][wname]
+            for vname, make, compiled in variants(wname, phase):
+                left = deadline - time.perf_counter() - reserve_s
+                cap = args.compile_budget_s if compiled else args.eager_budget_s
+                if left < min(cap, 5.0):
+                    res["rows"].append({"variant": vname, "skipped": f"global budget of {args.budget_s:.0f} s used up"})
+                    print(f"[{time.perf_counter() - t_begin:6.1f}s] {wname}/{vname}: skipped (budget)", flush=True)
+                    continue
+                print(f"[{time.perf_counter() - t_begin:6.1f}s] {wname}/{vname} ...", flush=True)
+                row = run_variant(vname, make, ws[wname], device, warmup, iters, min(cap, left), args.measure_s)
+                res["rows"].append(row)
+                res["speedup"] = speedups(res["rows"])
+                msg = f"{row['step_ms']:.2f} ms/step" if "step_ms" in row else row.get("error", "")[:120]
+                print(f"[{time.perf_counter() - t_begin:6.1f}s] {wname}/{vname}: {msg} (wall {row['wall_s']} s)", flush=True)
+                save()
+            if phase == 1 and wname == "resid_mlp1" and use_peer:
+                try:
+                    with time_limit(max(deadline - time.perf_counter(), 1.0)):
+                        res["parity"] = parity(ws[wname], device)
+                except Exception as err:
+                    res["parity"] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-2000:]}
+                save()
+    print_table(results)
+    save()
+    print(f"wrote {out} ({results['elapsed_s']} s)")
     return results
 
 

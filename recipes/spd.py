@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
@@ -83,11 +84,67 @@ def plot_decomposition(model: SPDModule, path: Path) -> Path | None:
     return path
 
 
+def _set_dotted(cfg: dict, key: str, value: Any) -> None:
+    *path, last = key.split(".")
+    node = cfg
+    for k in path:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"--{key}: '{k}' is not a section of the config")
+    node[last] = value
+
+
+def _plain_cli(args: list[str]) -> tuple[L.Trainer, SPDModule, dict]:
+    """``--config file.yaml`` plus ``--a.b.c value`` overrides without jsonargparse (the GPU image may
+    lack it): YAML values, ``class_path``/``init_args`` for the logger, SPDModule from ``model``."""
+    import importlib
+
+    import yaml
+
+    cfg: dict = {}
+    it = iter(args)
+    for flag in it:
+        if not flag.startswith("--"):
+            raise ValueError(f"unexpected argument {flag!r}; use --config FILE and --section.key VALUE")
+        key, _, val = flag[2:].partition("=")
+        val = val or next(it, None)
+        if val is None:
+            raise ValueError(f"--{key} needs a value")
+        if key == "config":
+            cfg = {**cfg, **yaml.safe_load(Path(val).read_text())}
+        else:
+            _set_dotted(cfg, key, yaml.safe_load(val))
+    if "seed_everything" in cfg:
+        L.seed_everything(int(cfg["seed_everything"]))
+    tcfg = dict(cfg.get("trainer", {}))
+    logger = tcfg.get("logger")
+    if isinstance(logger, dict) and "class_path" in logger:
+        mod, _, cls = logger["class_path"].rpartition(".")
+        tcfg["logger"] = getattr(importlib.import_module(mod), cls)(**logger.get("init_args", {}))
+    model = SPDModule(**cfg.get("model", {}))
+    return L.Trainer(**tcfg), model, cfg
+
+
 def main(args: list[str] | None = None) -> dict:
-    cli = RecipeCLI(SPDModule, args=args, run=False, save_config_kwargs={"overwrite": True})
-    trainer, model = cli.trainer, cli.model
+    try:
+        import jsonargparse  # noqa: F401
+
+        plain = False
+    except ImportError:
+        plain = True
+    argv = list(sys.argv[1:] if args is None else args)
+    if "--plain" in argv:  # force the jsonargparse-free parser
+        argv.remove("--plain")
+        plain = True
+    if plain:
+        trainer, model, config = _plain_cli(argv)
+    else:
+        # args=None lets LightningCLI read sys.argv itself (it warns when given both)
+        cli_args = None if args is None and argv == sys.argv[1:] else argv
+        cli = RecipeCLI(SPDModule, args=cli_args, run=False, save_config_kwargs={"overwrite": True})
+        trainer, model, config = cli.trainer, cli.model, cli.config
     t0 = time.perf_counter()
-    trainer.fit(model, ckpt_path=cli.config.get("ckpt_path"))
+    trainer.fit(model, ckpt_path=config.get("ckpt_path"))
     metrics = {
         **model.final_metrics,
         "steps": trainer.global_step,
@@ -97,7 +154,7 @@ def main(args: list[str] | None = None) -> dict:
         "target_seed": getattr(model.target_cfg, "seed", None),
         "versions": {"torch": torch.__version__, "lightning": L.__version__},
     }
-    path = run_dir(trainer) / cli.config.get("metrics_file", "metrics.json")
+    path = run_dir(trainer) / config.get("metrics_file", "metrics.json")
     write_metrics(path, metrics)
     if trainer.is_global_zero:
         plot_decomposition(model, run_dir(trainer) / "components.png")

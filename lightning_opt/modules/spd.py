@@ -57,6 +57,9 @@ class SPDTargetConfig:
         seq_len: LM sequence length for the ``gpt`` demo training and the SPD data.
         checkpoint: a ``torch.save``'d state dict (``tms``/``resid_mlp``/``gpt``) or HF name/dir.
         seed: seed of the target's training (the paper's toy models use 0).
+        train_device: where toy targets are trained: ``cpu`` (default), ``cuda`` or ``auto`` (CUDA when
+            available). The data stream is drawn on the CPU either way, so the seed picks the same batches;
+            the trained target is returned on the CPU.
     """
 
     kind: str = "tms"
@@ -68,8 +71,11 @@ class SPDTargetConfig:
     seq_len: int = 64
     checkpoint: str | None = None
     seed: int = 0
+    train_device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if self.train_device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"SPDTargetConfig.train_device={self.train_device!r}; choose 'cpu', 'cuda' or 'auto'")
         if self.kind not in _TARGETS:
             raise ValueError(f"SPDTargetConfig.kind={self.kind!r} is unknown; choose one of {_TARGETS}")
         if self.train_steps < 0 or self.train_batch_size <= 0:
@@ -83,6 +89,13 @@ class SPDTargetConfig:
     def value_range(self) -> tuple[float, float]:
         return (0.0, 1.0) if self.kind == "tms" else (-1.0, 1.0)
 
+    def _device(self) -> str:
+        if self.train_device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("SPDTargetConfig.train_device='cuda' but CUDA is not available; use 'cpu' or 'auto'")
+        if self.train_device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.train_device
+
     def build(self) -> nn.Module:
         """Build (and for toy / demo targets, train) the frozen target."""
         if self.kind == "tms":
@@ -91,7 +104,9 @@ class SPDTargetConfig:
                 m = TMSModel(cfg).untie_()
                 m.load_state_dict(torch.load(self.checkpoint, map_location="cpu", weights_only=True))
                 return m.requires_grad_(False).eval()
-            return train_tms(cfg, self.train_steps, self.train_batch_size, self.train_lr, self.feature_probability, self.seed)
+            m = train_tms(cfg, self.train_steps, self.train_batch_size, self.train_lr, self.feature_probability, self.seed,
+                          device=self._device())
+            return m.cpu()
         if self.kind == "resid_mlp":
             cfg = ResidMLPConfig(**self.model)
             if self.checkpoint:
@@ -100,9 +115,11 @@ class SPDTargetConfig:
                 m = ResidMLP(cfg, seed=self.seed)
                 m.load_state_dict(torch.load(self.checkpoint, map_location="cpu", weights_only=True))
                 return m.requires_grad_(False).eval()
-            return train_resid_mlp(
-                cfg, self.train_steps, self.train_batch_size, self.train_lr, self.feature_probability, seed=self.seed
+            m = train_resid_mlp(
+                cfg, self.train_steps, self.train_batch_size, self.train_lr, self.feature_probability, seed=self.seed,
+                device=self._device(),
             )
+            return m.cpu()
         if self.kind == "gpt":
             return _build_gpt(self)
         return _build_hf_gpt2(self)

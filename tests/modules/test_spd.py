@@ -128,6 +128,11 @@ def test_pgd_finds_masks_at_least_as_bad_as_random_ones():
 def test_config_errors_say_what_to_do():
     with pytest.raises(ValueError, match="kind"):
         SPDTargetConfig(kind="llama")
+    with pytest.raises(ValueError, match="train_device"):
+        SPDTargetConfig(train_device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            SPDTargetConfig(kind="tms", model={"n_features": 5, "n_hidden": 2}, train_steps=1, train_device="cuda").build()
     with pytest.raises(ValueError, match="every reconstruction coefficient is 0"):
         SPDLossConfig(stochastic_recon=0.0, stochastic_recon_layerwise=0.0)
     with pytest.raises(ValueError, match="scope"):

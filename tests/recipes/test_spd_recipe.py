@@ -70,3 +70,24 @@ def test_lm_demo_recipe_reports_ce_and_kl_under_masks(tmp_path):
     for k in ("ce/target", "ce/ci", "ce/stochastic", "ce/unmasked", "ce/zero", "kl/ci", "kl/zero"):
         assert math.isfinite(m[k]), k
     assert m["kl/unmasked"] >= 0
+
+
+def test_plain_parser_without_jsonargparse_matches_cli(tmp_path):
+    """The GPU image may lack jsonargparse: ``--plain`` parses the same config and overrides and gives
+    the same seeded run as LightningCLI (the TMS 40-10 GPU command uses it)."""
+    extra = (
+        "--trainer.max_steps", "3", "--model.target.train_steps", "10", "--model.target.train_device", "auto",
+        "--model.train.batch_size", "64", "--model.train.faithfulness_warmup_steps", "2", "--model.train.eval_batches", "1",
+    )
+    cli = _run(tmp_path / "cli", "spd_tms_40-10.yaml", *extra)
+    plain = _run(tmp_path / "plain", "spd_tms_40-10.yaml", "--plain", *extra)
+    assert plain["steps"] == cli["steps"] == 3
+    for k in ("mmcs", "ml2r", "ci_l0", "recon/stochastic"):
+        assert plain[k] == pytest.approx(cli[k], rel=1e-6), k
+
+
+def test_plain_parser_rejects_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="--config FILE"):
+        _main()(["--plain", "stray"])
+    with pytest.raises(ValueError, match="needs a value"):
+        _main()(["--plain", "--config"])
