@@ -83,7 +83,59 @@ class _ByteCounter:
         return counted
 
 
-def _build_module(args: argparse.Namespace, n_features: int, tokens_per_rank: int, device_type: str) -> Any:
+class _Phases:
+    """Per-phase times of each step on this rank: CUDA events (GPU timeline) and host clock side by side.
+
+    A phase's GPU time is the interval between the events recorded at its start and end marks, so it
+    includes GPU idle time (e.g. waiting for the host after a sync). A phase whose host time is close to
+    its GPU time is bound by the host (Python and kernel launches), not by the GPU.
+    """
+
+    def __init__(self, device_type: str, enabled: bool) -> None:
+        self.device_type, self.enabled = device_type, enabled
+        self.steps: list[list[tuple[str, Any, float]]] = []
+
+    def mark(self, name: str) -> None:
+        if not self.enabled:
+            return
+        import time
+
+        if name == "start":
+            self.steps.append([])
+        if not self.steps:
+            return
+        event = None
+        if self.device_type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self.steps[-1].append((name, event, time.perf_counter()))
+
+    def summary(self, warmup: int) -> dict[str, dict[str, float]]:
+        """Median GPU and host milliseconds per phase over the measured steps (``between_steps``: the
+        interval from one step's last mark to the next step's start)."""
+        if not self.enabled or len(self.steps) <= warmup + 1:
+            return {}
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()
+        gpu: dict[str, list[float]] = {}
+        host: dict[str, list[float]] = {}
+        steps = self.steps[warmup:]
+        for i, marks in enumerate(steps):
+            pairs = list(zip(marks[:-1], marks[1:]))
+            if i + 1 < len(steps) and steps[i + 1]:
+                pairs.append((marks[-1], ("between_steps", *steps[i + 1][0][1:])))
+            for (_, ea, ta), (name, eb, tb) in pairs:
+                gpu.setdefault(name, []).append(ea.elapsed_time(eb) if ea is not None else (tb - ta) * 1e3)
+                host.setdefault(name, []).append((tb - ta) * 1e3)
+        return {
+            "gpu_ms": {k: statistics.median(v) for k, v in gpu.items()},
+            "host_ms": {k: statistics.median(v) for k, v in host.items()},
+        }
+
+
+def _build_module(
+    args: argparse.Namespace, n_features: int, tokens_per_rank: int, device_type: str, phases: _Phases
+) -> Any:
     import lightning.pytorch as pl
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, Dataset
@@ -132,18 +184,24 @@ def _build_module(args: argparse.Namespace, n_features: int, tokens_per_rank: in
             y = self.pool_y[start : start + tokens_per_rank]
             clt = self.clt
             N = x.shape[0]
+            phases.mark("lightning")  # batch start -> training_step: zero_grad, hooks, the strategy's wrapper
             if "forward" in vars(clt):  # a strategy replaced the forward (feature-sharded encoders)
-                out = clt(x, dense=False)
+                out = clt(x, dense=False)  # marks encode, select, gather, decode (strategy.phase_hook)
                 idx, recon = out.indices, out.recon
             else:
                 pre = clt.encode(x)
+                phases.mark("encode")
                 L, _, nf = pre.shape
                 idx, vals = batch_topk_threshold_sparse(pre.reshape(N, L * nf), args.k, clt.topk_group)
+                phases.mark("select")
                 recon = clt.decode_sparse(idx, F.relu(vals), N)
+                phases.mark("decode")
             if clt.d_out_slice is not None:
                 y = y[..., clt.d_out_slice[0] : clt.d_out_slice[1]]
             self.l0.append(idx.numel() / N)  # idx.numel() is known on the host (nonzero sized it)
-            return F.mse_loss(recon.float(), clt.normalize_targets(y).float())
+            loss = F.mse_loss(recon.float(), clt.normalize_targets(y).float())
+            phases.mark("loss")
+            return loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.Adam(self.parameters(), lr=1e-4, fused=device_type == "cuda")
@@ -155,14 +213,34 @@ def _build_module(args: argparse.Namespace, n_features: int, tokens_per_rank: in
 
 
 class _StepTimer:
-    def __init__(self, device_type: str, warmup: int, counter: _ByteCounter | None = None) -> None:
+    def __init__(
+        self,
+        device_type: str,
+        warmup: int,
+        counter: _ByteCounter | None = None,
+        phases: _Phases | None = None,
+    ) -> None:
         import lightning.pytorch as pl
 
         outer = self
+        mark = phases.mark if phases is not None else (lambda name: None)
 
         class Cb(pl.Callback):
             def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
                 outer.mark()
+                mark("start")
+
+            def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+                mark("loss_reduce")  # training_step return -> backward: the strategy's loss all-reduce
+
+            def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+                mark("backward")  # incl. collectives inside autograd and DDP's un-overlapped all-reduce
+
+            def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+                mark("post_backward")  # the strategy's post_backward (e.g. 2D grad all-reduce), clipping
+
+            def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+                mark("optimizer")
 
             def on_train_end(self, trainer: Any, pl_module: Any) -> None:
                 outer.mark()
@@ -212,6 +290,10 @@ def _run_ours(
     if variant == "ours_global_batchtopk_2gpu":
         strategy: Any = GlobalBatchTopKStrategy()
         tokens_per_rank = args.tokens // world
+    elif variant == "ours_global_batchtopk_bf16grad_2gpu":
+        # bf16 gradient all-reduce: half the bytes, but rounded gradients (not bit-comparable to 1 GPU)
+        strategy = GlobalBatchTopKStrategy(grad_compression="bf16")
+        tokens_per_rank = args.tokens // world
     elif variant == "ours_decoder_sharding_2gpu":
         strategy = DecoderShardingStrategy()
         tokens_per_rank = args.tokens
@@ -221,10 +303,13 @@ def _run_ours(
     else:
         strategy, tokens_per_rank = "auto", args.tokens
     # Parameters are created on the device: initialising billions of them on the CPU takes long.
+    phases = _Phases(device_type, enabled=rank == 0)
+    if hasattr(strategy, "phase_hook"):
+        strategy.phase_hook = phases.mark
     with torch.device(f"cuda:{torch.cuda.current_device()}" if device_type == "cuda" else "cpu"):
-        module = _build_module(args, n_features, tokens_per_rank, device_type)
+        module = _build_module(args, n_features, tokens_per_rank, device_type, phases)
     counter = _ByteCounter() if world > 1 else None
-    timer = _StepTimer(device_type, args.warmup, counter)
+    timer = _StepTimer(device_type, args.warmup, counter, phases)
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer = pl.Trainer(
@@ -248,17 +333,20 @@ def _run_ours(
     step_ms = timer.step_ms()
     n_params = sum(p.numel() for p in module.parameters())
     l0 = module.l0[-1]
-    if variant == "ours_global_batchtopk_2gpu":
+    data_parallel = variant.startswith("ours_global_batchtopk")
+    if data_parallel:
         t = torch.tensor([l0 * tokens_per_rank], dtype=torch.float64, device=trainer.strategy.root_device)
         dist.all_reduce(t)  # global active entries / global tokens
         l0 = float(t) / args.tokens
     ours_bytes = timer.bytes_per_step()
-    ddp_bytes = n_params * 4 if variant == "ours_global_batchtopk_2gpu" else 0
+    ddp_bytes = n_params * (2 if "bf16grad" in variant else 4) if data_parallel else 0
     return {
         "variant": variant,
         "features_per_layer": n_features,
         "world": world,
         "tokens_per_step": args.tokens,
+        "tokens_per_rank": tokens_per_rank,
+        "phases_rank0": phases.summary(args.warmup),
         "step_ms": step_ms,
         "tokens_per_s": args.tokens / (step_ms / 1e3),
         "active_per_token": l0,
@@ -284,6 +372,13 @@ def _run_peer(rank: int, world: int, args: argparse.Namespace, n_features: int) 
     return res
 
 
+def _runs(args: argparse.Namespace, variants: list[str]) -> list[tuple[int, str]]:
+    """(features per layer, variant) in run order; the peer only at ``--peer-features`` (it is slow)."""
+    return [
+        (f, v) for f in args.features for v in variants if not v.startswith("peer") or f in args.peer_features
+    ]
+
+
 def _worker(
     rank: int, world: int, port: int, variants: list[str], args: argparse.Namespace, out_dir: str
 ) -> None:
@@ -305,7 +400,7 @@ def _worker(
     backend = "nccl" if use_cuda else "gloo"
     kw = {"device_id": torch.device("cuda", rank)} if use_cuda else {}
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=120), **kw)
-    for n_features, variant in [(f, v) for f in args.features for v in variants]:
+    for n_features, variant in _runs(args, variants):
         try:
             if variant.startswith("peer"):
                 result = _run_peer(rank, world, args, n_features)
@@ -339,9 +434,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-peer", action="store_true", help="skip crosslayer-coding")
+    parser.add_argument(
+        "--peer-features", type=int, nargs="+", default=[8192, 16384],
+        help="sizes at which crosslayer-coding runs (its 32768 run alone takes about a minute)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.smoke:
         args.features, args.tokens, args.k, args.layers, args.d_model = [64, 128], 64, 4, 3, 16
+        args.peer_features = [64, 128]
         args.steps, args.warmup = 2, 1
     gpus = torch.cuda.device_count() if not args.smoke else 2
     peer_ok = (
@@ -352,6 +452,7 @@ def main() -> None:
     one = ["ours_1gpu"] + (["peer_crosslayer_coding_1gpu"] if peer_ok else [])
     two = [
         "ours_global_batchtopk_2gpu",
+        "ours_global_batchtopk_bf16grad_2gpu",
         "ours_decoder_sharding_2gpu",
         "ours_decoder_sharding_sharded_encoder_2gpu",
     ]
@@ -366,17 +467,16 @@ def main() -> None:
                 launch_error = f"{type(err).__name__}: {str(err)[-2000:]}"
             else:
                 launch_error = "no result written"
-            for n_features in args.features:
-                for variant in names:
-                    path = os.path.join(tmp, f"{variant}_{n_features}.json")
-                    if os.path.exists(path):
-                        with open(path) as f:
-                            row = json.load(f)
-                    else:
-                        row = {"variant": variant, "features_per_layer": n_features, "world": world}
-                        row["error"] = launch_error
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+            for n_features, variant in _runs(args, names):
+                path = os.path.join(tmp, f"{variant}_{n_features}.json")
+                if os.path.exists(path):
+                    with open(path) as f:
+                        row = json.load(f)
+                else:
+                    row = {"variant": variant, "features_per_layer": n_features, "world": world}
+                    row["error"] = launch_error
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     for row in rows:  # speedup over the 1-GPU run of the same code and size
         base_name = "peer_crosslayer_coding_1gpu" if row["variant"].startswith("peer") else "ours_1gpu"
         base = next(
@@ -403,7 +503,33 @@ def main() -> None:
             f"{r.get('collective_bytes_per_step_ours', 0) / 1e6:8.2f} "
             f"{r.get('ddp_grad_allreduce_bytes_per_step', 0) / 1e6:8.1f}"
         )
+    _print_phases(rows)
     print(f"wrote {out}")
+
+
+def _print_phases(rows: list[dict[str, Any]]) -> None:
+    """Rank 0's median GPU ms per phase (host ms in brackets where it is at least 80% of GPU: host-bound)."""
+    names = [
+        "lightning", "encode", "select", "gather", "decode", "loss", "loss_reduce", "backward",
+        "post_backward", "optimizer", "between_steps",
+    ]  # fmt: skip
+    print(
+        f"\nper-phase GPU ms on rank 0 (h = host time >= 80% of it)\n{'variant':44} {'F/layer':>8} "
+        + " ".join(f"{n[:9]:>10}" for n in names)
+    )
+    for r in rows:
+        ph = r.get("phases_rank0") or {}
+        gpu, host = ph.get("gpu_ms", {}), ph.get("host_ms", {})
+        if not gpu:
+            continue
+        cells = []
+        for n in names:
+            g = gpu.get(n)
+            h = host.get(n, 0.0)
+            cells.append(
+                f"{'-':>10}" if g is None else f"{g:9.2f}{'h' if g > 0.05 and h >= 0.8 * g else ' '}"
+            )
+        print(f"{r['variant']:44} {r['features_per_layer']:>8} " + " ".join(cells))
 
 
 if __name__ == "__main__":

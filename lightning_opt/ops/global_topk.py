@@ -33,6 +33,7 @@ counts) ``+ W * C_max * elem_size`` (candidate values, ``C_max`` = the largest c
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -107,11 +108,12 @@ def _kth_largest(pool: torch.Tensor, kth: int) -> torch.Tensor:
 
 def _select(
     x: torch.Tensor, k: int, group: dist.ProcessGroup | None, tokens_total: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Candidate flat indices (ascending) of this rank's ``x`` and a keep mask over them.
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Candidate flat indices (ascending) of this rank's ``x``, a keep mask over them, and kept counts.
 
-    A ``None`` mask means every candidate is kept. Every rank runs the same collectives in the same order,
-    so early exits depend only on group-wide quantities.
+    A ``None`` mask means every candidate is kept. The third item is a ``[world]`` int64 device tensor: how
+    many entries each rank of ``group`` keeps (from the tie statistics, no extra collective). Every rank runs
+    the same collectives in the same order, so early exits depend only on group-wide quantities.
     """
     if x.dim() != 2:
         raise ValueError(f"global_batch_topk expects x of shape [tokens, features], got {tuple(x.shape)}")
@@ -145,9 +147,10 @@ def _select(
         lo = None if lo_local is None else lo_local.to(x.dtype)
     big_k = k * tokens_total
     if big_k == 0:
-        return empty_idx, None
+        return empty_idx, None, torch.zeros(world, dtype=torch.long, device=device)
     if big_k >= numel_total:
-        return torch.arange(n, device=device), None
+        sizes = gathered[:, 1].long() if world > 1 else torch.tensor([n], device=device)
+        return torch.arange(n, device=device), None, sizes
     if lo is None:  # no bound estimated (not reached with n > 0 and K < numel): use the exact fallback
         lo = torch.tensor(float("inf"), dtype=x.dtype, device=device)
 
@@ -179,18 +182,15 @@ def _select(
 
     gt = vals > t
     eq = vals == t
+    stats = torch.stack([gt.sum(), eq.sum()])[None]
     if world > 1:
-        stats = _all_gather(torch.stack([gt.sum(), eq.sum()]), group, world)
-        rank = dist.get_rank(group)
-        ties_needed = big_k - stats[:, 0].sum()
-        ties_before = stats[:rank, 1].sum()
-    else:
-        ties_needed = big_k - gt.sum()
-        ties_before = 0
+        stats = _all_gather(stats[0], group, world)
+    rank = dist.get_rank(group) if world > 1 else 0
+    ties_needed = big_k - stats[:, 0].sum()
     # Ties go to earlier ranks first, then to smaller flat indices (idx ascends).
-    quota = (ties_needed - ties_before).clamp(min=0)
-    keep = gt | (eq & (torch.cumsum(eq.to(torch.long), 0) <= quota))
-    return idx, keep
+    quotas = (ties_needed - (torch.cumsum(stats[:, 1], 0) - stats[:, 1])).clamp(min=0)
+    keep = gt | (eq & (torch.cumsum(eq.to(torch.long), 0) <= quotas[rank]))
+    return idx, keep, stats[:, 0] + torch.minimum(stats[:, 1], quotas)
 
 
 def global_batch_topk(
@@ -217,7 +217,7 @@ def global_batch_topk(
         tensor([[3., 0., 0.],
                 [0., 4., 0.]])
     """
-    idx, keep = _select(x, k, group, tokens_total)
+    idx, keep, _ = _select(x, k, group, tokens_total)
     if keep is None and idx.numel() == x.numel():
         return x
     flat = x.reshape(-1)
@@ -230,14 +230,25 @@ def global_batch_topk(
 
 
 def batch_topk_threshold_sparse(
-    x: torch.Tensor, k: int, group: dist.ProcessGroup | None = None, tokens_total: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    k: int,
+    group: dist.ProcessGroup | None = None,
+    tokens_total: int | None = None,
+    return_counts: bool = False,
+) -> Any:
     """Like :func:`global_batch_topk` but return the kept entries as ``(flat_indices, values)``.
 
     ``flat_indices`` index ``x.reshape(-1)`` and ascend; ``values`` carry gradients to ``x``. Useful to feed
     :func:`lightning_opt.ops.sparse_decode.sparse_decode` without densifying.
+
+    With ``return_counts=True`` the result is ``(flat_indices, values, counts)`` where ``counts`` is a host
+    list of how many entries every rank of ``group`` keeps (rank order), read in the same host sync that
+    sizes the result: a later gather of the kept entries needs no count exchange of its own.
     """
-    idx, keep = _select(x, k, group, tokens_total)
+    idx, keep, counts = _select(x, k, group, tokens_total)
+    counts_host = counts.tolist() if return_counts else None  # host sync (sizes the gathers after this)
     if keep is not None:
-        idx = idx[keep]  # host sync: the kept count sizes the result
+        idx = idx[keep]  # host sync: the kept count sizes the result (short wait after the one above)
+    if return_counts:
+        return idx, x.reshape(-1)[idx], counts_host
     return idx, x.reshape(-1)[idx]

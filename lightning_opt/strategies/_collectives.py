@@ -86,22 +86,30 @@ class _GatherSparse(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, indices: torch.Tensor, values: torch.Tensor, group: Any, world: int
+        ctx: Any,
+        indices: torch.Tensor,
+        values: torch.Tensor,
+        group: Any,
+        world: int,
+        counts: list[int] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        count = torch.tensor([indices.numel()], dtype=torch.long, device=indices.device)
-        counts = _all_gather(count, group, world).view(-1).tolist()  # host sync: counts size the buffers
+        if counts is None:
+            count = torch.tensor([indices.numel()], dtype=torch.long, device=indices.device)
+            counts = _all_gather(count, group, world).view(-1).tolist()  # host sync: counts size the buffers
         width = max(counts)
         rank = dist.get_rank(group)
         ctx.group, ctx.counts, ctx.width, ctx.rank = group, counts, width, rank
-        out_idx, out_vals = [], []
-        for t, fill in ((indices, -1), (values, 0)):
-            padded = torch.full((width,), fill, dtype=t.dtype, device=t.device)
-            padded[: t.numel()] = t
-            parts = _all_gather(padded, group, world)
-            gathered = torch.cat([parts[r, : counts[r]] for r in range(world)])
-            (out_idx if fill == -1 else out_vals).append(gathered)
-        ctx.mark_non_differentiable(out_idx[0])
-        return out_idx[0], out_vals[0]
+        # One collective for both: each row holds an int64 index and the value's bytes.
+        n, esz = indices.numel(), values.element_size()
+        buf = torch.empty(width, 8 + esz, dtype=torch.uint8, device=indices.device)
+        buf[:n, :8] = indices.to(torch.int64).contiguous().view(torch.uint8).view(n, 8)
+        buf[:n, 8:] = values.contiguous().view(torch.uint8).view(n, esz)
+        parts = _all_gather(buf, group, world)
+        rows = torch.cat([parts[r, : counts[r]] for r in range(world)])
+        out_idx = rows[:, :8].contiguous().view(torch.int64).view(-1)
+        out_vals = rows[:, 8:].contiguous().view(values.dtype).view(-1)
+        ctx.mark_non_differentiable(out_idx)
+        return out_idx, out_vals
 
     @staticmethod
     def backward(ctx: Any, grad_idx: torch.Tensor | None, grad_vals: torch.Tensor) -> tuple[Any, ...]:
@@ -112,11 +120,21 @@ class _GatherSparse(torch.autograd.Function):
             padded[r, :c] = grad_vals[offset : offset + c]
             offset += c
         dist.all_reduce(padded, group=ctx.group)
-        return None, padded[ctx.rank, : counts[ctx.rank]].contiguous(), None, None
+        return None, padded[ctx.rank, : counts[ctx.rank]].contiguous(), None, None, None
 
 
 def gather_sparse(
-    indices: torch.Tensor, values: torch.Tensor, group: Any, world: int
+    indices: torch.Tensor, values: torch.Tensor, group: Any, world: int, counts: list[int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All ranks' sparse entries in rank order; gradients of ``values`` return summed to their owners."""
-    return _GatherSparse.apply(indices, values, group, world)
+    """All ranks' sparse entries in rank order; gradients of ``values`` return summed to their owners.
+
+    ``counts``: every rank's entry count (rank order) when already known on the host (e.g. from
+    :func:`~lightning_opt.ops.global_topk.batch_topk_threshold_sparse` with ``return_counts=True``); saves a
+    count exchange and its host sync.
+    """
+    if counts is not None and (len(counts) != world or counts[dist.get_rank(group)] != indices.numel()):
+        raise ValueError(
+            f"counts {counts} do not match this group (world {world}, {indices.numel()} local entries); "
+            "pass the counts of the ranks of `group` in rank order, or None."
+        )
+    return _GatherSparse.apply(indices, values, group, world, counts)

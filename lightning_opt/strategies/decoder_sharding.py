@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,11 @@ from lightning_opt.strategies._collectives import all_reduce_grads, gather_spars
 from lightning_opt.strategies.global_batch_topk import attach_topk_group
 
 __all__ = ["DecoderShardingStrategy"]
+
+
+def _no_mark(name: str) -> None:
+    pass
+
 
 _FORMATS = ("consolidated", "sharded")
 
@@ -97,6 +103,8 @@ class DecoderShardingStrategy(DDPStrategy):
         self._full_now = False  # module temporarily whole (evaluation inside fit)
         self._failed = False
         self.grad_bytes_per_step = 0
+        # Optional callable(name) called after each phase of the sharded forward (benchmarks time phases).
+        self.phase_hook: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ layout
     @property
@@ -236,25 +244,41 @@ class DecoderShardingStrategy(DDPStrategy):
             pre = clt.encode(x)  # [L, N, F / M]: this rank's features of every layer
             n_layers, n_tokens, width = pre.shape
             n_features = clt.config.n_features
+            mark = strategy.phase_hook or _no_mark
+            mark("encode")
+            first = 0
             if strategy.global_topk and strategy.dp_size > 1:
                 group, tokens_total = (
                     dist.group.WORLD,
                     int(strategy.data_sum(pre.new_tensor(float(n_tokens)))),
                 )
+                first = strategy.data_rank * strategy.mp_size  # this decoder group's ranks in WORLD
             else:
                 group, tokens_total = strategy._model_group, n_tokens
-            idx, vals = batch_topk_threshold_sparse(
-                pre.reshape(n_tokens, n_layers * width), clt.config.k, group=group, tokens_total=tokens_total
+            idx, vals, counts = batch_topk_threshold_sparse(
+                pre.reshape(n_tokens, n_layers * width),
+                clt.config.k,
+                group=group,
+                tokens_total=tokens_total,
+                return_counts=True,
             )
+            mark("select")
             # Local flat index in [L, N, F/M] -> global flat index in [L, N, F].
             layer_token = torch.div(idx, width, rounding_mode="floor")
             feature = idx - layer_token * width + strategy.model_rank * width
             all_idx, all_vals = gather_sparse(
-                layer_token * n_features + feature, torch.relu(vals), strategy._model_group, strategy.mp_size
+                layer_token * n_features + feature,
+                torch.relu(vals),
+                strategy._model_group,
+                strategy.mp_size,
+                counts=counts[first : first + strategy.mp_size],
             )
             order = torch.argsort(all_idx)
             all_idx, all_vals = all_idx[order], all_vals[order]
-            return CLTOutput(decode_sparse(all_idx, all_vals, n_tokens), pre, None, all_idx, all_vals)
+            mark("gather")
+            recon = decode_sparse(all_idx, all_vals, n_tokens)
+            mark("decode")
+            return CLTOutput(recon, pre, None, all_idx, all_vals)
 
         clt.forward = sharded_forward
 

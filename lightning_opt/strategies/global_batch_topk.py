@@ -14,6 +14,8 @@ from lightning_opt.strategies._collectives import sum_forward
 
 __all__ = ["GlobalBatchTopKStrategy", "attach_topk_group"]
 
+_COMPRESSION = {None: None, "bf16": "bf16_compress_hook", "fp16": "fp16_compress_hook"}
+
 
 def attach_topk_group(module: torch.nn.Module, group: Any) -> int:
     """Set ``topk_group`` on every submodule that has the attribute; return how many were set."""
@@ -34,10 +36,18 @@ class GlobalBatchTopKStrategy(DDPStrategy):
     the loss is a per-rank mean over equal batches (DDP averages gradients) or uses :meth:`loss_sum` for
     ratio losses. See docs/strategies.md.
 
+    Gradients are all-reduced by DDP (overlapped with backward, buckets of ``bucket_cap_mb``). By default the
+    gradients are views into DDP's buckets (``gradient_as_bucket_view=True``: no copy in or out of the
+    buckets; numerics unchanged).
+
     Args:
         require_topk_module: raise if no submodule has ``topk_group`` (catches a wrong model early).
+        grad_compression: ``None`` (exact float32 all-reduce) or ``"bf16"``/``"fp16"``: DDP's compression
+            hook casts each bucket to 16 bits before the all-reduce and back after, halving the bytes sent.
+            This CHANGES the numerics (gradients are rounded to 8 or 11 mantissa bits before averaging), so
+            results are no longer bit-comparable with one process.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (e.g. ``start_method``,
-            ``process_group`` for a sub-group).
+            ``process_group`` for a sub-group, ``bucket_cap_mb``, ``static_graph``).
 
     Example:
         >>> trainer = pl.Trainer(strategy=GlobalBatchTopKStrategy(), devices=2)  # doctest: +SKIP
@@ -45,10 +55,34 @@ class GlobalBatchTopKStrategy(DDPStrategy):
 
     strategy_name = "ddp_global_batchtopk"
 
-    def __init__(self, require_topk_module: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self, require_topk_module: bool = True, grad_compression: str | None = None, **kwargs: Any
+    ) -> None:
+        if grad_compression not in _COMPRESSION:
+            raise ValueError(
+                f"grad_compression must be one of {sorted(_COMPRESSION, key=str)}, got {grad_compression!r}"
+            )
+        if grad_compression is not None and kwargs.get("ddp_comm_hook") is not None:
+            raise ValueError("pass either grad_compression or ddp_comm_hook, not both")
+        kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(**kwargs)
+        self.grad_compression = grad_compression
         self.require_topk_module = require_topk_module
         self.topk_modules = 0
+
+    @override
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        if self.grad_compression is not None:
+            # Registered here rather than through Lightning's ddp_comm_hook, which skips CPU (gloo) runs.
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            if self.grad_compression == "bf16" and self.root_device.type != "cuda":
+                raise ValueError(
+                    "grad_compression='bf16' needs CUDA and NCCL (torch's bf16 hook); on CPU use 'fp16'."
+                )
+            hook = getattr(default_hooks, _COMPRESSION[self.grad_compression])
+            self.model.register_comm_hook(self._ddp_kwargs.get("process_group"), hook)
 
     @property
     def topk_group(self) -> Any:

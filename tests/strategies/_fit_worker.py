@@ -36,7 +36,7 @@ def _state(module: Any) -> dict[str, torch.Tensor]:
 def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
     from _clt_helpers import TinyCLTModule
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from test_global_batch_topk import run_equivalence
+    from test_global_batch_topk import run_counts, run_equivalence
 
     from lightning_opt.strategies import DecoderShardingStrategy, GlobalBatchTopKStrategy
 
@@ -49,6 +49,11 @@ def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
         _fit(m, strategy, root)
         topk_after = m.clt.topk_group
         return {"state": _state(m), "topk_modules": strategy.topk_modules, "topk_after": topk_after}
+
+    def global_fp16() -> dict[str, Any]:
+        m = TinyCLTModule(loss="mse", batch_size=8)
+        _fit(m, GlobalBatchTopKStrategy(grad_compression="fp16"), root)  # bf16 hook: NCCL only
+        return {"state": _state(m)}
 
     def global_fvu() -> dict[str, Any]:
         m = TinyCLTModule(loss="fvu", batch_size=8)
@@ -120,6 +125,8 @@ def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
 
     return {
         "equivalence": lambda: run_equivalence(),
+        "counts": lambda: run_counts(),
+        "global_fp16": global_fp16,
         "clt_module_global": clt_module("global"),
         "clt_module_sharded": clt_module("sharded"),
         "clt_module_sharded_encoder": clt_module("encoder"),

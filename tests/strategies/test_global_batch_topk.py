@@ -80,6 +80,62 @@ def run_equivalence() -> dict[str, float]:
     return checked
 
 
+def run_counts() -> dict[str, list[int]]:
+    """Kept counts from the selection (no count exchange) and the gather that uses them, on 2 ranks."""
+    from lightning_opt.ops.global_topk import batch_topk_threshold_sparse
+    from lightning_opt.strategies._collectives import gather_sparse
+
+    rank = dist.get_rank()
+    # Ties at the threshold across both ranks: the counts must follow the (rank, flat index) tie rule.
+    x = torch.tensor([[3.0, 2.0, 2.0, 1.0], [2.0, 0.5, 2.0, 0.0]]) if rank == 0 else torch.full((2, 4), 2.0)
+    x = x.clone().requires_grad_(True)
+    idx, vals, counts = batch_topk_threshold_sparse(x, k=2, group=dist.group.WORLD, return_counts=True)
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(WORLD)]
+    dist.all_gather(sizes, torch.tensor([idx.numel()]))
+    if counts != [int(s) for s in sizes] or sum(counts) != 2 * 4:
+        raise AssertionError(f"counts {counts} != kept sizes {[int(s) for s in sizes]} (K=8)")
+    with_counts = gather_sparse(idx, vals, dist.group.WORLD, WORLD, counts=counts)
+    without = gather_sparse(idx, vals, dist.group.WORLD, WORLD)
+    for a, b in zip(with_counts, without):
+        torch.testing.assert_close(a, b)
+    # Backward: each rank gets the summed gradient of its own entries (both ranks weight by 1 + rank).
+    (with_counts[1] * (1.0 + rank)).sum().backward()
+    expected = torch.zeros(8).index_put_((idx,), torch.full((idx.numel(),), 3.0))
+    torch.testing.assert_close(x.grad.view(-1), expected)
+    try:
+        gather_sparse(idx, vals, dist.group.WORLD, WORLD, counts=[c + 1 for c in counts])
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("wrong counts were accepted")
+    return {"counts": counts}
+
+
+def test_selection_counts_feed_the_sparse_gather(strategy_runs: dict) -> None:
+    # rank 0 holds 3.0 and four 2.0s; rank 1 eight 2.0s: K=8 takes 3.0, rank 0's 2.0s, then 3 of rank 1's
+    assert strategy_runs["counts"]["counts"] == [5, 3]
+
+
+def test_16bit_grad_compression_trains_close_to_exact_but_not_bitwise(strategy_runs: dict, tmp_path) -> None:
+    reference = fit_single(TinyCLTModule(loss="mse", batch_size=16), tmp_path)
+    state, exact = strategy_runs["global_fp16"]["state"], strategy_runs["global_mse"]["state"]
+    assert_states_close(state, reference, tol=1e-4)
+
+    def max_diff(got: dict[str, torch.Tensor]) -> float:
+        return max(float((got[k] - reference[k]).abs().max()) for k in reference)
+
+    # The hook was active: rounding the gradients moves the result well beyond the exact run's float noise.
+    assert max_diff(state) > 10 * max_diff(exact)
+
+
+def test_grad_compression_is_validated() -> None:
+    with pytest.raises(ValueError, match="grad_compression"):
+        GlobalBatchTopKStrategy(grad_compression="int8")
+    with pytest.raises(ValueError, match="not both"):
+        GlobalBatchTopKStrategy(grad_compression="bf16", ddp_comm_hook=lambda state, bucket: None)
+    assert GlobalBatchTopKStrategy()._ddp_kwargs["gradient_as_bucket_view"] is True
+
+
 def test_two_ranks_equal_one_big_batch_masks_losses_grads(strategy_runs: dict) -> None:
     result = strategy_runs["equivalence"]
     assert set(result) >= {"mse", "fvu"}
