@@ -656,6 +656,8 @@ def auxk_loss(
     k_aux: int,
     max_dead: int | None = None,
     staleness: torch.Tensor | None = None,
+    x: torch.Tensor | None = None,
+    sparse_decoder_grad: bool = False,
 ) -> torch.Tensor:
     """AuxK (Gao et al., 2024): the top-``k_aux`` *dead* features per token and layer should predict the
     residual ``target - recon`` (normalised space, detached). Returns ``||e - e_hat||^2 / ||e||^2``;
@@ -676,6 +678,15 @@ def auxk_loss(
         k_aux: dead features kept per token and layer.
         max_dead: candidate features per layer (``None`` = all ``F``).
         staleness: ``[L, F]`` scores that rank the candidates when ``max_dead`` is set.
+        x: the raw inputs ``[N, L, d_model]`` that gave ``pre`` (optional, capped form only): the candidates'
+            pre-activations are then recomputed from the encoder (``[N, d] x [d, max_dead]`` per layer), so the
+            gradient goes straight to their encoder columns instead of a dense ``[L, N, F]`` gradient of
+            ``pre``. Same loss and gradients up to matmul rounding.
+        sparse_decoder_grad: capped untied form only: the decoder gradient of the candidates' rows is returned
+            as a sparse tensor that autograd adds into the dense gradient of the main decode, instead of a
+            zero-filled decoder-sized tensor. Only when the decoder also gets a dense gradient in the same
+            backward (as in :class:`~lightning_opt.modules.clt.CLTModule`): otherwise ``.grad`` would be sparse,
+            which AdamW refuses.
     """
     L, N, nf = pre.shape
     if max_dead is not None and max_dead <= 0:
@@ -685,7 +696,14 @@ def auxk_loss(
         score = (staleness if staleness is not None else dead).float().masked_fill(~dead, float("-inf"))
         cols = torch.topk(score, max_dead, dim=1).indices  # [L, D]: fixed size, so no host sync
         ok = dead.gather(1, cols)
-        sub = pre.gather(2, cols[:, None, :].expand(L, N, max_dead))
+        if x is not None:
+            # the candidates' pre-activations from their encoder columns: no dense [L, N, F] gradient of pre
+            model._check_input(x)
+            xn = model.normalize_inputs(x.to(model.W_enc.dtype)).transpose(0, 1)
+            w = model.W_enc.gather(2, cols[:, None, :].expand(L, model.config.d_model, max_dead))
+            sub = torch.baddbmm(model.b_enc.gather(1, cols)[:, None, :], xn, w).to(pre.dtype)
+        else:
+            sub = pre.gather(2, cols[:, None, :].expand(L, N, max_dead))
     else:
         cols, ok, sub = None, dead, pre
     kk = min(k_aux, sub.shape[2])
@@ -695,7 +713,7 @@ def auxk_loss(
     e = residual.float()
     wrapped = "decode_sparse" in vars(model)  # a strategy (decoder sharding) wraps decode_sparse: go through it
     if capped and not wrapped and model.config.decoder_tying == "untied":
-        e_hat = _decode_columns(model, cols, top.indices, vals)
+        e_hat = _decode_columns(model, cols, top.indices, vals, sparse_decoder_grad)
     else:
         feat = top.indices if cols is None else cols[:, None, :].expand(L, N, max_dead).gather(2, top.indices)
         rows = torch.arange(L * N, device=pre.device).view(L, N, 1)
@@ -704,20 +722,67 @@ def auxk_loss(
     return (e - e_hat).pow(2).sum() / e.pow(2).sum().clamp_min(1e-12)
 
 
-def _decode_columns(model: CLT, cols: torch.Tensor, local: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+def _decode_columns(model: CLT, cols: torch.Tensor, local: torch.Tensor, vals: torch.Tensor,
+                    sparse_grad: bool = False) -> torch.Tensor:
     """Decode (no bias) activations that live on ``cols`` ``[L, D]`` features per layer: ``vals`` at positions
-    ``local`` ``[L, N, k]`` of a ``[L, N, D]`` block. One dense ``[N, D] x [D, (L - l) * d]`` matmul per layer."""
+    ``local`` ``[L, N, k]`` of a ``[L, N, D]`` block. One dense ``[N, D] x [D, (L - l) * d]`` matmul per layer.
+    With ``sparse_grad`` the decoder gradient is a sparse tensor over the ``D`` rows (see :func:`auxk_loss`)."""
     L, N, _ = local.shape
     D = cols.shape[1]
     acts = torch.zeros(L, N, D, dtype=vals.dtype, device=vals.device).scatter(2, local, vals)
-    d = model.d_out
     on = torch.is_autocast_enabled(vals.device.type)
     dtype = torch.get_autocast_dtype(vals.device.type) if on else model.W_dec[0].dtype
+    if sparse_grad:
+        return _ColumnDecodeSparseGrad.apply(acts, cols, dtype, *model.W_dec)
+    d = model.d_out
     out = torch.zeros(N, L, d, dtype=torch.float32, device=vals.device)
     for s in range(L):
         w = model.W_dec[s].index_select(0, cols[s]).reshape(D, -1)  # [D, (L - s) * d]
         out[:, s:] += (acts[s].to(dtype) @ w.to(dtype)).view(N, L - s, d)
     return out
+
+
+class _ColumnDecodeSparseGrad(torch.autograd.Function):
+    """:func:`_decode_columns` whose decoder gradient is a sparse COO tensor over the ``D`` selected rows of each
+    ``W_dec[l]`` ``[F, L - l, d]``. Autograd sums it into the dense gradient of the main decode, so no
+    zero-filled decoder-sized gradient is built. Inputs: ``acts`` ``[L, N, D]``, ``cols`` ``[L, D]``, the matmul
+    dtype, then the ``L`` decoders. Output ``[N, L, d]`` float32."""
+
+    @staticmethod
+    def forward(ctx: Any, acts: torch.Tensor, cols: torch.Tensor, dtype: torch.dtype,
+                *weights: torch.Tensor) -> torch.Tensor:
+        L, N, D = acts.shape
+        d = weights[0].shape[-1]
+        a = acts.to(dtype)
+        out = torch.zeros(N, L, d, dtype=torch.float32, device=acts.device)
+        rows = []
+        for s, w in enumerate(weights):
+            ws = w.index_select(0, cols[s]).reshape(D, -1).to(dtype)  # [D, (L - s) d]
+            out[:, s:] += (a[s] @ ws).view(N, L - s, d)
+            rows.append(ws)
+        ctx.save_for_backward(a, cols, *rows)
+        ctx.meta = (acts.dtype, [(w.shape, w.dtype) for w in weights])
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        a, cols, *rows = ctx.saved_tensors
+        acts_dtype, wmeta = ctx.meta
+        L, N, D = a.shape
+        grad_out = grad_out.contiguous()
+        grad_acts = torch.empty(L, N, D, dtype=a.dtype, device=a.device) if ctx.needs_input_grad[0] else None
+        grads_w: list[torch.Tensor | None] = []
+        for s, ws in enumerate(rows):
+            g = grad_out[:, s:].reshape(N, -1).to(a.dtype)
+            if grad_acts is not None:
+                grad_acts[s] = g @ ws.t()
+            if ctx.needs_input_grad[3 + s]:
+                shape, wdtype = wmeta[s]
+                gw = (a[s].t() @ g).view(D, *shape[1:]).to(wdtype)
+                grads_w.append(torch.sparse_coo_tensor(cols[s][None], gw, shape, check_invariants=False))
+            else:
+                grads_w.append(None)
+        return (None if grad_acts is None else grad_acts.to(acts_dtype), None, None, *grads_w)
 
 
 # ------------------------------------------------------- circuit-tracer format

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.profiler import record_function
 from torchmetrics import Metric
 
 from lightning_opt.models.clt import (
@@ -286,54 +287,64 @@ class CLTModule(TrainingModule):
 
     # ------------------------------------------------------------- training
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        # record_function regions ("clt/...") let a profiler attribute device time to the parts of the step
+        # (benchmarks/clt_step.py prints them); without a profiler they cost a few microseconds.
         x, y = batch[0], batch[1]
         n = x.shape[0]
         clt = self.model
         has_indices = clt.config.activation in ("topk", "batchtopk", "batchtopk_global") and clt.topk_group is None
-        out = clt(x, dense=not self._use_sparse(has_indices))
-        yn = clt.normalize_targets(y.float())
-        if clt.d_out_slice is not None:
-            yn = yn[..., clt.d_out_slice[0] : clt.d_out_slice[1]]
-        mse = (out.recon - yn).pow(2).mean()
-        loss = mse
-        lam = self.sparsity_lambda()
-        log = self._should_log()
-        logs: dict[str, Any] = {"train/mse": mse.detach(), "train/sparsity_lambda": lam}
-        if lam > 0:
-            norms = clt.decoder_norms()
-            if out.indices is not None:  # the kept entries only, even when decoding densely
-                sp = tanh_sparsity_penalty_sparse(out.indices, out.values, norms * self.sparsity_c, n)
-            else:
-                sp = tanh_sparsity_penalty(out.acts, norms, self.sparsity_c)
-            loss = loss + lam * sp
-            logs["train/sparsity"] = sp.detach()
-        if self.preact_coef > 0:
-            pa = preactivation_loss(out.pre, clt.threshold)
-            loss = loss + self.preact_coef * pa
-            logs["train/preact"] = pa.detach()
-        fired = self._fired(out, n)
-        dead = self.tokens_since_fired >= self.dead_tokens
+        with record_function("clt/forward"):
+            out = clt(x, dense=not self._use_sparse(has_indices))
+        with record_function("clt/loss"):
+            yn = clt.normalize_targets(y.float())
+            if clt.d_out_slice is not None:
+                yn = yn[..., clt.d_out_slice[0] : clt.d_out_slice[1]]
+            mse = (out.recon - yn).pow(2).mean()
+            loss = mse
+            lam = self.sparsity_lambda()
+            log = self._should_log()
+            logs: dict[str, Any] = {"train/mse": mse.detach(), "train/sparsity_lambda": lam}
+            if lam > 0:
+                norms = clt.decoder_norms()
+                if out.indices is not None:  # the kept entries only, even when decoding densely
+                    sp = tanh_sparsity_penalty_sparse(out.indices, out.values, norms * self.sparsity_c, n)
+                else:
+                    sp = tanh_sparsity_penalty(out.acts, norms, self.sparsity_c)
+                loss = loss + lam * sp
+                logs["train/sparsity"] = sp.detach()
+            if self.preact_coef > 0:
+                pa = preactivation_loss(out.pre, clt.threshold)
+                loss = loss + self.preact_coef * pa
+                logs["train/preact"] = pa.detach()
+        with record_function("clt/dead_tracking"):
+            fired = self._fired(out, n)
+            dead = self.tokens_since_fired >= self.dead_tokens
         # No feature can be dead before dead_tokens tokens have passed (tokens_seen counts all ranks, so it is
         # at least this rank's count), nor when the last step left none dead: skip AuxK then, without a sync.
         if self.aux_coef > 0 and self.tokens_seen >= self.dead_tokens:
             if self._maybe_dead():
-                aux = auxk_loss(clt, out.pre, (yn - out.recon).detach(), dead, self.aux_k,
-                                max_dead=self.aux_max_dead, staleness=self.tokens_since_fired)
-                loss = loss + self.aux_coef * aux
+                with record_function("clt/auxk"):
+                    # x: the candidates' pre-activations from their encoder columns; sparse_decoder_grad: the
+                    # main decode gives the decoder a dense gradient in this backward, AuxK adds its rows to it
+                    aux = auxk_loss(clt, out.pre, (yn - out.recon).detach(), dead, self.aux_k,
+                                    max_dead=self.aux_max_dead, staleness=self.tokens_since_fired, x=x,
+                                    sparse_decoder_grad=True)
+                    loss = loss + self.aux_coef * aux
                 logs["train/auxk"] = aux.detach()
             else:
                 logs["train/auxk"] = 1.0  # AuxK's value when no feature is dead
-        with torch.no_grad():
+        with torch.no_grad(), record_function("clt/dead_tracking"):
             self.tokens_since_fired.add_(n).masked_fill_(fired, 0)
             if self.aux_coef > 0:
                 self._publish_dead(self.tokens_since_fired >= self.dead_tokens)
-            if log:
+        if log:
+            # metrics only on the steps the Trainer writes logs: they cost extra passes over the outputs
+            with torch.no_grad(), record_function("clt/metrics"):
                 logs["train/dead_fraction"] = dead.float().mean()
                 logs["train/l0"] = self._active_per_layer(out, n).sum() / n
                 if clt.d_out_slice is None:
                     sse, sst = fvu_per_layer(clt.denormalize(out.recon.detach()), y)
                     logs["train/fvu"] = sse.sum() / sst.sum().clamp_min(1e-12)
-        if log:
             self.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False)
         # every step (a monitored key must always exist); a device tensor, so no sync unless a logger or the
         # progress bar reads it

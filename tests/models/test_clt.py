@@ -390,3 +390,33 @@ def test_dense_decode_sparse_grad_matches_plain_dense_on_gpu_bf16() -> None:
     ours, plain = _dense_decode_grads(clt, x, y, amp=True)
     for a, b in zip(ours, plain):
         torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-3 * float(b.abs().max()) + 1e-6)
+
+
+@pytest.mark.parametrize("normalization", ["none", "mean_std"])
+def test_auxk_fast_paths_match_the_reference_gradients(normalization: str) -> None:
+    # x= recomputes the candidates' pre-activations from their encoder columns; sparse_decoder_grad= returns the
+    # decoder rows' gradient as a sparse tensor summed into the main decode's dense gradient. Same loss and
+    # gradients as the reference (pre.gather + index_select) path, and every .grad stays dense.
+    clt = make("batchtopk_global", k=3, normalization=normalization)
+    torch.manual_seed(7)
+    x, y = torch.randn(N, L, D), torch.randn(N, L, D)
+    if normalization == "mean_std":
+        clt.set_normalization({"in_mean": x.mean(0), "in_std": x.std(0), "out_mean": y.mean(0), "out_std": y.std(0)})
+    dead = torch.rand(L, NF) < 0.5
+    staleness = torch.randint(0, 100, (L, NF))
+    results = []
+    for fast in (False, True):
+        clt.zero_grad(set_to_none=True)
+        out = clt(x, dense=True)
+        yn = clt.normalize_targets(y)
+        mse = (out.recon - yn).pow(2).mean()
+        aux = auxk_loss(clt, out.pre, (yn - out.recon).detach(), dead, 2, max_dead=6, staleness=staleness,
+                        x=x if fast else None, sparse_decoder_grad=fast)
+        (mse + 0.5 * aux).backward()
+        params = [clt.W_enc, clt.b_enc, clt.b_dec, *clt.W_dec]
+        assert all(p.grad.layout == torch.strided for p in params)
+        results.append((aux.detach(), [p.grad.clone() for p in params]))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    assert float(results[0][0]) != pytest.approx(1.0)
+    for a, b in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(a, b)
