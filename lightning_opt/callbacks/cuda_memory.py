@@ -153,13 +153,16 @@ class CudaMemoryHygiene(Callback):
             return
         if step % log_every(trainer, cfg.log_every_n_steps) != 0:
             return
-        stats = torch.cuda.memory_stats(device)  # host-side allocator counters: no device sync
-        allocated = stats.get("allocated_bytes.all.current", 0)
-        reserved = stats.get("reserved_bytes.all.current", 0)
+        # Host-side allocator counters: no device sync. The nested form skips memory_stats'
+        # flattening and sorting of a few hundred keys.
+        stats = torch.cuda.memory_stats_as_nested_dict(device)
+        alloc = stats.get("allocated_bytes", {}).get("all", {})
+        allocated = alloc.get("current", 0)
+        reserved = stats.get("reserved_bytes", {}).get("all", {}).get("current", 0)
         metrics = {
             "memory/allocated_gib": allocated / _GIB,
             "memory/reserved_gib": reserved / _GIB,
-            "memory/peak_allocated_gib": stats.get("allocated_bytes.all.peak", 0) / _GIB,
+            "memory/peak_allocated_gib": alloc.get("peak", 0) / _GIB,
             "memory/alloc_retries": float(stats.get("num_alloc_retries", 0)),
             "memory/ooms": float(stats.get("num_ooms", 0)),
         }

@@ -72,6 +72,8 @@ class _OptimizerGuard:
         self.last_skipped = False
         self.snapshot: list[torch.Tensor] = []
         self.host_fallback_warned = False
+        self.host_buf: torch.Tensor | None = None
+        self.event: torch.cuda.Event | None = None
         self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and any(
             g.get("fused") for g in optimizer.param_groups
         )
@@ -96,13 +98,16 @@ class _OptimizerGuard:
 
     def step(self, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
         owner = self.owner
-        # The step about to run needs the previous step's decision (its LR schedule); that
-        # decision was computed a whole forward/backward ago, so reading it here does not stall.
-        self.resolve()
         loss = None
         if closure is not None:
+            # Automatic optimization runs forward/backward inside ``step`` (the closure).
             with torch.enable_grad():
                 loss = closure()
+        # The update below needs the previous step's decision (its LR schedule). Read it only
+        # now, after this step's forward/backward is queued: waiting for it then leaves the device
+        # a whole forward/backward of work. Reading it before the closure would drain the queue
+        # every step (a per-step sync in effect: +2.5% on GPT-2 124M).
+        self.resolve()
         params = self._params_with_grad()
         if not params:  # nothing to update (all grads None): let the optimizer do its no-op
             self.original_step(**kwargs)
@@ -122,18 +127,20 @@ class _OptimizerGuard:
             owner._record(ok, reasons, *meta)
             self.last_skipped = not ok
             return loss
-        ok_dev = code.sum() == 0
+        bad = code.amax()  # the reasons are 0/1 flags
         if self.fused:
-            self._fused_step(ok_dev, kwargs)
+            self._fused_step(bad, kwargs)
         else:
-            self._snapshot_step(params, ok_dev, kwargs)
-        host = torch.empty(3, dtype=torch.int32, pin_memory=device.type == "cuda")
-        host.copy_(code, non_blocking=True)
-        event = None
-        if device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        self.pending = _Pending(code, host, event, *meta)
+            self._snapshot_step(params, bad == 0, kwargs)
+        # One pinned buffer and one event, reused: the previous step's copy was read by resolve().
+        cuda = device.type == "cuda"
+        if self.host_buf is None or self.host_buf.is_pinned() != cuda:
+            self.host_buf = torch.empty(3, dtype=torch.int32, pin_memory=cuda)
+            self.event = torch.cuda.Event() if cuda else None
+        self.host_buf.copy_(code, non_blocking=True)
+        if self.event is not None:
+            self.event.record()
+        self.pending = _Pending(code, self.host_buf, self.event, *meta)
         return loss
 
     def _device_path_possible(self, params: list[torch.Tensor]) -> bool:
@@ -159,12 +166,12 @@ class _OptimizerGuard:
                 return False
         return True
 
-    def _fused_step(self, ok: torch.Tensor, kwargs: dict[str, Any]) -> None:
+    def _fused_step(self, bad: torch.Tensor, kwargs: dict[str, Any]) -> None:
         # Fused torch optimizers accept ``found_inf``: when it is 1 the kernel leaves params and
         # moments untouched and undoes the step-count increment. Combine with a GradScaler's flag.
         opt = self.optimizer
         prior = opt.__dict__.get("found_inf")
-        skip = (~ok).to(torch.float32)
+        skip = bad.to(torch.float32)
         opt.found_inf = skip if prior is None else torch.maximum(prior.reshape(()).float(), skip)  # type: ignore[attr-defined]
         had_scale = "grad_scale" in opt.__dict__
         if not had_scale:
@@ -212,7 +219,10 @@ class _OptimizerGuard:
         if pending is None:
             return
         if pending.event is not None and not pending.event.query():
-            pending.event.synchronize()  # rare: only when the host asks right after the step
+            # The host is more than one step ahead; this step's forward/backward is queued
+            # behind the event, so the device keeps working while the host waits.
+            self.owner.host_waits += 1
+            pending.event.synchronize()
         reasons = pending.host.tolist()
         ok = not any(reasons)
         self.last_skipped = not ok
@@ -280,6 +290,7 @@ class NaNSkip(Callback):
         )
         self.skipped_total = 0
         self.steps_seen = 0
+        self.host_waits = 0  # decisions the host had to wait for (device mode); see docs
         self.metrics: dict[str, float] = {}
         self._recent: deque[bool] = deque(maxlen=recent_window)
         self._consecutive: list[tuple[int, int, str]] = []
@@ -290,6 +301,7 @@ class NaNSkip(Callback):
         self._loss_bad: torch.Tensor | None = None
         self._loss_sum: torch.Tensor | None = None
         self._spike_stats: torch.Tensor | None = None  # [mean, var, count] on device
+        self._zeros: dict[torch.device, torch.Tensor] = {}
 
     # -- hooks ----------------------------------------------------------------------------------
     @override
@@ -334,8 +346,9 @@ class NaNSkip(Callback):
         loss = loss.detach()
         bad = ~torch.isfinite(loss).all()
         self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
-        value = loss.float().sum()
-        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        if self.config.spike_zscore is not None:  # the loss value is only needed for spikes
+            value = loss.float().sum()
+            self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
 
     @override
     def on_before_zero_grad(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
@@ -427,7 +440,9 @@ class NaNSkip(Callback):
     def _decision(self, params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         """int32 [3] on ``device``: (loss bad, grad bad, spike), the same on every rank."""
         cfg = self.config
-        zero = torch.zeros((), dtype=torch.bool, device=device)
+        zero = self._zeros.get(device)
+        if zero is None:  # a constant, made once per device (never written to)
+            zero = self._zeros[device] = torch.zeros((), dtype=torch.bool, device=device)
         loss_bad = zero
         if cfg.check_loss and self._loss_bad is not None:
             loss_bad = self._loss_bad.to(device, non_blocking=True)
@@ -435,7 +450,11 @@ class NaNSkip(Callback):
         if cfg.check_grads:
             # inf-norm: propagates NaN/inf and cannot overflow for finite gradients (unlike the 2-norm).
             norms = torch._foreach_norm([p.grad for p in params], float("inf"))
-            grad_bad = ~torch.isfinite(torch.stack([n.to(device, torch.float32) for n in norms])).all()
+            try:
+                stacked = torch.stack(norms)  # promotes mixed grad dtypes
+            except RuntimeError:  # grads on several devices
+                stacked = torch.stack([n.to(device, torch.float32) for n in norms])
+            grad_bad = ~torch.isfinite(stacked.to(device)).all()
         spike = zero
         if cfg.spike_zscore is not None and self._loss_sum is not None:
             spike = self._spike(self._loss_sum.to(device), loss_bad | grad_bad)
