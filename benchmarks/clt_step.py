@@ -3,21 +3,24 @@
 Shapes (issue 9): 12 layers x 768, 4096 tokens per step, global BatchTopK k=200, bf16 autocast, AdamW,
 synthetic activations; 4096 / 8192 / 16384 / 32768 features per layer. Per feature count it measures:
 
-* ``ours_dense``: ``CLT`` forward (batched encoder, exact global BatchTopK), dense decode, MSE + tanh
-  sparsity + pre-activation loss, backward, fused AdamW.
-* ``ours_dense_plaingrad``: the same with the activation gradient of the dense decode as a dense matmul
-  (``CLT.dense_sparse_grad = False``, the behaviour before the gather-dot backward).
+* ``ours_dense``: ``CLT`` forward (batched encoder, exact global BatchTopK), dense decode (its default plain
+  dense gradients), MSE + tanh sparsity + pre-activation loss, backward, fused AdamW: the "raw step".
+* ``ours_dense_sparsegrad``: the same with the activation gradient of the dense decode as a gather-dot at the
+  kept entries (``CLT.dense_sparse_grad = True``). (``ours_dense_plaingrad`` is an alias of ``ours_dense``.)
 * ``ours_sparse``: the same with the sparse decode (``ops.sparse_decode``: Triton on CUDA).
 * ``module``: the real ``CLTModule`` in a Lightning ``Trainer`` (bf16-mixed) with the gpt2-small config's
   loss terms (tanh sparsity, pre-activation, AuxK with aux_k=16 and its default ``aux_max_dead`` active from
   the second step - ``dead_tokens`` is one batch, so every feature silent in the last batch is dead -,
   dead-feature tracking, train metrics every ``log_every_n_steps=50``) and ``decode=auto`` (the decode the
   module picks by F). ``module_noaux``: the same with ``aux_coef=0``. Both also count the host syncs of one
-  extra step (``torch.cuda.set_sync_debug_mode``) and, at ``--profile-features``, record the top kernels of
-  one step (``torch.profiler``).
+  extra step (``torch.cuda.set_sync_debug_mode``) and, at ``--profile-features``, profile one step
+  (``torch.profiler``): device time per part of ``training_step`` (its ``clt/...`` record_function regions),
+  the top ops, and op-call counts (``aten::copy_``, ``aten::index``, all ops).
 * ``select_ours`` / ``select_torch_topk`` / ``select_global_topk``: the BatchTopK selection alone on the bf16
   pre-activations ``[12 * 4096 * F]`` (ours = ``ops.topk.batch_topk_rows``; ``torch.topk`` of k*tokens; the
-  strategies helper's ``global_batch_topk`` with ``group=None``).
+  strategies helper's ``global_batch_topk`` with ``group=None``). Also ours with the earlier top-k threshold
+  step (``select_ours_topk_threshold``), ours with torch candidates, the candidate phase alone, and a sweep of
+  the Triton candidate kernel's ``BLOCK`` x ``num_warps`` (``candidates_sweep``).
 * ``peer``: crosslayer-coding's own ``CrossLayerTranscoder`` + ``LossManager.compute_total_loss`` step
   (its trainer's step: activations, total loss, backward, AdamW; sparsity and pre-activation terms on), and
   its BatchTopK helper alone. Runs in a subprocess per size (own memory accounting, OOM isolated), only
@@ -29,6 +32,7 @@ Step time: median of CUDA-event intervals over ``--steps`` steps after ``--warmu
 AdamW state).
 
     python benchmarks/clt_step.py                   # CUDA, about 3 min on an H100
+    python benchmarks/clt_step.py --features 8192 --variants ours_dense module select peer   # the goals only
     python benchmarks/clt_step.py --smoke           # CPU, seconds (tiny shapes; checks the script runs and
                                                     # prints the module step's op profile)
 """
@@ -63,6 +67,7 @@ from lightning_opt.models.clt import (  # noqa: E402
 from lightning_opt.ops.topk import batch_topk_rows  # noqa: E402
 
 SPARSITY, PREACT = 1e-3, 3e-6
+VARIANTS = ("ours_dense", "ours_dense_sparsegrad", "ours_sparse", "module", "module_noaux", "select", "peer")
 
 
 def _sync(dev: torch.device) -> None:
@@ -103,7 +108,7 @@ def synthetic(n: int, layers: int, d: int, dev: torch.device) -> tuple[torch.Ten
 
 
 def ours_step(nf: int, args: argparse.Namespace, dev: torch.device, sparse: bool,
-              sparse_grad: bool = True) -> dict[str, Any]:
+              sparse_grad: bool = False) -> dict[str, Any]:
     cfg = CLTConfig(n_layers=args.layers, d_model=args.d_model, n_features=nf, activation="batchtopk_global", k=args.k)
     with torch.device(dev):
         clt = CLT(cfg)
@@ -214,6 +219,7 @@ def module_step(nf: int, args: argparse.Namespace, dev: torch.device, aux: bool 
     try:
         if "prof" in state:
             res["profile_top_ops"] = _top_ops(state["prof"], dev)
+            res.update(_regions(state["prof"], dev))
     except Exception as err:
         state["prof_error"] = repr(err)
     if "prof_error" in state:
@@ -234,13 +240,37 @@ def _top_ops(prof: Any, dev: torch.device, n: int = 15) -> list[dict[str, Any]]:
     """The ``n`` ops with the largest self time (device time on CUDA) of one profiled step."""
     rows = []
     for e in prof.key_averages():
-        dev_us = getattr(e, "self_device_time_total", None)
-        if dev_us is None:
-            dev_us = getattr(e, "self_cuda_time_total", 0)
-        t = dev_us if dev.type == "cuda" else e.self_cpu_time_total
+        if e.key.startswith(("clt/", "Optimizer.", "ProfilerStep")):
+            continue  # regions (see _regions), not ops: their "self" time includes whatever ran inside
+        t = _dev_us(e, self_time=True) if dev.type == "cuda" else e.self_cpu_time_total
         rows.append({"op": e.key, "self_ms": t / 1e3, "calls": e.count})
     rows.sort(key=lambda r: -r["self_ms"])
     return rows[:n]
+
+
+def _dev_us(e: Any, self_time: bool) -> float:
+    names = ("self_device_time_total", "self_cuda_time_total") if self_time else ("device_time_total", "cuda_time_total")
+    for name in names:
+        v = getattr(e, name, None)
+        if v is not None:
+            return v
+    return 0.0
+
+
+def _regions(prof: Any, dev: torch.device) -> dict[str, Any]:
+    """Time per ``clt/...`` region of ``CLTModule.training_step`` (device time on CUDA, CPU time otherwise; the
+    backward and optimizer are outside them) and op-call counts of the whole profiled step."""
+    regions: dict[str, float] = {}
+    counts = {"all_ops": 0, "aten::copy_": 0, "aten::index": 0, "aten::item": 0, "aten::nonzero": 0}
+    for e in prof.key_averages():
+        if e.key.startswith("clt/"):
+            t = _dev_us(e, self_time=False) if dev.type == "cuda" else e.cpu_time_total
+            regions[e.key] = regions.get(e.key, 0.0) + t / 1e3
+        elif e.key.startswith("aten::"):
+            counts["all_ops"] += e.count
+            if e.key in counts:
+                counts[e.key] += e.count
+    return {"regions_ms": regions, "op_calls": counts}
 
 
 def _triton_ok(x: torch.Tensor) -> bool:
@@ -262,14 +292,18 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
 
     from lightning_opt.ops import topk as topk_mod
 
-    def with_backend(backend: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+    def with_setting(name: str, value: Any, fn: Callable[[], Any], mod: Any = topk_mod) -> Callable[[], Any]:
         def run() -> Any:
-            old, topk_mod.CANDIDATES_BACKEND = topk_mod.CANDIDATES_BACKEND, backend
+            old = getattr(mod, name)
+            setattr(mod, name, value)
             try:
                 return fn()
             finally:
-                topk_mod.CANDIDATES_BACKEND = old
+                setattr(mod, name, old)
         return run
+
+    def with_backend(backend: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+        return with_setting("CANDIDATES_BACKEND", backend, fn)
 
     lo, frac = topk_mod._row_lower_bounds(pre.view(1, -1), n_keep)
     lo = lo.to(pre.dtype)
@@ -278,6 +312,9 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
     variants: dict[str, Callable[[], Any]] = {
         "select_ours": lambda: batch_topk_rows(pre.view(1, -1), n_keep),
         "select_ours_torch_candidates": with_backend("torch", lambda: batch_topk_rows(pre.view(1, -1), n_keep)),
+        "select_ours_topk_threshold": with_setting("THRESHOLD_METHOD", "topk",
+                                                   lambda: batch_topk_rows(pre.view(1, -1), n_keep)),
+        "select_ours_per_layer": lambda: batch_topk_rows(pre.view(args.layers, -1), n_keep),
         "phase_candidates": lambda: topk_mod.candidates_ge(pre, lo, pre.numel(), expected),
         "phase_candidates_torch": with_backend("torch", lambda: topk_mod.candidates_ge(pre, lo, pre.numel(), expected)),
         "select_torch_topk": lambda: torch.topk(pre, n_keep, sorted=False),
@@ -293,6 +330,19 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
             out[name] = time_fn(fn, dev, 2, args.select_steps)
         except Exception as err:  # one failing variant must not kill the others
             out[name] = {"error": repr(err)}
+    if _triton_ok(pre):  # the candidate kernel's launch shape: BLOCK x num_warps (the default is marked)
+        from lightning_opt.ops import _topk_triton as kt
+
+        sweep = {}
+        for block in (2048, 4096, 8192, 16384):
+            for warps in (4, 8, 16):
+                fn = with_setting("BLOCK", block, with_setting(
+                    "NUM_WARPS", warps, lambda: kt.compact_ge(pre, lo, pre.numel(), int(1.3 * expected) + 1024), kt), kt)
+                try:
+                    sweep[f"{block}x{warps}"] = round(time_fn(fn, dev, 2, args.select_steps)["median_ms"], 4)
+                except Exception as err:
+                    sweep[f"{block}x{warps}"] = repr(err)[:120]
+        out["candidates_sweep"] = {"default": f"{kt.BLOCK}x{kt.NUM_WARPS}", "ms": sweep}
     # exactness: same kept multiset as torch.topk
     try:
         idx, vals = batch_topk_rows(pre.view(1, -1), n_keep)
@@ -300,10 +350,17 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
         out["select_exact"] = bool(idx.numel() == n_keep and torch.equal(vals.float().sort().values, ref.sort().values))
     except Exception as err:
         out["select_exact"] = repr(err)
-    try:  # the Triton and torch candidate paths must select the same indices
+    try:  # the Triton and torch candidate paths, and both threshold steps, must select the same indices
         a = variants["select_ours"]()[0]
         b = variants["select_ours_torch_candidates"]()[0]
-        out["select_backends_agree"] = bool(torch.equal(a, b))
+        c = variants["select_ours_topk_threshold"]()[0]
+        out["select_backends_agree"] = bool(torch.equal(a, b) and torch.equal(a, c))
+        # ties: coarse values (many equal to the cut-off) against a stable-sort reference of the tie rule
+        coarse = (pre[: 1 << 24].float() * 4).round().to(pre.dtype)
+        n_small = min(1 << 14, coarse.numel() // 4)
+        got = batch_topk_rows(coarse.view(1, -1), n_small)[0]
+        ref = torch.sort(coarse.float(), descending=True, stable=True).indices[:n_small].sort().values
+        out["select_ties_exact"] = bool(torch.equal(got, ref))
     except Exception as err:
         out["select_backends_agree"] = repr(err)
     return out
@@ -395,8 +452,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--select-steps", type=int, default=10)
     p.add_argument("--variants", nargs="+",
-                   default=["ours_dense", "ours_dense_plaingrad", "ours_sparse", "module", "module_noaux", "select",
-                            "peer"])
+                   default=list(VARIANTS), help=f"what to measure (default: all of {VARIANTS})")
     p.add_argument("--module-decode", default="auto", help="CLTModule decode of the module variants (auto|dense|sparse)")
     p.add_argument("--aux-max-dead", type=int, default=512, help="CLTModule aux_max_dead (512 = its default)")
     p.add_argument("--profile-features", type=int, default=8192,
@@ -407,6 +463,10 @@ def main() -> None:
     p.add_argument("--peer-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--peer-features", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
+    args.variants = ["ours_dense" if v == "ours_dense_plaingrad" else v for v in args.variants]
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown variant(s) {sorted(unknown)}; choose from {VARIANTS}")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.peer_worker:
@@ -424,9 +484,9 @@ def main() -> None:
         row: dict[str, Any] = {}
         for variant in args.variants:
             try:
-                if variant in ("ours_dense", "ours_sparse", "ours_dense_plaingrad"):
+                if variant in ("ours_dense", "ours_sparse", "ours_dense_sparsegrad"):
                     row[variant] = ours_step(nf, args, dev, sparse=variant == "ours_sparse",
-                                             sparse_grad=variant != "ours_dense_plaingrad")
+                                             sparse_grad=variant == "ours_dense_sparsegrad")
                 elif variant in ("module", "module_noaux"):
                     row[variant] = module_step(nf, args, dev, aux=variant == "module")
                 elif variant == "select":
@@ -450,13 +510,16 @@ def main() -> None:
     ratios = {}
     for nf, row in results.items():
         peer, peer_sel = ms(row, "peer_step"), ms(row, "peer_select")
-        best = min([t for t in (ms(row, "ours_dense"), ms(row, "ours_sparse")) if t is not None], default=None)
+        best = min([t for t in (ms(row, "ours_dense"), ms(row, "ours_sparse"), ms(row, "ours_dense_sparsegrad"))
+                    if t is not None], default=None)
         mod, mod_noaux = ms(row, "module"), ms(row, "module_noaux")
         ratios[nf] = {
             "step_speedup_vs_peer": peer / best if peer and best else None,
             "module_speedup_vs_peer": peer / mod if peer and mod else None,
             "module_noaux_speedup_vs_peer": peer / mod_noaux if peer and mod_noaux else None,
             "select_speedup_vs_peer": peer_sel / ms(row, "select_ours") if peer_sel and ms(row, "select_ours") else None,
+            # the goal: the module (what a user runs) no slower than the raw step (ours_dense)
+            "module_over_raw_step": mod / ms(row, "ours_dense") if mod and ms(row, "ours_dense") else None,
         }
     report = {
         "benchmark": "clt_step",
@@ -477,7 +540,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
-    print(f"\n{'features':>9} | {'ours dense':>10} | {'dense plain-grad':>16} | {'ours sparse':>11} | {'peer step':>9} | {'speedup':>7} | "
+    print(f"\n{'features':>9} | {'ours dense':>10} | {'dense sparse-grad':>17} | {'ours sparse':>11} | {'peer step':>9} | {'speedup':>7} | "
           f"{'sel ours':>8} | {'sel topk':>8} | {'sel peer':>8} | {'module':>7} | {'mod-aux':>7} | {'mod x':>6} | "
           f"{'peak GB dense/sparse/module/peer':>32}")
     for nf, row in results.items():
@@ -490,7 +553,7 @@ def main() -> None:
             v = row.get(key)
             peaks.append(f"{v['peak_memory_gb']:.1f}" if isinstance(v, dict) and "peak_memory_gb" in v else "-")
         sp, msp = ratios[nf]["step_speedup_vs_peer"], ratios[nf]["module_speedup_vs_peer"]
-        print(f"{nf:>9} | {f('ours_dense'):>10} | {f('ours_dense_plaingrad'):>16} | {f('ours_sparse'):>11} | {f('peer_step'):>9} | "
+        print(f"{nf:>9} | {f('ours_dense'):>10} | {f('ours_dense_sparsegrad'):>17} | {f('ours_sparse'):>11} | {f('peer_step'):>9} | "
               f"{(f'{sp:.2f}x' if sp else '-'):>7} | {f('select_ours'):>8} | {f('select_torch_topk'):>8} | "
               f"{f('peer_select'):>8} | {f('module'):>7} | {f('module_noaux'):>7} | "
               f"{(f'{msp:.2f}x' if msp else '-'):>6} | {'/'.join(peaks):>32}")
@@ -499,7 +562,10 @@ def main() -> None:
             v = row.get(key)
             if isinstance(v, dict) and "profile_top_ops" in v:
                 print(f"\n{key} at {nf} features: decode={v['decode']}, host syncs per step: "
-                      f"{v['host_syncs_per_step']}; top ops of one step (self time, ms):")
+                      f"{v['host_syncs_per_step']}; op calls: {v.get('op_calls')}")
+                print("  regions of training_step (ms): " + ", ".join(
+                    f"{r}={t:.2f}" for r, t in sorted(v.get("regions_ms", {}).items())))
+                print("  top ops of one step (self time, ms):")
                 for op in v["profile_top_ops"][:12]:
                     print(f"  {op['self_ms']:9.3f}  x{op['calls']:<4} {op['op'][:90]}")
     print(f"wrote {args.out}")

@@ -539,20 +539,35 @@ class _DenseDecodeSparseGrad(torch.autograd.Function):
 
 def _gather_dot(feat: torch.Tensor, tok: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``out[e] = <g[tok[e]], w[feat[e]]>`` in float32 (``g``'s rows may be strided, columns contiguous)."""
-    if w.is_cuda:
-        from lightning_opt._optional import is_available
-        from lightning_opt.ops import sparse_decode as sd
+    if _triton_decode_ok(w.device):
+        from lightning_opt.ops import _sparse_decode_triton as kernels
 
-        if is_available("triton") and sd._triton_works(w.device):
-            from lightning_opt.ops import _sparse_decode_triton as kernels
-
-            return kernels.grad_values(feat, tok, g, w.contiguous())
+        return kernels.grad_values(feat, tok, g, w.contiguous())
     out = torch.empty(feat.numel(), dtype=torch.float32, device=w.device)
     step = max(1, (1 << 24) // max(1, w.shape[1]))  # bounds the [chunk, D] temporaries
     for i in range(0, feat.numel(), step):
         f, t = feat[i : i + step], tok[i : i + step]
         out[i : i + step] = (g[t].float() * w[f].float()).sum(-1)
     return out
+
+
+def _triton_decode_ok(device: torch.device) -> bool:
+    """Whether ``ops.sparse_decode``'s Triton kernels run on ``device``.
+
+    Its one-time self-check per device needs autograd; a first call from a backward pass or a validation loop
+    (no grad / inference mode) would cache a failure and silently switch every later decode to
+    ``embedding_bag``. So the check runs here with grad enabled.
+    """
+    if device.type != "cuda":
+        return False
+    from lightning_opt._optional import is_available
+
+    if not is_available("triton"):
+        return False
+    from lightning_opt.ops import sparse_decode as sd
+
+    with torch.inference_mode(False), torch.enable_grad():
+        return sd._triton_works(device)
 
 
 def _sparse_decode_layers(
@@ -570,6 +585,8 @@ def _sparse_decode_layers(
     L = len(W_dec)
     d = W_dec[0].shape[-1]
     device = values.device
+    if backend == "auto":
+        _triton_decode_ok(device)  # settle sparse_decode's cached Triton self-check with grad enabled
     per_layer = n_tokens * nf
     # One host sync: the layer boundaries of the (layer-grouped) indices slice the per-layer segments.
     bounds = torch.searchsorted(indices, torch.arange(L + 1, device=device) * per_layer).tolist()
