@@ -73,6 +73,7 @@ class _OptimizerGuard:
         self.snapshot: list[torch.Tensor] = []
         self.host_fallback_warned = False
         self.host_buf: torch.Tensor | None = None
+        self.host_buf_for: torch.device | None = None
         self.event: torch.cuda.Event | None = None
         self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and any(
             g.get("fused") for g in optimizer.param_groups
@@ -133,10 +134,11 @@ class _OptimizerGuard:
         else:
             self._snapshot_step(params, bad == 0, kwargs)
         # One pinned buffer and one event, reused: the previous step's copy was read by resolve().
-        cuda = device.type == "cuda"
-        if self.host_buf is None or self.host_buf.is_pinned() != cuda:
+        if self.host_buf is None or self.host_buf_for != device:
+            cuda = device.type == "cuda"
             self.host_buf = torch.empty(3, dtype=torch.int32, pin_memory=cuda)
             self.event = torch.cuda.Event() if cuda else None
+            self.host_buf_for = device
         self.host_buf.copy_(code, non_blocking=True)
         if self.event is not None:
             self.event.record()
