@@ -12,7 +12,8 @@ synthetic activations; 4096 / 8192 / 16384 / 32768 features per layer. Per featu
   loss terms (tanh sparsity, pre-activation, AuxK with aux_k=16 and its default ``aux_max_dead`` active from
   the second step - ``dead_tokens`` is one batch, so every feature silent in the last batch is dead -,
   dead-feature tracking, train metrics every ``log_every_n_steps=50``) and ``decode=auto`` (the decode the
-  module picks by F). ``module_noaux``: the same with ``aux_coef=0``. Both also count the host syncs of one
+  module picks by F). ``module_noaux``: the same with ``aux_coef=0``; ``module_sparsegrad``: ``module`` with
+  ``CLT.dense_sparse_grad = True`` (gather-dot activation gradient of the dense decode). Both also count the host syncs of one
   extra step (``torch.cuda.set_sync_debug_mode``) and, at ``--profile-features``, profile one step
   (``torch.profiler``): device time per part of ``training_step`` (its ``clt/...`` record_function regions),
   the top ops, and op-call counts (``aten::copy_``, ``aten::index``, all ops).
@@ -67,7 +68,8 @@ from lightning_opt.models.clt import (  # noqa: E402
 from lightning_opt.ops.topk import batch_topk_rows  # noqa: E402
 
 SPARSITY, PREACT = 1e-3, 3e-6
-VARIANTS = ("ours_dense", "ours_dense_sparsegrad", "ours_sparse", "module", "module_noaux", "select", "peer")
+VARIANTS = ("ours_dense", "ours_dense_sparsegrad", "ours_sparse", "module", "module_noaux", "module_sparsegrad",
+            "select", "peer")
 
 
 def _sync(dev: torch.device) -> None:
@@ -130,7 +132,8 @@ def ours_step(nf: int, args: argparse.Namespace, dev: torch.device, sparse: bool
     return time_fn(step, dev, args.warmup, args.steps)
 
 
-def module_step(nf: int, args: argparse.Namespace, dev: torch.device, aux: bool = True) -> dict[str, Any]:
+def module_step(nf: int, args: argparse.Namespace, dev: torch.device, aux: bool = True,
+                sparse_grad: bool = False) -> dict[str, Any]:
     """The real ``CLTModule`` under a Lightning ``Trainer`` (bf16-mixed), with the gpt2-small config's loss terms
     (tanh sparsity, pre-activation, AuxK unless ``aux=False``, dead tracking, train metrics): step time, peak
     memory, host syncs of one step and (at ``--profile-features``) its top ops."""
@@ -144,6 +147,7 @@ def module_step(nf: int, args: argparse.Namespace, dev: torch.device, aux: bool 
         module = CLTModule(cfg, sparsity_coef=1e-4, preact_coef=PREACT, aux_coef=0.03 if aux else 0.0, aux_k=16,
                            aux_max_dead=args.aux_max_dead,
                            dead_tokens=args.tokens, decode=args.module_decode, eval_replacement=False)
+    module.model.dense_sparse_grad = sparse_grad
     decode = "sparse" if module._use_sparse(True) else "dense"
     x, y = synthetic(args.tokens, args.layers, args.d_model, dev)
 
@@ -487,8 +491,9 @@ def main() -> None:
                 if variant in ("ours_dense", "ours_sparse", "ours_dense_sparsegrad"):
                     row[variant] = ours_step(nf, args, dev, sparse=variant == "ours_sparse",
                                              sparse_grad=variant == "ours_dense_sparsegrad")
-                elif variant in ("module", "module_noaux"):
-                    row[variant] = module_step(nf, args, dev, aux=variant == "module")
+                elif variant in ("module", "module_noaux", "module_sparsegrad"):
+                    row[variant] = module_step(nf, args, dev, aux=variant != "module_noaux",
+                                               sparse_grad=variant == "module_sparsegrad")
                 elif variant == "select":
                     row.update(selection(nf, args, dev))
                 elif variant == "peer":
@@ -517,6 +522,8 @@ def main() -> None:
             "step_speedup_vs_peer": peer / best if peer and best else None,
             "module_speedup_vs_peer": peer / mod if peer and mod else None,
             "module_noaux_speedup_vs_peer": peer / mod_noaux if peer and mod_noaux else None,
+            "module_sparsegrad_speedup_vs_peer": (peer / ms(row, "module_sparsegrad")
+                                                  if peer and ms(row, "module_sparsegrad") else None),
             "select_speedup_vs_peer": peer_sel / ms(row, "select_ours") if peer_sel and ms(row, "select_ours") else None,
             # the goal: the module (what a user runs) no slower than the raw step (ours_dense)
             "module_over_raw_step": mod / ms(row, "ours_dense") if mod and ms(row, "ours_dense") else None,
@@ -541,7 +548,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(f"\n{'features':>9} | {'ours dense':>10} | {'dense sparse-grad':>17} | {'ours sparse':>11} | {'peer step':>9} | {'speedup':>7} | "
-          f"{'sel ours':>8} | {'sel topk':>8} | {'sel peer':>8} | {'module':>7} | {'mod-aux':>7} | {'mod x':>6} | "
+          f"{'sel ours':>8} | {'sel topk':>8} | {'sel peer':>8} | {'module':>7} | {'mod-aux':>7} | {'mod-sg':>7} | {'mod x':>6} | "
           f"{'peak GB dense/sparse/module/peer':>32}")
     for nf, row in results.items():
         def f(key: str, row: dict = row) -> str:
@@ -555,10 +562,10 @@ def main() -> None:
         sp, msp = ratios[nf]["step_speedup_vs_peer"], ratios[nf]["module_speedup_vs_peer"]
         print(f"{nf:>9} | {f('ours_dense'):>10} | {f('ours_dense_sparsegrad'):>17} | {f('ours_sparse'):>11} | {f('peer_step'):>9} | "
               f"{(f'{sp:.2f}x' if sp else '-'):>7} | {f('select_ours'):>8} | {f('select_torch_topk'):>8} | "
-              f"{f('peer_select'):>8} | {f('module'):>7} | {f('module_noaux'):>7} | "
+              f"{f('peer_select'):>8} | {f('module'):>7} | {f('module_noaux'):>7} | {f('module_sparsegrad'):>7} | "
               f"{(f'{msp:.2f}x' if msp else '-'):>6} | {'/'.join(peaks):>32}")
     for nf, row in results.items():
-        for key in ("module", "module_noaux"):
+        for key in ("module", "module_noaux", "module_sparsegrad"):
             v = row.get(key)
             if isinstance(v, dict) and "profile_top_ops" in v:
                 print(f"\n{key} at {nf} features: decode={v['decode']}, host syncs per step: "
