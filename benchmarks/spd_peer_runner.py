@@ -58,13 +58,22 @@ def _unpack_missing_wheels() -> list[str]:
             continue
         if "-py3-none-any" not in whl.name and f"-{tag}-" not in whl.name:
             continue
-        with zipfile.ZipFile(whl) as z:
-            z.extractall(site)
+        try:
+            with zipfile.ZipFile(whl) as z:
+                z.extractall(site)
+        except OSError:  # read-only checkout: unpack into a temporary folder instead
+            import tempfile
+
+            site = Path(tempfile.gettempdir()) / f"spd-peer-site-{tag}"
+            with zipfile.ZipFile(whl) as z:
+                z.extractall(site)
         unpacked.append(whl.name)
     if str(site) not in sys.path:
         sys.path.insert(0, str(site))
     importlib.invalidate_caches()
     return unpacked
+
+
 _GENERIC = re.compile(r"^(?P<ind>[ \t]*)(?P<kw>def|class)[ \t]+(?P<name>\w+)\[(?P<params>[^\]]*)\]", re.M)
 
 
