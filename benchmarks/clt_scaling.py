@@ -128,6 +128,7 @@ class _Phases:
                 gpu.setdefault(name, []).append(ea.elapsed_time(eb) if ea is not None else (tb - ta) * 1e3)
                 host.setdefault(name, []).append((tb - ta) * 1e3)
         return {
+            "clock": "cuda_events" if self.device_type == "cuda" else "host",
             "gpu_ms": {k: statistics.median(v) for k, v in gpu.items()},
             "host_ms": {k: statistics.median(v) for k, v in host.items()},
         }
@@ -292,13 +293,17 @@ def _run_ours(
         tokens_per_rank = args.tokens // world
     elif variant == "ours_global_batchtopk_bf16grad_2gpu":
         # bf16 gradient all-reduce: half the bytes, but rounded gradients (not bit-comparable to 1 GPU)
-        strategy = GlobalBatchTopKStrategy(grad_compression="bf16")
+        # (fp16 in the CPU smoke run: torch's bf16 hook needs NCCL)
+        strategy = GlobalBatchTopKStrategy(grad_compression="fp16" if device_type == "cpu" else "bf16")
         tokens_per_rank = args.tokens // world
     elif variant == "ours_decoder_sharding_2gpu":
         strategy = DecoderShardingStrategy()
         tokens_per_rank = args.tokens
     elif variant == "ours_decoder_sharding_sharded_encoder_2gpu":
         strategy = DecoderShardingStrategy(shard_encoder=True)
+        tokens_per_rank = args.tokens
+    elif variant == _AB_VARIANT:  # A/B: Lightning's own per-step SIGTERM broadcast on the GPU (+ .item())
+        strategy = DecoderShardingStrategy(shard_encoder=True, cpu_sigterm_check=False)
         tokens_per_rank = args.tokens
     else:
         strategy, tokens_per_rank = "auto", args.tokens
@@ -346,6 +351,9 @@ def _run_ours(
         "world": world,
         "tokens_per_step": args.tokens,
         "tokens_per_rank": tokens_per_rank,
+        "note": "collective_bytes_per_step_ours includes the bf16 hook's all-reduce (a Python-level call)"
+        if "bf16grad" in variant
+        else "",
         "phases_rank0": phases.summary(args.warmup),
         "step_ms": step_ms,
         "tokens_per_s": args.tokens / (step_ms / 1e3),
@@ -372,10 +380,18 @@ def _run_peer(rank: int, world: int, args: argparse.Namespace, n_features: int) 
     return res
 
 
+_AB_VARIANT = "ours_decoder_sharding_sharded_encoder_gpu_sigterm_2gpu"
+
+
 def _runs(args: argparse.Namespace, variants: list[str]) -> list[tuple[int, str]]:
-    """(features per layer, variant) in run order; the peer only at ``--peer-features`` (it is slow)."""
+    """(features per layer, variant) in run order; the peer only at ``--peer-features`` (it is slow), the
+    SIGTERM A/B only at the smallest size (where fixed per-step costs weigh most)."""
     return [
-        (f, v) for f in args.features for v in variants if not v.startswith("peer") or f in args.peer_features
+        (f, v)
+        for f in args.features
+        for v in variants
+        if (not v.startswith("peer") or f in args.peer_features)
+        and (v != _AB_VARIANT or f == args.features[0])
     ]
 
 
@@ -455,6 +471,7 @@ def main() -> None:
         "ours_global_batchtopk_bf16grad_2gpu",
         "ours_decoder_sharding_2gpu",
         "ours_decoder_sharding_sharded_encoder_2gpu",
+        _AB_VARIANT,
     ]
     two += ["peer_crosslayer_coding_2gpu"] if peer_ok else []
     launches = [(1, one)] + ([(2, two)] if gpus >= 2 else [])
@@ -491,14 +508,14 @@ def main() -> None:
             row["speedup_vs_1gpu"] = row["tokens_per_s"] / base["tokens_per_s"]
     out = write_result("clt_scaling", args, rows, gpus=gpus)
     print(
-        f"\n{'variant':44} {'F/layer':>8} {'step ms':>9} {'tok/s':>10} {'x 1gpu':>7} {'L0':>7} {'our MB':>8} {'DDP MB':>8}"
+        f"\n{'variant':56} {'F/layer':>8} {'step ms':>9} {'tok/s':>10} {'x 1gpu':>7} {'L0':>7} {'our MB':>8} {'DDP MB':>8}"
     )
     for r in rows:
         if "error" in r:
-            print(f"{r['variant']:44} {r['features_per_layer']:>8} ERROR {r['error'][:80]}")
+            print(f"{r['variant']:56} {r['features_per_layer']:>8} ERROR {r['error'][:80]}")
             continue
         print(
-            f"{r['variant']:44} {r['features_per_layer']:>8} {r['step_ms']:9.2f} {r['tokens_per_s']:10.0f} "
+            f"{r['variant']:56} {r['features_per_layer']:>8} {r['step_ms']:9.2f} {r['tokens_per_s']:10.0f} "
             f"{r.get('speedup_vs_1gpu', float('nan')):7.2f} {r.get('active_per_token', float('nan')):7.1f} "
             f"{r.get('collective_bytes_per_step_ours', 0) / 1e6:8.2f} "
             f"{r.get('ddp_grad_allreduce_bytes_per_step', 0) / 1e6:8.1f}"
@@ -514,7 +531,7 @@ def _print_phases(rows: list[dict[str, Any]]) -> None:
         "post_backward", "optimizer", "between_steps",
     ]  # fmt: skip
     print(
-        f"\nper-phase GPU ms on rank 0 (h = host time >= 80% of it)\n{'variant':44} {'F/layer':>8} "
+        f"\nper-phase GPU ms on rank 0 (h = host time >= 80% of it)\n{'variant':56} {'F/layer':>8} "
         + " ".join(f"{n[:9]:>10}" for n in names)
     )
     for r in rows:
@@ -526,10 +543,9 @@ def _print_phases(rows: list[dict[str, Any]]) -> None:
         for n in names:
             g = gpu.get(n)
             h = host.get(n, 0.0)
-            cells.append(
-                f"{'-':>10}" if g is None else f"{g:9.2f}{'h' if g > 0.05 and h >= 0.8 * g else ' '}"
-            )
-        print(f"{r['variant']:44} {r['features_per_layer']:>8} " + " ".join(cells))
+            bound = ph.get("clock") == "cuda_events" and g is not None and g > 0.05 and h >= 0.8 * g
+            cells.append(f"{'-':>10}" if g is None else f"{g:9.2f}{'h' if bound else ' '}")
+        print(f"{r['variant']:56} {r['features_per_layer']:>8} " + " ".join(cells))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_opt.strategies._collectives import all_reduce_grads, gather_sparse, sum_backward, sum_forward
+from lightning_opt.strategies._sigterm import install_cpu_sigterm_check, new_cpu_group
 from lightning_opt.strategies.global_batch_topk import attach_topk_group
 
 __all__ = ["DecoderShardingStrategy"]
@@ -61,6 +62,8 @@ class DecoderShardingStrategy(DDPStrategy):
         shard_encoder: also shard the encoders over features (``n_features / M`` per rank and layer): each
             rank encodes its features, BatchTopK runs over the union (exact), and the sparse activations are
             all-gathered inside the decoder group. Needs ``activation="batchtopk_global"``.
+        cpu_sigterm_check: run Lightning's per-step SIGTERM flag exchange over a gloo group instead of the
+            device, so it does not wait for the GPU every step (see ``strategies/_sigterm.py``).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (e.g. ``start_method``);
             DDP's own wrapper is not used.
 
@@ -78,6 +81,7 @@ class DecoderShardingStrategy(DDPStrategy):
         checkpoint_format: str = "consolidated",
         global_topk: bool = True,
         shard_encoder: bool = False,
+        cpu_sigterm_check: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -95,6 +99,8 @@ class DecoderShardingStrategy(DDPStrategy):
         self.checkpoint_format = checkpoint_format
         self.global_topk = global_topk
         self.shard_encoder = shard_encoder
+        self.cpu_sigterm_check = cpu_sigterm_check
+        self._cpu_group: Any = None
         self._model_group: Any = None
         self._data_group: Any = None
         self._sharded: dict[str, tuple[int, ...]] = {}  # state-dict key -> full shape
@@ -146,6 +152,8 @@ class DecoderShardingStrategy(DDPStrategy):
             group = dist.new_group(list(range(j, self.world_size, m)))
             if j == self.model_rank:
                 self._data_group = group
+        if self.cpu_sigterm_check:
+            self._cpu_group = new_cpu_group()
 
     # ------------------------------------------------------------------- setup
     @override
@@ -161,6 +169,7 @@ class DecoderShardingStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+        install_cpu_sigterm_check(trainer, self._cpu_group)
         if self.mp_size > 1:
             # Norm clipping must see the norm of the whole model, not of this rank's shards.
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm

@@ -11,6 +11,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
 from lightning_opt.strategies._collectives import sum_forward
+from lightning_opt.strategies._sigterm import install_cpu_sigterm_check, new_cpu_group
 
 __all__ = ["GlobalBatchTopKStrategy", "attach_topk_group"]
 
@@ -46,6 +47,8 @@ class GlobalBatchTopKStrategy(DDPStrategy):
             hook casts each bucket to 16 bits before the all-reduce and back after, halving the bytes sent.
             This CHANGES the numerics (gradients are rounded to 8 or 11 mantissa bits before averaging), so
             results are no longer bit-comparable with one process.
+        cpu_sigterm_check: run Lightning's per-step SIGTERM flag exchange over a gloo group instead of the
+            device, so it does not wait for the GPU every step (see ``strategies/_sigterm.py``).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (e.g. ``start_method``,
             ``process_group`` for a sub-group, ``bucket_cap_mb``, ``static_graph``).
 
@@ -56,7 +59,11 @@ class GlobalBatchTopKStrategy(DDPStrategy):
     strategy_name = "ddp_global_batchtopk"
 
     def __init__(
-        self, require_topk_module: bool = True, grad_compression: str | None = None, **kwargs: Any
+        self,
+        require_topk_module: bool = True,
+        grad_compression: str | None = None,
+        cpu_sigterm_check: bool = True,
+        **kwargs: Any,
     ) -> None:
         if grad_compression not in _COMPRESSION:
             raise ValueError(
@@ -67,6 +74,8 @@ class GlobalBatchTopKStrategy(DDPStrategy):
         kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(**kwargs)
         self.grad_compression = grad_compression
+        self.cpu_sigterm_check = cpu_sigterm_check
+        self._cpu_group: Any = None
         self.require_topk_module = require_topk_module
         self.topk_modules = 0
 
@@ -90,8 +99,15 @@ class GlobalBatchTopKStrategy(DDPStrategy):
         return self._ddp_kwargs.get("process_group") or dist.group.WORLD
 
     @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        if self.cpu_sigterm_check:
+            self._cpu_group = new_cpu_group()
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
+        install_cpu_sigterm_check(trainer, self._cpu_group)
         assert self.lightning_module is not None
         self.topk_modules = attach_topk_group(self.lightning_module, self.topk_group)
         if self.require_topk_module and self.topk_modules == 0:

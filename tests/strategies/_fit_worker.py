@@ -55,6 +55,30 @@ def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
         _fit(m, GlobalBatchTopKStrategy(grad_compression="fp16"), root)  # bf16 hook: NCCL only
         return {"state": _state(m)}
 
+    def sigterm_on_cpu() -> dict[str, Any]:
+        import torch.distributed as dist
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        out = {}
+        for name, strategy in (
+            ("global", GlobalBatchTopKStrategy()),
+            ("sharded", DecoderShardingStrategy(shard_encoder=True)),
+        ):
+            trainer = _fit(_adam_module(), strategy, root, max_steps=2)
+            check = trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor
+            check()  # no signal: returns on every rank
+            trainer._signal_connector.received_sigterm = dist.get_rank() == 0  # only rank 0 got the signal
+            try:
+                check()
+            except SIGTERMException:
+                stopped = True
+            else:
+                stopped = False
+            out[name] = {"installed": check.__name__, "stopped": stopped}
+        flags = [None] * WORLD
+        dist.all_gather_object(flags, out)
+        return {"per_rank": flags}
+
     def global_fvu() -> dict[str, Any]:
         m = TinyCLTModule(loss="fvu", batch_size=8)
         _fit(m, GlobalBatchTopKStrategy(), root)
@@ -126,6 +150,7 @@ def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
     return {
         "equivalence": lambda: run_equivalence(),
         "counts": lambda: run_counts(),
+        "sigterm_on_cpu": sigterm_on_cpu,
         "global_fp16": global_fp16,
         "clt_module_global": clt_module("global"),
         "clt_module_sharded": clt_module("sharded"),

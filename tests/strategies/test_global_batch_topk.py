@@ -128,6 +128,15 @@ def test_16bit_grad_compression_trains_close_to_exact_but_not_bitwise(strategy_r
     assert max_diff(state) > 10 * max_diff(exact)
 
 
+def test_sigterm_flag_goes_over_a_cpu_group_and_stops_every_rank(strategy_runs: dict) -> None:
+    # Both strategies replace Lightning's per-step device broadcast + .item() (a GPU drain per step) with a
+    # gloo broadcast from rank 0; a signal seen by rank 0 alone still stops both ranks.
+    per_rank = strategy_runs["sigterm_on_cpu"]["per_rank"]
+    for flags in per_rank:
+        for name in ("global", "sharded"):
+            assert flags[name] == {"installed": "broadcast_sigterm_on_cpu", "stopped": True}, (name, flags)
+
+
 def test_grad_compression_is_validated() -> None:
     with pytest.raises(ValueError, match="grad_compression"):
         GlobalBatchTopKStrategy(grad_compression="int8")
