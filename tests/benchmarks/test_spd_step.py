@@ -1,0 +1,43 @@
+"""benchmarks/spd_step.py on CPU: every variant is recorded, a timeout is an error row and not a crash,
+and the JSON is written with the fields the lead's GPU run is read by."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("spd_step_bench", ROOT / "benchmarks" / "spd_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_smoke_records_a_compile_timeout_and_keeps_going(tmp_path):
+    out = tmp_path / "spd_step.json"
+    res = _bench().main([
+        "--smoke", "--no-peer", "--workloads", "resid_mlp1", "--compile-budget-s", "0.05", "--out", str(out),
+    ])
+    on_disk = json.loads(out.read_text())
+    assert on_disk["workloads"].keys() == res["workloads"].keys() == {"resid_mlp1"}
+    for key in ("device", "versions", "command", "budgets_s", "elapsed_s"):
+        assert key in on_disk, key
+    rows = {r["variant"]: r for r in on_disk["workloads"]["resid_mlp1"]["rows"]}
+    # the compiled variants ran out of their 0.05 s budget: recorded as timeouts
+    for name in ("ours_compiled_bf16", "ours_compiled_fp32"):
+        assert rows[name]["error"].startswith("timeout"), rows[name]
+    # ... and the eager variants after them still ran
+    for name in ("ours_eager_bf16", "ours_eager_fp32", "ours_eager_fp32_sync"):
+        assert rows[name]["step_ms"] > 0 and rows[name]["timed_iters"] == 2, rows[name]
+    speed = on_disk["workloads"]["resid_mlp1"]["speedup"]
+    assert "fewer syncs (ours fp32 eager: loss read every step / never)" in speed
+
+
+def test_global_budget_skips_the_rest(tmp_path):
+    res = _bench().main(["--smoke", "--no-peer", "--workloads", "resid_mlp1", "--budget-s", "0", "--out", str(tmp_path / "x.json")])
+    rows = res["workloads"]["resid_mlp1"]["rows"]
+    assert rows and all("skipped" in r for r in rows)
