@@ -89,5 +89,8 @@ def compact_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int, capacity
     count = int(counter.item())  # host sync: the hit count sizes every buffer after this
     if count > capacity:
         return compact_ge(flat, lo_rows, row_len, count)
-    idx, order = torch.sort(idx[:count])  # blocks reserved in arbitrary order; restore flat order
-    return idx, val[:count][order]
+    keys = idx[:count]
+    if n <= torch.iinfo(torch.int32).max:
+        keys = keys.to(torch.int32)  # half the radix-sort passes of int64 keys
+    keys, order = torch.sort(keys)  # blocks reserved in arbitrary order; restore flat order
+    return keys.long(), val[:count][order]

@@ -180,7 +180,9 @@ def _hist_cut(bins: torch.Tensor, valid: torch.Tensor | None, rows: int, row: to
     slot = row * _BINS + bins
     if valid is not None:
         slot = torch.where(valid, slot, rows * _BINS)  # a dump bin past the end
-    hist = torch.bincount(slot, minlength=rows * _BINS + 1)[: rows * _BINS].view(rows, _BINS)
+    # index_add, not bincount: CUDA bincount reads the maximum on the host to size its output (a sync)
+    hist = torch.zeros(rows * _BINS + 1, dtype=torch.int64, device=bins.device)
+    hist = hist.index_add_(0, slot, torch.ones_like(slot))[: rows * _BINS].view(rows, _BINS)
     at_or_above = hist.flip(1).cumsum(1).flip(1)  # [rows, bins]: entries in bins >= b
     t = (at_or_above >= need[:, None]).sum(1) - 1  # non-increasing in b, so a count finds the last bin
     padded = torch.cat([at_or_above, at_or_above.new_zeros(rows, 1)], dim=1)

@@ -420,3 +420,20 @@ def test_auxk_fast_paths_match_the_reference_gradients(normalization: str) -> No
     assert float(results[0][0]) != pytest.approx(1.0)
     for a, b in zip(results[1][1], results[0][1]):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_self_check_survives_a_first_decode_in_inference_mode() -> None:
+    # sparse_decode caches its Triton self-check per device; a first decode under inference mode (a validation
+    # loop) or in a backward pass must not cache a failure that silently switches training to embedding_bag
+    from lightning_opt._optional import is_available
+    from lightning_opt.ops import sparse_decode as sd
+
+    if not is_available("triton"):
+        pytest.skip("needs triton")
+    clt = make("batchtopk_global", k=3).cuda()
+    sd._TRITON_CHECKED.clear()
+    with torch.inference_mode():
+        clt(torch.randn(N, L, D, device="cuda"), dense=False)
+    assert sd._TRITON_CHECKED[clt.W_enc.device] is True
