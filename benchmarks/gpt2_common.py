@@ -460,8 +460,9 @@ class SyncProbe:
         text = str(message)
         if "synchroniz" not in text.lower():
             return
-        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
-        where = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-6:]]
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "site-packages/torch/" not in f.filename and not f.filename.endswith("warnings.py")]
+        where = [f"{'/'.join(Path(f.filename).parts[-2:])}:{f.lineno} {f.name}" for f in frames[-12:]]
         key = text.split("\n")[0][:120] + " @ " + (where[-1] if where else "?")
         entry = self.found.setdefault(key, {"op": text.split("\n")[0][:200], "stack": where, "count": 0})
         entry["count"] += 1

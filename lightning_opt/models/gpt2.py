@@ -427,8 +427,11 @@ class GPT(nn.Module):
         return loss
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        if self.config.head_fp8 and self.training and math.prod(h.shape[:-1]) % 16 == 0:
-            logits = fp8_linear(h, self.lm_head.weight)
+        rows = math.prod(h.shape[:-1])
+        if self.config.head_fp8 and self.training and rows % 16 == 0:
+            # the gradient of a mean cross-entropy over `rows` tokens is at most 1/rows per logit: scale
+            # e5m2 for that, or most of the gradient would underflow to zero
+            logits = fp8_linear(h, self.lm_head.weight, grad_scale=1.0 / (448.0 * rows))
         else:
             logits = self.lm_head(h)
         cap = self.config.logit_softcap

@@ -8,8 +8,10 @@ Static scales cost nothing at run time (no amax reduction, no host sync) but mus
 ``e4m3fn`` holds magnitudes up to 448 and has no infinity, so a value above ``448 * scale`` would turn
 into NaN. The defaults fit the output head of a pre-norm transformer: the head's input is RMS-normalised,
 so no entry exceeds ``sqrt(width)`` (``x_scale = sqrt(width) / 448`` cannot overflow); head weights stay
-far below 24 (``w_scale = 24 / 448``); the gradient of a mean cross-entropy is below 1 in magnitude
-(``grad_scale = 1 / 448``; ``e5m2`` goes to 57344, so there is ample headroom).
+far below 24 (``w_scale = 24 / 448``). The output gradient's scale must follow the loss's reduction:
+the gradient of a cross-entropy *summed* over tokens is below 1 per logit (``grad_scale = 1 / 448``,
+the default), of a *mean* over N tokens below 1/N (pass ``grad_scale = 1 / (448 N)``): with too large a
+scale the small gradients underflow ``e5m2`` (smallest subnormal 2^-16) and training degrades.
 
 The function is an ``autograd.Function`` made of plain aten ops, so ``torch.compile`` traces through it
 and fuses the casts into the neighbouring kernels.
@@ -81,7 +83,8 @@ def fp8_linear(
         weight: ``[out, in]`` weight (an ``nn.Linear``'s).
         x_scale: FP8 scale of ``x``; default ``sqrt(in) / 448`` (exact bound for RMS-normalised inputs).
         w_scale: FP8 scale of the weight (values up to ``448 * w_scale`` are representable).
-        grad_scale: FP8 scale of the output gradient.
+        grad_scale: FP8 scale of the output gradient (see the module docstring: ``1 / (448 N)`` for a
+            mean loss over N rows).
     """
     k = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != k:

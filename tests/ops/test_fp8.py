@@ -85,3 +85,27 @@ def test_gpt_with_fp8_head_trains_and_evaluates_in_full_precision():
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 1.0
+
+
+def test_grad_scale_must_follow_a_mean_loss():
+    # A mean cross-entropy over N rows, divided again for gradient accumulation, has tiny logit
+    # gradients (p / (N * accum)). With the sum-loss scale they underflow e5m2 and only the targets'
+    # -1 terms survive; with 1/(448 N) (what GPT(head_fp8=True) passes) they survive. The head rows share
+    # a component (as real heads do), which the lost terms should cancel in the input gradient.
+    torch.manual_seed(0)
+    n, k, m, accum = 512, 32, 1024, 128
+    x = torch.nn.functional.rms_norm(torch.randn(n, k), (k,))
+    w = 0.02 * torch.randn(m, k) + 0.2 * torch.randn(1, k)
+    targets = torch.randint(0, m, (n,))
+    ref_x = x.clone().requires_grad_()
+    (torch.nn.functional.cross_entropy(ref_x @ w.t(), targets) / accum).backward()
+    errs = {}
+    for name, gs in {"sum_scale": 1 / 448, "mean_scale": 1 / (448 * n)}.items():
+        xq = x.clone().requires_grad_()
+        logits = fp8_linear(xq, w, grad_scale=gs).float()
+        (torch.nn.functional.cross_entropy(logits, targets) / accum).backward()
+        errs[name] = _rel(xq.grad, ref_x.grad)
+    # the true gradient is a small residual of cancelling terms, so even the good scale's relative
+    # error is visible; the sum scale's is an order of magnitude worse (the gradient is wrong)
+    assert errs["mean_scale"] < 0.4, errs
+    assert errs["sum_scale"] > 10 * errs["mean_scale"], errs
