@@ -107,7 +107,11 @@ def _kth_largest(pool: torch.Tensor, kth: int) -> torch.Tensor:
 
 
 def _select(
-    x: torch.Tensor, k: int, group: dist.ProcessGroup | None, tokens_total: int | None = None
+    x: torch.Tensor,
+    k: int,
+    group: dist.ProcessGroup | None,
+    tokens_total: int | None = None,
+    numel_total: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Candidate flat indices (ascending) of this rank's ``x``, a keep mask over them, and kept counts.
 
@@ -121,6 +125,13 @@ def _select(
         raise ValueError(f"k must be a non-negative int (active features per token), got {k!r}")
     if tokens_total is not None and (isinstance(tokens_total, bool) or not isinstance(tokens_total, int)):
         raise ValueError(f"tokens_total must be an int or None, got {tokens_total!r}")
+    if numel_total is not None and (
+        isinstance(numel_total, bool) or not isinstance(numel_total, int) or tokens_total is None
+    ):
+        raise ValueError(
+            f"numel_total must be an int and comes with tokens_total, got numel_total={numel_total!r}, "
+            f"tokens_total={tokens_total!r}"
+        )
     tokens, features = x.shape
     flat = x.detach().reshape(-1)
     n = flat.numel()
@@ -131,7 +142,15 @@ def _select(
     # Expected kept fraction of this rank's entries (only sizes the sample bound; exactness never depends on it).
     frac = k / features if tokens_total is None else k * tokens_total / max(1, n * world)
     lo_local = _lower_bound(flat, frac) if n > 0 and frac < 1 else None
-    if world > 1:
+    if world > 1 and tokens_total is not None and numel_total is not None:
+        # Both totals known: only the bound crosses ranks, and nothing waits for the device here.
+        lo_t = torch.full((), float("inf"), dtype=torch.float32, device=device)
+        if lo_local is not None:
+            lo_t = lo_local.float().reshape(())
+        dist.all_reduce(lo_t, op=dist.ReduceOp.MIN, group=group)
+        lo = lo_t.to(x.dtype)
+        gathered = None
+    elif world > 1:
         head = torch.tensor([float(tokens), float(n), float("inf")], dtype=torch.float64, device=device)
         if lo_local is not None:
             head[2] = lo_local
@@ -145,10 +164,15 @@ def _select(
         numel_total = n
         tokens_total = tokens if tokens_total is None else tokens_total
         lo = None if lo_local is None else lo_local.to(x.dtype)
+        gathered = None
     big_k = k * tokens_total
     if big_k == 0:
         return empty_idx, None, torch.zeros(world, dtype=torch.long, device=device)
     if big_k >= numel_total:
+        if world > 1 and gathered is None:
+            gathered = _all_gather(
+                torch.tensor([0.0, float(n)], dtype=torch.float64, device=device), group, world
+            )
         sizes = gathered[:, 1].long() if world > 1 else torch.tensor([n], device=device)
         return torch.arange(n, device=device), None, sizes
     if lo is None:  # no bound estimated (not reached with n > 0 and K < numel): use the exact fallback
@@ -235,6 +259,7 @@ def batch_topk_threshold_sparse(
     group: dist.ProcessGroup | None = None,
     tokens_total: int | None = None,
     return_counts: bool = False,
+    numel_total: int | None = None,
 ) -> Any:
     """Like :func:`global_batch_topk` but return the kept entries as ``(flat_indices, values)``.
 
@@ -244,8 +269,12 @@ def batch_topk_threshold_sparse(
     With ``return_counts=True`` the result is ``(flat_indices, values, counts)`` where ``counts`` is a host
     list of how many entries every rank of ``group`` keeps (rank order), read in the same host sync that
     sizes the result: a later gather of the kept entries needs no count exchange of its own.
+
+    ``numel_total`` (with ``tokens_total``): the sum of ``x.numel()`` over the group, when the caller knows it
+    (e.g. equal feature shards). The first exchange then needs no host sync. It must be right: the
+    selection trusts it.
     """
-    idx, keep, counts = _select(x, k, group, tokens_total)
+    idx, keep, counts = _select(x, k, group, tokens_total, numel_total)
     counts_host = counts.tolist() if return_counts else None  # host sync (sizes the gathers after this)
     if keep is not None:
         idx = idx[keep]  # host sync: the kept count sizes the result (short wait after the one above)

@@ -270,6 +270,9 @@ class DecoderShardingStrategy(DDPStrategy):
                 group=group,
                 tokens_total=tokens_total,
                 return_counts=True,
+                # equal feature shards: every token has n_layers * n_features entries over the group, so the
+                # selection needs no host sync to size itself
+                numel_total=tokens_total * n_layers * n_features,
             )
             mark("select")
             # Local flat index in [L, N, F/M] -> global flat index in [L, N, F].

@@ -94,6 +94,15 @@ def run_counts() -> dict[str, list[int]]:
     dist.all_gather(sizes, torch.tensor([idx.numel()]))
     if counts != [int(s) for s in sizes] or sum(counts) != 2 * 4:
         raise AssertionError(f"counts {counts} != kept sizes {[int(s) for s in sizes]} (K=8)")
+    # Totals given by the caller (no sizing sync): same selection; and K >= all entries keeps everything.
+    idx2, _, counts2 = batch_topk_threshold_sparse(
+        x, k=2, group=dist.group.WORLD, tokens_total=4, numel_total=16, return_counts=True
+    )
+    assert torch.equal(idx2, idx) and counts2 == counts
+    idx3, _, counts3 = batch_topk_threshold_sparse(
+        x, k=4, group=dist.group.WORLD, tokens_total=4, numel_total=16, return_counts=True
+    )
+    assert idx3.numel() == 8 and counts3 == [8, 8]
     with_counts = gather_sparse(idx, vals, dist.group.WORLD, WORLD, counts=counts)
     without = gather_sparse(idx, vals, dist.group.WORLD, WORLD)
     for a, b in zip(with_counts, without):
