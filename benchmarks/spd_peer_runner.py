@@ -249,7 +249,7 @@ def build_step(target: Any, module_info: list[tuple[str, int]], config: dict[str
     state = {"step": 0}
     bf16 = bool(config.get("autocast_bf16", False))
 
-    def step(batch: Any) -> float:
+    def step(batch: Any) -> Any:
         # The body of their optimize() loop for one step, minus periodic eval / logging / saving.
         opt.zero_grad()
         weight_deltas = model.calc_weight_deltas()
@@ -275,7 +275,7 @@ def build_step(target: Any, module_info: list[tuple[str, int]], config: dict[str
             calc_ci_l_zero(layer_ci, 0.1)
         opt.step()
         state["step"] += 1
-        return float(total.detach())  # their loop reads the loss back every step
+        return total.detach()  # their compute_total_loss and calc_ci_l_zero already read values back (.item())
 
     step.model = model  # type: ignore[attr-defined]
     return step

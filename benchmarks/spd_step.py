@@ -18,7 +18,7 @@ Variants, in the order they run (headline first, so a short budget still gives t
    ``ours_eager_bf16``, ``ours_compiled_bf16`` (``torch.compile`` of the whole loss + fused AdamW);
    then the ``parity`` check on ``resid_mlp1`` (their parameters copied into ours: same CI and losses).
 2. ablations: ``peer_fp32``, ``ours_eager_fp32``, ``ours_eager_fp32_sync`` (reads the loss back every
-   step as their loop does), ``*_nopgd`` (PGD terms dropped, LM only).
+   step; their loop reads every term and CI-L0), ``*_nopgd`` (PGD terms dropped, LM only).
 3. ``ours_compiled_fp32`` (a second compile; runs only if the budget allows).
 
 Each variant runs under its own time limit (SIGALRM, so a slow ``torch.compile`` is cut off too) inside
@@ -330,7 +330,7 @@ RATIOS = [
     ("goal: peer_bf16 / ours_compiled_bf16 (both at their defaults)", "peer_bf16", "ours_compiled_bf16"),
     ("peer_fp32 / ours_compiled_bf16", "peer_fp32", "ours_compiled_bf16"),
     ("peer_bf16 / ours_eager_bf16 (no compile)", "peer_bf16", "ours_eager_bf16"),
-    ("structure (module replacement, cached target weights, fused unmasked path; both read the loss every step, fp32 eager)",
+    ("structure (module replacement, cached target weights, fused unmasked path; both read values back every step, fp32 eager)",
      "peer_fp32", "ours_eager_fp32_sync"),
     ("fewer syncs (ours fp32 eager: loss read every step / never)", "ours_eager_fp32_sync", "ours_eager_fp32"),
     ("bf16 autocast, ours eager (fp32 / bf16)", "ours_eager_fp32", "ours_eager_bf16"),
