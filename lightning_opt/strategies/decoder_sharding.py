@@ -285,8 +285,8 @@ class DecoderShardingStrategy(DDPStrategy):
                 strategy.mp_size,
                 counts=counts[first : first + strategy.mp_size],
             )
-            order = torch.argsort(all_idx)
-            all_idx, all_vals = all_idx[order], all_vals[order]
+            all_idx, order = torch.sort(all_idx)  # rank-order runs -> ascending (the decode's layout)
+            all_vals = all_vals[order]
             mark("gather")
             recon = decode_sparse(all_idx, all_vals, n_tokens)
             mark("decode")
