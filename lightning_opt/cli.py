@@ -143,6 +143,13 @@ class RecipeCLI(LightningCLI):
                     print(f"note: the built-in corpus has {available} val tokens; val_tokens={data.val_tokens} "
                           f"is lowered to all of them. Point data.val_files at your shards for a larger val set.")
                     data.val_tokens = None
+        callbacks = cfg.trainer.get("callbacks")
+        if cfg.trainer.get("enable_progress_bar") is False and isinstance(callbacks, list):
+            # `--trainer.enable_progress_bar=false` must win over a config's progress bar (Lightning
+            # would refuse the combination)
+            cfg.trainer.callbacks = [
+                c for c in callbacks if not str(getattr(c, "class_path", "")).endswith("ProgressBar")
+            ]
         if cfg.trainer.get("precision") is None:
             on_gpu = torch.cuda.is_available() and cfg.trainer.get("accelerator") in (None, "auto", "gpu", "cuda")
             cfg.trainer.precision = "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"

@@ -11,6 +11,7 @@ _EXPORTS = {
     "EvalThrottle": "eval_throttle",
     "CudaMemoryHygiene": "cuda_memory",
     "SpeedMonitor": "speed_monitor",
+    "LazyProgressBar": "progress_bar",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

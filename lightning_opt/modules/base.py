@@ -140,7 +140,9 @@ class TrainingModule(L.LightningModule):
     def log_lrs(self) -> None:
         opt = self.optimizers(use_pl_optimizer=False)
         for i, group in enumerate(opt.param_groups):
-            self.log(f"lr/group{i}", group["lr"], on_step=True, on_epoch=False)
+            lr = group["lr"]  # a CPU tensor (not a float, which self.log would copy to the GPU blocking)
+            self.log(f"lr/group{i}", lr.detach().cpu() if torch.is_tensor(lr) else torch.tensor(float(lr)),
+                     on_step=True, on_epoch=False)
 
     @staticmethod
     def peak_memory_bytes(device: torch.device) -> int:

@@ -98,11 +98,13 @@ class GPT2SpeedrunModule(TrainingModule):
             self.flops_per_batch = self.model.flops_per_token(x.shape[1]) * x.numel()
         loss = self.compute_loss(x, y)
         self.count_tokens(x.numel())
-        self.log("train/loss", loss, on_step=True, prog_bar=True)
+        # prog_bar=False: Lightning turns progress-bar metrics into Python numbers after every batch (a
+        # host-device sync per micro-batch); lightning_opt.callbacks.LazyProgressBar shows it instead
+        self.log("train/loss", loss, on_step=True, prog_bar=False)
         if self._logs_this_step():
-            # self.log turns Python numbers into device tensors with a blocking copy, which stalls the
-            # GPU pipeline: log them only on the steps the logger writes
-            self.log("tokens_seen", float(self.tokens_seen), on_step=True, on_epoch=False)
+            # host numbers go in as CPU tensors: self.log would copy a Python number to the GPU with a
+            # blocking copy; and only on the steps the logger writes
+            self.log("tokens_seen", torch.tensor(float(self.tokens_seen)), on_step=True, on_epoch=False)
             self.log_lrs()
         return loss
 
