@@ -322,20 +322,15 @@ class CLT(nn.Module):
         """Dense reference decode: ``acts`` ``[L, N, F]`` -> normalised reconstruction ``[N, L, d_out]``."""
         L, N, nf = acts.shape
         d = self.d_out
-        out = torch.zeros(N, L, d, dtype=torch.float32, device=acts.device)
         tying = self.config.decoder_tying
         if tying == "per_target":
             # target t reads the sum of the features of layers <= t
             cum = torch.cumsum(acts, dim=0)
             return torch.bmm(cum, self.W_dec_tgt.to(acts.dtype)).transpose(0, 1).float() + self.b_dec
-        for s in range(L):
-            w = self.W_dec[s]
-            y = acts[s] @ w.reshape(nf, -1).to(acts.dtype)
-            if tying == "untied":
-                out[:, s:] += y.view(N, L - s, d)
-            else:
-                out[:, s:] += y.view(N, 1, d)
-        return out + self.b_dec
+        # unbind, not acts[s]: its backward stacks the L slice gradients once, where L selects would each
+        # zero-fill an [L, N, F] gradient and autograd would add the L of them up
+        ys = [a @ w.reshape(nf, -1).to(acts.dtype) for a, w in zip(acts.unbind(0), self.W_dec)]
+        return _TriangularSum.apply(L, d, *ys) + self.b_dec
 
     def decode_sparse(self, indices: torch.Tensor, values: torch.Tensor, n_tokens: int) -> torch.Tensor:
         """Decode sparse activations (flat indices into ``[L, n_tokens, F]``) -> ``[N, L, d_out]``.
@@ -551,6 +546,44 @@ def _gather_dot(feat: torch.Tensor, tok: torch.Tensor, g: torch.Tensor, w: torch
     return out
 
 
+class _TriangularSum(torch.autograd.Function):
+    """``out[:, t] = sum_{s <= t} y_s[:, t - s]``: float32 ``[N, L, d]`` from per-source decoder outputs ``y_s``
+    ``[N, (L - s) * d]`` (or ``[N, d]`` for a per-source tied decoder: one vector for every target).
+
+    Autograd of ``out[:, s:] += y_s`` on a zero tensor clones and zero-fills the whole ``[N, L, d]`` gradient
+    once per source layer; here the gradient of ``y_s`` is the slice ``grad[:, s:]`` itself."""
+
+    @staticmethod
+    def forward(ctx: Any, L: int, d: int, *ys: torch.Tensor) -> torch.Tensor:
+        N = ys[0].shape[0]
+        out = torch.zeros(N, L, d, dtype=torch.float32, device=ys[0].device)
+        for s, y in enumerate(ys):
+            out[:, s:] += y.view(N, -1, d)  # [N, 1, d] broadcasts over the targets
+        ctx.meta = [(y.dtype, y.shape[1] == d and L - s > 1) for s, y in enumerate(ys)]
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grads = []
+        for s, (dtype, tied) in enumerate(ctx.meta):
+            g = grad[:, s:]
+            grads.append((g.sum(1) if tied else g.reshape(g.shape[0], -1)).to(dtype))
+        return (None, None, *grads)
+
+
+def _triangular_sum(ys: list[torch.Tensor | None], L: int, d: int, n_tokens: int,
+                    device: torch.device) -> torch.Tensor:
+    """:class:`_TriangularSum` where source layers without entries (``None``) contribute nothing."""
+    if all(y is None for y in ys):
+        return torch.zeros(n_tokens, L, d, dtype=torch.float32, device=device)
+    if all(y is not None for y in ys):
+        return _TriangularSum.apply(L, d, *ys)
+    # a source layer with no kept entry: a zero block keeps the positions (rare; global BatchTopK only)
+    like = next(y for y in ys if y is not None)
+    filled = [y if y is not None else like.new_zeros(n_tokens, (L - s) * d) for s, y in enumerate(ys)]
+    return _TriangularSum.apply(L, d, *filled)
+
+
 def _triton_decode_ok(device: torch.device) -> bool:
     """Whether ``ops.sparse_decode``'s Triton kernels run on ``device``.
 
@@ -592,19 +625,19 @@ def _sparse_decode_layers(
     bounds = torch.searchsorted(indices, torch.arange(L + 1, device=device) * per_layer).tolist()
     on = torch.is_autocast_enabled(device.type)
     dtype = torch.get_autocast_dtype(device.type) if on else W_dec[0].dtype
-    out = torch.zeros(n_tokens, L, d, dtype=torch.float32, device=device)
     tokens = torch.arange(n_tokens, device=device)
+    ys: list[torch.Tensor | None] = []
     for s in range(L):
         lo, hi = bounds[s], bounds[s + 1]
         if hi == lo:
+            ys.append(None)
             continue
         local = indices[lo:hi] - s * per_layer
         tok = torch.div(local, nf, rounding_mode="floor")
         offsets = torch.searchsorted(tok, tokens)
         w = W_dec[s].reshape(nf, -1).to(dtype)
-        y = sparse_decode(local - tok * nf, values[lo:hi].to(dtype), w, offsets=offsets, backend=backend)
-        out[:, s:] += y.view(n_tokens, L - s, d)
-    return out
+        ys.append(sparse_decode(local - tok * nf, values[lo:hi].to(dtype), w, offsets=offsets, backend=backend))
+    return _triangular_sum(ys, L, d, n_tokens, device)
 
 
 # --------------------------------------------------------------------- losses
@@ -751,12 +784,11 @@ def _decode_columns(model: CLT, cols: torch.Tensor, local: torch.Tensor, vals: t
     dtype = torch.get_autocast_dtype(vals.device.type) if on else model.W_dec[0].dtype
     if sparse_grad:
         return _ColumnDecodeSparseGrad.apply(acts, cols, dtype, *model.W_dec)
-    d = model.d_out
-    out = torch.zeros(N, L, d, dtype=torch.float32, device=vals.device)
-    for s in range(L):
+    ys = []
+    for s, a in enumerate(acts.unbind(0)):  # unbind: see CLT.decode
         w = model.W_dec[s].index_select(0, cols[s]).reshape(D, -1)  # [D, (L - s) * d]
-        out[:, s:] += (acts[s].to(dtype) @ w.to(dtype)).view(N, L - s, d)
-    return out
+        ys.append(a.to(dtype) @ w.to(dtype))
+    return _TriangularSum.apply(L, model.d_out, *ys)
 
 
 class _ColumnDecodeSparseGrad(torch.autograd.Function):
