@@ -693,9 +693,29 @@ def preactivation_loss(pre: torch.Tensor, threshold: torch.Tensor | None = None)
 
     Pushes dead features' pre-activations up towards firing; ``threshold`` is ``[L, F]`` (JumpReLU) or 0.
     """
+    if threshold is None:
+        return _PreactLoss.apply(pre)
     # relu(th - pre) = -min(pre - th, 0): one temporary in pre's dtype, fp32 accumulation
-    shifted = pre if threshold is None else pre - threshold[:, None, :].to(pre.dtype)
+    shifted = pre - threshold[:, None, :].to(pre.dtype)
     return -shifted.clamp(max=0).sum(dtype=torch.float32) / pre.shape[1]
+
+
+class _PreactLoss(torch.autograd.Function):
+    """``-sum(min(pre, 0)) / N`` (float32) with a one-pass backward ``where(pre <= 0, -g / N, 0)`` in pre's dtype.
+
+    Autograd of ``clamp(...).sum(dtype=float32)`` would first materialise the broadcast float32 gradient in
+    pre's dtype (a full ``[L, N, F]`` copy), then a mask, then the masked gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, pre: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(pre)
+        return -pre.clamp(max=0).sum(dtype=torch.float32) / pre.shape[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (pre,) = ctx.saved_tensors
+        step = (-grad / pre.shape[1]).to(pre.dtype)  # clamp's gradient includes pre == 0, as here
+        return torch.where(pre <= 0, step, torch.zeros((), dtype=pre.dtype, device=pre.device))
 
 
 def auxk_loss(

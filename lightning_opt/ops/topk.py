@@ -242,7 +242,7 @@ def batch_topk_rows(x2d: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, torch
         raise ValueError(f"batch_topk_rows expects a 2-D tensor [rows, entries], got shape {tuple(x2d.shape)}")
     _check_k(n_keep, x2d.shape[1], "entries kept per row")
     idx = _select_rows(x2d.detach(), n_keep)
-    return idx, x2d.reshape(-1)[idx]
+    return idx, _TakeUnique.apply(x2d.reshape(-1), idx)
 
 
 def token_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,7 +256,23 @@ def token_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows = x.reshape(-1, m)
     local = torch.topk(rows.detach(), k, dim=1, sorted=False).indices
     flat = (local + torch.arange(rows.shape[0], device=x.device)[:, None] * m).reshape(-1)
-    return flat, x.reshape(-1)[flat]
+    return flat, _TakeUnique.apply(x.reshape(-1), flat)
+
+
+class _TakeUnique(torch.autograd.Function):
+    """``flat[idx]`` for distinct indices. Its backward is a plain scatter into zeros; ``flat[idx]``'s own
+    backward is ``index_put_(accumulate=True)``, which on CUDA sorts the indices first to add duplicates."""
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(idx)
+        ctx.numel = flat.numel()
+        return flat[idx]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (idx,) = ctx.saved_tensors
+        return torch.zeros(ctx.numel, dtype=grad.dtype, device=grad.device).scatter_(0, idx, grad), None
 
 
 def scatter_dense(indices: torch.Tensor, values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -465,3 +465,18 @@ def test_decode_matches_a_per_target_reference_with_gradients(tying: str) -> Non
         results.append([out.detach(), acts.grad.clone(), clt.b_dec.grad.clone()] + [w.grad.clone() for w in clt.W_dec])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_preactivation_loss_gradient_matches_autograd_of_clamp(dtype: torch.dtype) -> None:
+    torch.manual_seed(9)
+    pre = torch.randn(L, N, NF).to(dtype)
+    pre[0, 0, :4] = 0.0  # clamp's gradient includes pre == 0
+    a = pre.clone().requires_grad_(True)
+    b = pre.clone().requires_grad_(True)
+    got = preactivation_loss(a)
+    ref = -b.clamp(max=0).sum(dtype=torch.float32) / N
+    (3.0 * got).backward()
+    (3.0 * ref).backward()
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(a.grad, b.grad)
