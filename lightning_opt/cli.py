@@ -144,12 +144,23 @@ class RecipeCLI(LightningCLI):
                           f"is lowered to all of them. Point data.val_files at your shards for a larger val set.")
                     data.val_tokens = None
         callbacks = cfg.trainer.get("callbacks")
-        if cfg.trainer.get("enable_progress_bar") is False and isinstance(callbacks, list):
+        has_bar = isinstance(callbacks, list) and any(
+            str(getattr(c, "class_path", "")).endswith("ProgressBar") for c in callbacks
+        )
+        if cfg.trainer.get("enable_progress_bar") is False and has_bar:
             # `--trainer.enable_progress_bar=false` must win over a config's progress bar (Lightning
             # would refuse the combination)
             cfg.trainer.callbacks = [
                 c for c in callbacks if not str(getattr(c, "class_path", "")).endswith("ProgressBar")
             ]
+        elif cfg.trainer.get("enable_progress_bar") is not False and not has_bar:
+            # Lightning's default bar reads prog_bar=True metrics after every batch (a sync each); our
+            # modules log without prog_bar and this bar shows train/loss when it redraws
+            from jsonargparse import Namespace
+
+            bar = Namespace(class_path="lightning_opt.callbacks.LazyProgressBar",
+                            init_args=Namespace(refresh_rate=10, keys=["train/loss"], process_position=0, leave=False))
+            cfg.trainer.callbacks = [*(callbacks or []), bar]
         if cfg.trainer.get("precision") is None:
             on_gpu = torch.cuda.is_available() and cfg.trainer.get("accelerator") in (None, "auto", "gpu", "cuda")
             cfg.trainer.precision = "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"

@@ -468,7 +468,7 @@ class SPDModule(L.LightningModule):
         max_steps = max(int(self.trainer.max_steps), 1) if self._trainer is not None else 1
         self._frac.fill_(self.global_step / max_steps)
         total, terms = self._loss_fn(batch, self._frac)
-        self.log("train/loss", total, prog_bar=True)
+        self.log("train/loss", total)  # no prog_bar: a per-batch sync in Lightning (see LazyProgressBar)
         for k, v in terms.items():
             self.log(f"train/{k}", v)
         return total
