@@ -21,7 +21,13 @@ def new_cpu_group() -> Any:
     """A gloo group over all ranks (a collective call: every rank must call it, in the same order)."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
         return None
-    return dist.new_group(backend="gloo")
+    try:
+        return dist.new_group(backend="gloo")
+    except Exception as err:  # e.g. a build without gloo: keep Lightning's own (device) check
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(f"no gloo group for the SIGTERM check ({err}); Lightning's device broadcast stays.")
+        return None
 
 
 def install_cpu_sigterm_check(trainer: Any, group: Any) -> bool:
