@@ -303,7 +303,8 @@ class CLTModule(TrainingModule):
             loss = mse
             lam = self.sparsity_lambda()
             log = self._should_log()
-            logs: dict[str, Any] = {"train/mse": mse.detach(), "train/sparsity_lambda": lam}
+            # host numbers as CPU tensors: self.log would copy a Python number to the GPU with a blocking copy
+            logs: dict[str, Any] = {"train/mse": mse.detach(), "train/sparsity_lambda": torch.tensor(float(lam))}
             if lam > 0:
                 norms = clt.decoder_norms()
                 if out.indices is not None:  # the kept entries only, even when decoding densely
@@ -332,7 +333,7 @@ class CLTModule(TrainingModule):
                     loss = loss + self.aux_coef * aux
                 logs["train/auxk"] = aux.detach()
             else:
-                logs["train/auxk"] = 1.0  # AuxK's value when no feature is dead
+                logs["train/auxk"] = torch.tensor(1.0)  # AuxK's value when no feature is dead
         with torch.no_grad(), record_function("clt/dead_tracking"):
             self.tokens_since_fired.add_(n).masked_fill_(fired, 0)
             if self.aux_coef > 0:
@@ -346,10 +347,10 @@ class CLTModule(TrainingModule):
                     sse, sst = fvu_per_layer(clt.denormalize(out.recon.detach()), y)
                     logs["train/fvu"] = sse.sum() / sst.sum().clamp_min(1e-12)
             self.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False)
-        # every step (a monitored key must always exist); a device tensor, so no sync unless a logger or the
-        # progress bar reads it
+        # every step (a monitored key must always exist); a device tensor, so no sync unless a logger reads it.
+        # prog_bar=False: Lightning turns progress-bar metrics into Python numbers after every batch (a sync
+        # per step); the recipes' lightning_opt.callbacks.LazyProgressBar shows train/loss at redraws instead
         self.log("train/loss", loss.detach(), on_step=True, on_epoch=False)
-        self.log("train/loss_pb", loss.detach(), prog_bar=True, logger=False)
         self.count_tokens(n)
         return loss
 
