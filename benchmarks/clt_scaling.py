@@ -21,6 +21,9 @@ others still run.
 
     python benchmarks/clt_scaling.py            # 2 CUDA GPUs, about 3-4 minutes on H100s (2 launches)
     python benchmarks/clt_scaling.py --smoke    # CPU + gloo, 2 processes, under a minute
+    # the short re-run (about 1.5 minutes on 2 GPUs): 1 GPU vs sharded encoders at two sizes
+    python benchmarks/clt_scaling.py --features 8192 16384 --variants ours_1gpu \\
+        ours_decoder_sharding_sharded_encoder_2gpu --out benchmarks/results/clt_scaling_short.json
 """
 
 from __future__ import annotations
@@ -381,6 +384,16 @@ def _run_peer(rank: int, world: int, args: argparse.Namespace, n_features: int) 
 
 
 _AB_VARIANT = "ours_decoder_sharding_sharded_encoder_gpu_sigterm_2gpu"
+_ALL_VARIANTS = (
+    "ours_1gpu",
+    "peer_crosslayer_coding_1gpu",
+    "ours_global_batchtopk_2gpu",
+    "ours_global_batchtopk_bf16grad_2gpu",
+    "ours_decoder_sharding_2gpu",
+    "ours_decoder_sharding_sharded_encoder_2gpu",
+    _AB_VARIANT,
+    "peer_crosslayer_coding_2gpu",
+)
 
 
 def _runs(args: argparse.Namespace, variants: list[str]) -> list[tuple[int, str]]:
@@ -451,6 +464,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-peer", action="store_true", help="skip crosslayer-coding")
     parser.add_argument(
+        "--variants", nargs="+", default=None, metavar="NAME",
+        help=f"run only these variants (default: all): {', '.join(_ALL_VARIANTS)}; keep ours_1gpu for the "
+        "same-run baseline of the ratios",
+    )  # fmt: skip
+    parser.add_argument(
         "--peer-features", type=int, nargs="+", default=[8192, 16384],
         help="sizes at which crosslayer-coding runs (its 32768 run alone takes about a minute)",
     )  # fmt: skip
@@ -466,15 +484,15 @@ def main() -> None:
         and os.path.exists(os.path.join(HERE, "peers", "clt_tp_runner.py"))
     )
     one = ["ours_1gpu"] + (["peer_crosslayer_coding_1gpu"] if peer_ok else [])
-    two = [
-        "ours_global_batchtopk_2gpu",
-        "ours_global_batchtopk_bf16grad_2gpu",
-        "ours_decoder_sharding_2gpu",
-        "ours_decoder_sharding_sharded_encoder_2gpu",
-        _AB_VARIANT,
-    ]
+    two = [v for v in _ALL_VARIANTS if v.endswith("2gpu") and not v.startswith("peer")]
     two += ["peer_crosslayer_coding_2gpu"] if peer_ok else []
-    launches = [(1, one)] + ([(2, two)] if gpus >= 2 else [])
+    if args.variants:
+        unknown = sorted(set(args.variants) - set(_ALL_VARIANTS))
+        if unknown:
+            parser.error(f"unknown --variants {unknown}; choose from {list(_ALL_VARIANTS)}")
+        one = [v for v in one if v in args.variants]
+        two = [v for v in two if v in args.variants]
+    launches = [(w, names) for w, names in [(1, one), (2, two)] if names and (w == 1 or gpus >= 2)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for world, names in launches:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from lightning_opt.ops.topk import candidates_ge
 
-__all__ = ["global_batch_topk", "batch_topk_threshold_sparse"]
+__all__ = ["global_batch_topk", "batch_topk_threshold_sparse", "shard_candidates", "top_positions"]
 
 _SAMPLE_SIZE = 1 << 18
 _SAMPLE_SEED = 0x5EED
@@ -281,3 +281,81 @@ def batch_topk_threshold_sparse(
     if return_counts:
         return idx, x.reshape(-1)[idx], counts_host
     return idx, x.reshape(-1)[idx]
+
+
+def shard_candidates(
+    x: torch.Tensor, k: int, group: dist.ProcessGroup, tokens_total: int
+) -> tuple[torch.Tensor, list[int]]:
+    """Candidates of a rank that holds ``1/W`` of the *features* of the same tokens as the other ranks.
+
+    Steps 1-2 of the algorithm above for equal feature shards: the union of every rank's candidates holds
+    the global top-``k * tokens_total``. Returns this rank's candidate flat indices (ascending) and every
+    rank's candidate count in rank order (host list: it sizes the gather that follows). Two host syncs (the
+    local count, the exchanged counts); the pool is then selected with :func:`top_positions` on each rank.
+    """
+    world = _group_size(group)
+    flat = x.detach().reshape(-1)
+    n = flat.numel()
+    big_k = k * tokens_total
+    frac = big_k / max(1, n * world)
+    lo = torch.full((), float("inf"), dtype=torch.float32, device=x.device)
+    if n > 0 and frac < 1:
+        lo = _lower_bound(flat, frac).float().reshape(())
+    if world > 1:
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)  # no host sync: the sizes are known
+    s = min(n, _SAMPLE_SIZE)
+    expected = int(min(1.0, max(_sample_rank(s, frac) / max(1, s), 1.25 * frac)) * n)
+    if n > 0 and frac < 1:
+        idx, _ = candidates_ge(flat, lo.to(x.dtype).view(1), n, expected)  # host sync: the count
+    else:
+        idx = torch.arange(n, device=x.device)
+    count = torch.tensor([idx.numel()], dtype=torch.long, device=x.device)
+    counts = (_all_gather(count, group, world).view(-1) if world > 1 else count).tolist()  # host sync
+    if sum(counts) < big_k and n > 0:
+        # The sample overestimated the bound: this rank's min(K, N)-th largest value bounds its share.
+        idx = torch.nonzero(flat >= _kth_largest(flat, min(big_k, n))).squeeze(1)
+        count = torch.tensor([idx.numel()], dtype=torch.long, device=x.device)
+        counts = (_all_gather(count, group, world).view(-1) if world > 1 else count).tolist()
+    return idx, counts
+
+
+def _order_keys16(v: torch.Tensor) -> torch.Tensor:
+    """Int32 keys in ``[0, 2**16)`` with the order of 16-bit float values (``-0`` and ``+0`` tie)."""
+    bits = v.view(torch.int16).to(torch.int32) & 0xFFFF
+    key = torch.where(bits >= 0x8000, 0xFFFF - bits, bits + 0x8000)
+    return torch.where(bits == 0x8000, 0x8000, key)
+
+
+def top_positions(values: torch.Tensor, valid: torch.Tensor | None, n_keep: int) -> torch.Tensor:
+    """Ascending positions of the ``n_keep`` largest ``values`` (ties: smaller position first).
+
+    ``valid`` (bool, like ``values``) excludes padding. Needs at least ``n_keep`` valid, non-NaN entries.
+    No host sync: the output size is ``n_keep``. 16-bit floats find the exact cut-off in a 2**16-bin
+    histogram of order keys (no sort); other dtypes use a top-k.
+    """
+    n = values.numel()
+    device = values.device
+    if values.dtype in (torch.bfloat16, torch.float16):
+        key = _order_keys16(values)
+        if valid is not None:
+            key = torch.where(valid, key, -1)
+        # index_add, not bincount: CUDA bincount reads its maximum on the host (a sync). Bin 0: padding.
+        hist = torch.zeros(1 << 16 | 1, dtype=torch.int64, device=device).index_add_(
+            0, key + 1, torch.ones_like(key, dtype=torch.int64)
+        )[1:]
+        at_or_above = torch.cat([hist.flip(0).cumsum(0).flip(0), hist.new_zeros(1)])
+        cut = (at_or_above >= n_keep).sum() - 1  # counts fall with the key: the last bin that holds n_keep
+        above = at_or_above[cut + 1]
+        gt, eq = key > cut, key == cut
+    else:
+        v = values if valid is None else torch.where(valid, values, float("-inf"))
+        t = _kth_largest(v, n_keep)
+        gt, eq = v > t, v == t
+        if valid is not None:
+            gt, eq = gt & valid, eq & valid
+        above = gt.sum()
+    keep = gt | (eq & (torch.cumsum(eq, 0) <= n_keep - above))
+    # exactly n_keep are kept, in position order: the running count is the output slot
+    slot = torch.where(keep, torch.cumsum(keep, 0) - 1, n_keep)
+    out = torch.empty(n_keep + 1, dtype=torch.long, device=device)
+    return out.scatter_(0, slot, torch.arange(n, device=device))[:n_keep]

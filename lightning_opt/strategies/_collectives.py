@@ -138,3 +138,83 @@ def gather_sparse(
             "pass the counts of the ranks of `group` in rank order, or None."
         )
     return _GatherSparse.apply(indices, values, group, world, counts)
+
+
+class _GatherPadded(torch.autograd.Function):
+    """Forward: all ranks' ``(indices, values)`` as ``[world * width]`` rows, rank-major, padding included.
+
+    No compaction after the collective (a ``valid`` mask marks the real rows). Backward: each rank needs the
+    summed gradient of its own rows only, so NCCL reduce-scatters it (half an all-reduce's bytes).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, indices: torch.Tensor, values: torch.Tensor, group: Any, world: int, counts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(1, max(counts))
+        rank = dist.get_rank(group)
+        ctx.group, ctx.count, ctx.width, ctx.rank, ctx.world = group, counts[rank], width, rank, world
+        n, isz, vsz = indices.numel(), indices.element_size(), values.element_size()
+        # One collective for both: a row holds the index's bytes, then the value's.
+        buf = torch.empty(width, isz + vsz, dtype=torch.uint8, device=indices.device)
+        buf[:n, :isz] = indices.contiguous().view(torch.uint8).view(n, isz)
+        buf[:n, isz:] = values.contiguous().view(torch.uint8).view(n, vsz)
+        rows = _all_gather(buf, group, world).view(world * width, isz + vsz)
+        out_idx = rows[:, :isz].contiguous().view(indices.dtype).view(-1)
+        out_vals = rows[:, isz:].contiguous().view(values.dtype).view(-1)
+        ctx.mark_non_differentiable(out_idx)
+        return out_idx, out_vals
+
+    @staticmethod
+    def backward(ctx: Any, grad_idx: torch.Tensor | None, grad_vals: torch.Tensor) -> tuple[Any, ...]:
+        grad = grad_vals.contiguous()
+        if dist.get_backend(ctx.group) == "nccl":
+            own = grad.new_empty(ctx.width)
+            dist.reduce_scatter_tensor(own, grad, group=ctx.group)
+        else:  # gloo has no reduce-scatter of flat tensors
+            grad = grad.clone()
+            dist.all_reduce(grad, group=ctx.group)
+            own = grad.view(ctx.world, ctx.width)[ctx.rank]
+        return None, own[: ctx.count].contiguous(), None, None, None
+
+
+def gather_padded(
+    indices: torch.Tensor, values: torch.Tensor, group: Any, world: int, counts: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All ranks' sparse entries, rank-major and padded to the largest count, plus the ``valid`` row mask.
+
+    ``counts``: every rank's entry count in rank order (host ints). Gradients of the gathered values return
+    summed to the rank that owns each entry; padding rows get none.
+    """
+    if len(counts) != world or counts[dist.get_rank(group)] != indices.numel():
+        raise ValueError(
+            f"counts {counts} do not match this group (world {world}, {indices.numel()} local entries); "
+            "pass the counts of the ranks of `group` in rank order."
+        )
+    out_idx, out_vals = _GatherPadded.apply(indices, values, group, world, counts)
+    width = out_idx.numel() // world
+    valid = (
+        torch.arange(width, device=indices.device)[None, :]
+        < torch.tensor(counts, device=indices.device)[:, None]
+    )
+    return out_idx, out_vals, valid.view(-1)
+
+
+class _TakeUnique(torch.autograd.Function):
+    """``src[idx]`` for unique ``idx`` whose backward scatters (no sort-based accumulate)."""
+
+    @staticmethod
+    def forward(ctx: Any, src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(idx)
+        ctx.n = src.numel()
+        return src[idx]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (idx,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.n).index_copy_(0, idx, grad.contiguous()), None
+
+
+def take_unique(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``src[idx]`` (1-D, unique ``idx``) with a scatter backward."""
+    return _TakeUnique.apply(src, idx)
