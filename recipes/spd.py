@@ -7,11 +7,13 @@
 Toy targets (TMS, residual MLP) and the demo language model are trained by the recipe itself before
 SPD starts, so no download is needed. ``metrics.json`` (for TMS: ``mmcs``, ``ml2r``, ``ci_l0``,
 identity-CI errors; for language models: CE / KL under CI, stochastic, unmasked and zero masks) is
-written into the run directory. See ``docs/spd.md``.
+written into the run directory, and for toy targets ``components.png`` (components vs features);
+``--plot_path FILE`` writes a second copy of the plot to FILE. See ``docs/spd.md``.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -47,7 +49,9 @@ def plot_decomposition(model: SPDModule, path: Path) -> Path | None:
         _, inputs = spd.target_forward(torch.eye(cfg.n_features, device=device) * 0.75)
         ci = spd.causal_importances(inputs).lower
     tms = isinstance(cfg, TMSConfig) and "linear1" in spd.layers and cfg.n_hidden == 2
-    n_panels = len(ci) + (2 if tms else 0)
+    # more than 2 hidden dims cannot be drawn as arrows: show cosines of features vs subcomponents instead
+    tms_cos = isinstance(cfg, TMSConfig) and "linear1" in spd.layers and not tms
+    n_panels = len(ci) + (2 if tms else 0) + (1 if tms_cos else 0)
     fig, axes = plt.subplots(1, n_panels, figsize=(3.2 * n_panels, 3.2), squeeze=False)
     axes = list(axes[0])
     if tms:
@@ -70,6 +74,18 @@ def plot_decomposition(model: SPDModule, path: Path) -> Path | None:
                 if v.norm() > 0.05:
                     axes[1].arrow(0, 0, float(v[0]), float(v[1]), color=colors[j % 10], width=0.02)
         axes = axes[2:]
+    if tms_cos:
+        layer = spd.layers["linear1"]
+        W = layer.weight.detach().float().cpu()  # [n_features, n_hidden]
+        sub = layer.V.detach().float().cpu().unsqueeze(-1) * layer.U.detach().float().cpu().unsqueeze(0)
+        cos = (sub * W.unsqueeze(1)).sum(-1) / (sub.norm(dim=-1) * W.norm(dim=-1, keepdim=True)).clamp_min(1e-12)
+        im = axes[0].imshow(cos[:, S.greedy_identity_permutation(cos)][:, : cfg.n_features + 5], vmin=-1, vmax=1,
+                            cmap="RdBu_r", aspect="auto")
+        axes[0].set_title("cos(target W_j, linear1 subcomponent)", fontsize=9)
+        axes[0].set_xlabel("subcomponent (matched order)")
+        axes[0].set_ylabel("feature j")
+        fig.colorbar(im, ax=axes[0], fraction=0.046)
+        axes = axes[1:]
     for ax, (name, g) in zip(axes, ci.items()):
         g = g.detach().float().cpu()
         g = g[:, S.greedy_identity_permutation(g)][:, : max(cfg.n_features, 1) + 5]
@@ -125,6 +141,21 @@ def _plain_cli(args: list[str]) -> tuple[L.Trainer, SPDModule, dict]:
     return L.Trainer(**tcfg), model, cfg
 
 
+def _pop_option(argv: list[str], name: str) -> str | None:
+    """Remove ``name VALUE`` (or ``name=VALUE``) from ``argv`` and return VALUE (None if absent)."""
+    for i, a in enumerate(argv):
+        if a == name:
+            if i + 1 >= len(argv):
+                raise ValueError(f"{name} needs a value, e.g. {name} out/components.png")
+            value = argv[i + 1]
+            del argv[i : i + 2]
+            return value
+        if a.startswith(name + "="):
+            del argv[i]
+            return a.split("=", 1)[1]
+    return None
+
+
 def main(args: list[str] | None = None) -> dict:
     try:
         import jsonargparse  # noqa: F401
@@ -136,6 +167,7 @@ def main(args: list[str] | None = None) -> dict:
     if "--plain" in argv:  # force the jsonargparse-free parser
         argv.remove("--plain")
         plain = True
+    plot_copy = _pop_option(argv, "--plot_path")
     if plain:
         trainer, model, config = _plain_cli(argv)
     else:
@@ -157,7 +189,11 @@ def main(args: list[str] | None = None) -> dict:
     path = run_dir(trainer) / config.get("metrics_file", "metrics.json")
     write_metrics(path, metrics)
     if trainer.is_global_zero:
-        plot_decomposition(model, run_dir(trainer) / "components.png")
+        plot = plot_decomposition(model, run_dir(trainer) / "components.png")
+        if plot is not None and plot_copy:
+            # a second copy at a chosen path (the run dir can be too deep for a GPU machine's file return)
+            Path(plot_copy).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(plot, plot_copy)
     if trainer.is_global_zero:
         keys = [k for k in ("mmcs", "ml2r", "ci_l0", "recon/stochastic", "ce/ci", "kl/ci") if k in metrics]
         print("  ".join(f"{k} {metrics[k]:.4f}" for k in keys))

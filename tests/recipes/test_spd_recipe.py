@@ -91,3 +91,21 @@ def test_plain_parser_rejects_bad_arguments(tmp_path):
         _main()(["--plain", "stray"])
     with pytest.raises(ValueError, match="needs a value"):
         _main()(["--plain", "--config"])
+
+
+def test_plot_path_writes_a_copy_of_the_components_plot(tmp_path):
+    """``--plot_path`` puts the components-vs-features plot where a GPU command can fetch it (TMS 40-10:
+    the cosine panel for more than 2 hidden dimensions is drawn too)."""
+    out = tmp_path / "top" / "spd_tms_40-10_components.png"
+    _run(
+        tmp_path / "run", "spd_tms_40-10.yaml", "--plain", "--plot_path", str(out),
+        "--trainer.max_steps", "2", "--model.target.train_steps", "5",
+        "--model.train.batch_size", "64", "--model.train.faithfulness_warmup_steps", "2",
+        "--model.train.eval_batches", "1",
+    )
+    in_run = list((tmp_path / "run").rglob("components.png"))
+    assert len(in_run) == 1
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out.read_bytes() == in_run[0].read_bytes()
+    with pytest.raises(ValueError, match="--plot_path needs a value"):
+        _main()(["--plain", "--config", str(ROOT / "recipes" / "configs" / "spd_tms_40-10.yaml"), "--plot_path"])
