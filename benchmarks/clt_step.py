@@ -12,16 +12,19 @@ synthetic activations; 4096 / 8192 / 16384 / 32768 features per layer. Per featu
   loss terms (tanh sparsity, pre-activation, AuxK with aux_k=16 and its default ``aux_max_dead`` active from
   the second step - ``dead_tokens`` is one batch, so every feature silent in the last batch is dead -,
   dead-feature tracking, train metrics every ``log_every_n_steps=50``) and ``decode=auto`` (the decode the
-  module picks by F). ``module_noaux``: the same with ``aux_coef=0``; ``module_sparsegrad``: ``module`` with
-  ``CLT.dense_sparse_grad = True`` (gather-dot activation gradient of the dense decode). Both also count the host syncs of one
+  module picks by F) and the model's default ``CLT.dense_sparse_grad`` (True: gather-dot activation gradient of
+  the dense decode). ``module_noaux``: the same with ``aux_coef=0``; ``module_sparsegrad`` / ``module_plaingrad``:
+  ``module`` with ``dense_sparse_grad`` forced True / False. All also count the host syncs of one
   extra step (``torch.cuda.set_sync_debug_mode``) and, at ``--profile-features``, profile one step
   (``torch.profiler``): device time per part of ``training_step`` (its ``clt/...`` record_function regions),
   the top ops, and op-call counts (``aten::copy_``, ``aten::index``, all ops).
 * ``select_ours`` / ``select_torch_topk`` / ``select_global_topk``: the BatchTopK selection alone on the bf16
   pre-activations ``[12 * 4096 * F]`` (ours = ``ops.topk.batch_topk_rows``; ``torch.topk`` of k*tokens; the
-  strategies helper's ``global_batch_topk`` with ``group=None``). Also ours with the earlier top-k threshold
-  step (``select_ours_topk_threshold``), ours with torch candidates, the candidate phase alone, and a sweep of
-  the Triton candidate kernel's ``BLOCK`` x ``num_warps`` (``candidates_sweep``).
+  strategies helper's ``global_batch_topk`` with ``group=None``). ``select_path`` says which path
+  ``select_ours`` took (``triton_3pass``: ``_topk_triton.select_16bit``; ``candidates``: candidate step +
+  threshold step). Also the candidate path (``select_ours_candidates``), with the top-k threshold step
+  (``select_ours_topk_threshold``) and with torch candidates, the candidate phase alone, and sweeps of the
+  Triton kernels' ``BLOCK`` x ``num_warps`` (``candidates_sweep``, ``select_sweep``).
 * ``peer``: crosslayer-coding's own ``CrossLayerTranscoder`` + ``LossManager.compute_total_loss`` step
   (its trainer's step: activations, total loss, backward, AdamW; sparsity and pre-activation terms on), and
   its BatchTopK helper alone. Runs in a subprocess per size (own memory accounting, OOM isolated), only
@@ -69,7 +72,7 @@ from lightning_opt.ops.topk import batch_topk_rows  # noqa: E402
 
 SPARSITY, PREACT = 1e-3, 3e-6
 VARIANTS = ("ours_dense", "ours_dense_sparsegrad", "ours_sparse", "module", "module_noaux", "module_sparsegrad",
-            "select", "peer")
+            "module_plaingrad", "select", "peer")
 
 
 def _sync(dev: torch.device) -> None:
@@ -133,7 +136,7 @@ def ours_step(nf: int, args: argparse.Namespace, dev: torch.device, sparse: bool
 
 
 def module_step(nf: int, args: argparse.Namespace, dev: torch.device, aux: bool = True,
-                sparse_grad: bool = False) -> dict[str, Any]:
+                sparse_grad: bool | None = None) -> dict[str, Any]:
     """The real ``CLTModule`` under a Lightning ``Trainer`` (bf16-mixed), with the gpt2-small config's loss terms
     (tanh sparsity, pre-activation, AuxK unless ``aux=False``, dead tracking, train metrics): step time, peak
     memory, host syncs of one step and (at ``--profile-features``) its top ops."""
@@ -147,7 +150,8 @@ def module_step(nf: int, args: argparse.Namespace, dev: torch.device, aux: bool 
         module = CLTModule(cfg, sparsity_coef=1e-4, preact_coef=PREACT, aux_coef=0.03 if aux else 0.0, aux_k=16,
                            aux_max_dead=args.aux_max_dead,
                            dead_tokens=args.tokens, decode=args.module_decode, eval_replacement=False)
-    module.model.dense_sparse_grad = sparse_grad
+    if sparse_grad is not None:  # None: the model's default
+        module.model.dense_sparse_grad = sparse_grad
     decode = "sparse" if module._use_sparse(True) else "dense"
     x, y = synthetic(args.tokens, args.layers, args.d_model, dev)
 
@@ -290,8 +294,7 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
     """BatchTopK selection alone on bf16 pre-activations [L * N * F] (ours, torch.topk, global_batch_topk)."""
     n_keep = args.k * args.tokens
     g = torch.Generator(device=dev).manual_seed(1)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    pre = torch.randn(args.layers * args.tokens * nf, device=dev, generator=g).to(dtype)
+    pre = torch.randn(args.layers * args.tokens * nf, device=dev, generator=g).to(torch.bfloat16)
     out: dict[str, Any] = {}
 
     from lightning_opt.ops import topk as topk_mod
@@ -313,11 +316,23 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
     lo = lo.to(pre.dtype)
     expected = int(frac * pre.numel())
     out["select_candidates_backend"] = "triton" if _triton_ok(pre) else "torch"
+    # which path select_ours takes: the three-pass Triton selection or candidates + threshold step
+    with warnings.catch_warnings(record=True) as caught:  # a failed Triton self-check warns: keep its message
+        warnings.simplefilter("always")
+        out["select_path"] = "triton_3pass" if topk_mod._use_select_16bit(pre.view(1, -1)) else "candidates"
+    if caught:
+        out["select_warnings"] = [str(w.message)[:300] for w in caught]
+
+    def candidates_path(fn: Callable[[], Any]) -> Callable[[], Any]:
+        return with_setting("SELECT_BACKEND", "candidates", fn)
+
     variants: dict[str, Callable[[], Any]] = {
         "select_ours": lambda: batch_topk_rows(pre.view(1, -1), n_keep),
-        "select_ours_torch_candidates": with_backend("torch", lambda: batch_topk_rows(pre.view(1, -1), n_keep)),
-        "select_ours_topk_threshold": with_setting("THRESHOLD_METHOD", "topk",
-                                                   lambda: batch_topk_rows(pre.view(1, -1), n_keep)),
+        "select_ours_candidates": candidates_path(lambda: batch_topk_rows(pre.view(1, -1), n_keep)),
+        "select_ours_torch_candidates": candidates_path(
+            with_backend("torch", lambda: batch_topk_rows(pre.view(1, -1), n_keep))),
+        "select_ours_topk_threshold": candidates_path(with_setting(
+            "THRESHOLD_METHOD", "topk", lambda: batch_topk_rows(pre.view(1, -1), n_keep))),
         "select_ours_per_layer": lambda: batch_topk_rows(pre.view(args.layers, -1), n_keep),
         "phase_candidates": lambda: topk_mod.candidates_ge(pre, lo, pre.numel(), expected),
         "phase_candidates_torch": with_backend("torch", lambda: topk_mod.candidates_ge(pre, lo, pre.numel(), expected)),
@@ -347,6 +362,17 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
                 except Exception as err:
                     sweep[f"{block}x{warps}"] = repr(err)[:120]
         out["candidates_sweep"] = {"default": f"{kt.BLOCK}x{kt.NUM_WARPS}", "ms": sweep}
+        if out["select_path"] == "triton_3pass":  # the three-pass selection's launch shape
+            sweep = {}
+            for block in (1024, 2048, 4096, 8192):
+                for warps in (4, 8):
+                    fn = with_setting("SELECT_BLOCK", block, with_setting(
+                        "SELECT_WARPS", warps, lambda: batch_topk_rows(pre.view(1, -1), n_keep), kt), kt)
+                    try:
+                        sweep[f"{block}x{warps}"] = round(time_fn(fn, dev, 2, args.select_steps)["median_ms"], 4)
+                    except Exception as err:
+                        sweep[f"{block}x{warps}"] = repr(err)[:120]
+            out["select_sweep"] = {"default": f"{kt.SELECT_BLOCK}x{kt.SELECT_WARPS}", "ms": sweep}
     # exactness: same kept multiset as torch.topk
     try:
         idx, vals = batch_topk_rows(pre.view(1, -1), n_keep)
@@ -356,15 +382,19 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
         out["select_exact"] = repr(err)
     try:  # the Triton and torch candidate paths, and both threshold steps, must select the same indices
         a = variants["select_ours"]()[0]
-        b = variants["select_ours_torch_candidates"]()[0]
-        c = variants["select_ours_topk_threshold"]()[0]
-        out["select_backends_agree"] = bool(torch.equal(a, b) and torch.equal(a, c))
+        others = [variants[v]()[0] for v in ("select_ours_candidates", "select_ours_torch_candidates",
+                                             "select_ours_topk_threshold")]
+        layer_rows = variants["select_ours_per_layer"]()[0]
+        layer_rows_c = candidates_path(variants["select_ours_per_layer"])()[0]
+        out["select_backends_agree"] = bool(all(torch.equal(a, b) for b in others)
+                                            and torch.equal(layer_rows, layer_rows_c))
         # ties: coarse values (many equal to the cut-off) against a stable-sort reference of the tie rule
         coarse = (pre[: 1 << 24].float() * 4).round().to(pre.dtype)
         n_small = min(1 << 14, coarse.numel() // 4)
         got = batch_topk_rows(coarse.view(1, -1), n_small)[0]
+        got_c = candidates_path(lambda: batch_topk_rows(coarse.view(1, -1), n_small))()[0]
         ref = torch.sort(coarse.float(), descending=True, stable=True).indices[:n_small].sort().values
-        out["select_ties_exact"] = bool(torch.equal(got, ref))
+        out["select_ties_exact"] = bool(torch.equal(got, ref) and torch.equal(got_c, ref))
     except Exception as err:
         out["select_backends_agree"] = repr(err)
     return out
@@ -491,9 +521,9 @@ def main() -> None:
                 if variant in ("ours_dense", "ours_sparse", "ours_dense_sparsegrad"):
                     row[variant] = ours_step(nf, args, dev, sparse=variant == "ours_sparse",
                                              sparse_grad=variant == "ours_dense_sparsegrad")
-                elif variant in ("module", "module_noaux", "module_sparsegrad"):
-                    row[variant] = module_step(nf, args, dev, aux=variant != "module_noaux",
-                                               sparse_grad=variant == "module_sparsegrad")
+                elif variant in ("module", "module_noaux", "module_sparsegrad", "module_plaingrad"):
+                    grad = {"module_sparsegrad": True, "module_plaingrad": False}.get(variant)
+                    row[variant] = module_step(nf, args, dev, aux=variant != "module_noaux", sparse_grad=grad)
                 elif variant == "select":
                     row.update(selection(nf, args, dev))
                 elif variant == "peer":
@@ -524,6 +554,8 @@ def main() -> None:
             "module_noaux_speedup_vs_peer": peer / mod_noaux if peer and mod_noaux else None,
             "module_sparsegrad_speedup_vs_peer": (peer / ms(row, "module_sparsegrad")
                                                   if peer and ms(row, "module_sparsegrad") else None),
+            "module_plaingrad_speedup_vs_peer": (peer / ms(row, "module_plaingrad")
+                                                 if peer and ms(row, "module_plaingrad") else None),
             "select_speedup_vs_peer": peer_sel / ms(row, "select_ours") if peer_sel and ms(row, "select_ours") else None,
             # the goal: the module (what a user runs) no slower than the raw step (ours_dense)
             "module_over_raw_step": mod / ms(row, "ours_dense") if mod and ms(row, "ours_dense") else None,
@@ -548,7 +580,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(f"\n{'features':>9} | {'ours dense':>10} | {'dense sparse-grad':>17} | {'ours sparse':>11} | {'peer step':>9} | {'speedup':>7} | "
-          f"{'sel ours':>8} | {'sel topk':>8} | {'sel peer':>8} | {'module':>7} | {'mod-aux':>7} | {'mod-sg':>7} | {'mod x':>6} | "
+          f"{'sel ours':>8} | {'sel topk':>8} | {'sel peer':>8} | {'module':>7} | {'mod-aux':>7} | {'mod-plain':>9} | {'mod x':>6} | "
           f"{'peak GB dense/sparse/module/peer':>32}")
     for nf, row in results.items():
         def f(key: str, row: dict = row) -> str:
@@ -562,10 +594,10 @@ def main() -> None:
         sp, msp = ratios[nf]["step_speedup_vs_peer"], ratios[nf]["module_speedup_vs_peer"]
         print(f"{nf:>9} | {f('ours_dense'):>10} | {f('ours_dense_sparsegrad'):>17} | {f('ours_sparse'):>11} | {f('peer_step'):>9} | "
               f"{(f'{sp:.2f}x' if sp else '-'):>7} | {f('select_ours'):>8} | {f('select_torch_topk'):>8} | "
-              f"{f('peer_select'):>8} | {f('module'):>7} | {f('module_noaux'):>7} | {f('module_sparsegrad'):>7} | "
+              f"{f('peer_select'):>8} | {f('module'):>7} | {f('module_noaux'):>7} | {f('module_plaingrad'):>9} | "
               f"{(f'{msp:.2f}x' if msp else '-'):>6} | {'/'.join(peaks):>32}")
     for nf, row in results.items():
-        for key in ("module", "module_noaux", "module_sparsegrad"):
+        for key in ("module", "module_noaux", "module_sparsegrad", "module_plaingrad"):
             v = row.get(key)
             if isinstance(v, dict) and "profile_top_ops" in v:
                 print(f"\n{key} at {nf} features: decode={v['decode']}, host syncs per step: "

@@ -16,7 +16,7 @@ Backends:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -180,6 +180,27 @@ def clt_sparse_decode(
 _TRITON_CHECKED: dict[torch.device, bool] = {}
 
 
+def _agrees_with_torch(fn: Callable[..., torch.Tensor], device: torch.device) -> bool:
+    """Whether ``fn`` (a decode like ``_torch_decode``) matches ``_torch_decode`` in output and both gradients
+    on a tiny problem. Raises if ``fn`` fails.
+
+    Runs with autograd on even when called from a backward pass, ``no_grad`` or ``inference_mode`` (a first
+    decode in a validation loop): without that the check itself would fail and be cached as "unusable".
+    """
+    with torch.inference_mode(False), torch.enable_grad():
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        w = torch.randn(16, 40, generator=gen).to(device).requires_grad_(True)
+        v = torch.rand(3, 4, generator=gen).to(device).requires_grad_(True)
+        idx = torch.randint(0, 16, (3, 4), generator=gen).to(device)
+        flat_idx, flat_v, offsets, _ = _normalise(idx, v, None)
+        outs = []
+        for impl in (fn, _torch_decode):
+            out = impl(flat_idx, flat_v, offsets, w)
+            grads = torch.autograd.grad(out.square().sum(), [v, w])
+            outs.append([out, *grads])
+        return all(torch.allclose(a, b, rtol=1e-3, atol=1e-4) for a, b in zip(*outs))
+
+
 def _triton_works(device: torch.device) -> bool:
     """Compile and check the three kernels once per device on a tiny problem; fall back to torch if not.
 
@@ -187,17 +208,7 @@ def _triton_works(device: torch.device) -> bool:
     """
     if device not in _TRITON_CHECKED:
         try:
-            gen = torch.Generator(device="cpu").manual_seed(0)
-            w = torch.randn(16, 40, generator=gen).to(device).requires_grad_(True)
-            v = torch.rand(3, 4, generator=gen).to(device).requires_grad_(True)
-            idx = torch.randint(0, 16, (3, 4), generator=gen).to(device)
-            flat_idx, flat_v, offsets, _ = _normalise(idx, v, None)
-            outs = []
-            for fn in (_TritonDecode.apply, _torch_decode):
-                out = fn(flat_idx, flat_v, offsets, w)
-                grads = torch.autograd.grad(out.square().sum(), [v, w])
-                outs.append([out, *grads])
-            ok = all(torch.allclose(a, b, rtol=1e-3, atol=1e-4) for a, b in zip(*outs))
+            ok = _agrees_with_torch(_TritonDecode.apply, device)
             if not ok:
                 raise RuntimeError("Triton sparse decode disagrees with embedding_bag on a check problem")
         except Exception as err:  # any failure means: use the torch path

@@ -44,6 +44,9 @@ CANDIDATES_BACKEND = "auto"
 # threshold step: "histogram" (order-key histogram: no sort, no extra sync), "topk" (a top-k over the candidates)
 # or "auto" (histogram on CUDA; on CPU the top-k is faster)
 THRESHOLD_METHOD = "auto"
+# whole selection for bf16/fp16: "auto" (the three-pass Triton selection when it passes its self-check, else
+# the candidate + threshold steps), "candidates" (always the candidate + threshold steps) or "triton"
+SELECT_BACKEND = "auto"
 _KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 _BINS = 1 << 16
 _MAX_BINS = 1 << 24  # rows * bins of the histogram; more rows use the top-k step
@@ -70,6 +73,51 @@ def _row_lower_bounds(x2d: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, flo
     # 25% plus four binomial standard deviations plus a constant: a fallback is rare.
     j = min(_SAMPLE_COLS, int(math.ceil(1.25 * mean + 4.0 * math.sqrt(mean) + 16)))
     return torch.topk(sample, j, dim=1, sorted=False).values.amin(dim=1), j / _SAMPLE_COLS
+
+
+def _use_select_16bit(x2d: torch.Tensor) -> bool:
+    """Whether the three-pass Triton selection (``_topk_triton.select_16bit``) handles ``x2d``."""
+    if SELECT_BACKEND == "candidates" or x2d.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if x2d.shape[0] * _BINS > _MAX_BINS:
+        return False
+    from lightning_opt.ops import _topk_triton
+
+    if SELECT_BACKEND == "triton":
+        return True
+    return _topk_triton.available(x2d) and _select_16bit_works(x2d.device)
+
+
+_SELECT_CHECKED: dict[torch.device, bool] = {}
+
+
+def _select_16bit_works(device: torch.device) -> bool:
+    """Compile and check the Triton selection once per device against the torch path (ties, NaN, -0, rows that
+    split a block); a failure costs a warning and the torch path instead of a crash or a wrong selection."""
+    if device not in _SELECT_CHECKED:
+        from lightning_opt.ops import _topk_triton
+
+        ok = False
+        try:
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            for dtype in (torch.bfloat16, torch.float16):
+                x = (torch.randn(3, 5000, generator=gen) * 4).round().to(dtype)
+                x[0, 3], x[1, 4], x[2, 5] = float("nan"), -0.0, 0.0
+                x = x.to(device)
+                lo = x.float().topk(200, dim=1).values[:, -1].to(dtype)  # exact bounds (NaN-free rows 1, 2)
+                lo[0] = float("-inf")
+                got = _topk_triton.select_16bit(x, 150, lo)
+                ref = torch.sort(x.float().nan_to_num(float("-inf")), dim=1, descending=True, stable=True)
+                ref = (ref.indices[:, :150].sort(dim=1).values + torch.arange(3, device=device)[:, None] * 5000)
+                if got is None or not torch.equal(got, ref.reshape(-1)):
+                    raise RuntimeError("the Triton selection disagrees with a stable sort on a check problem")
+            ok = True
+        except Exception as err:  # any failure means: use the torch path
+            import warnings
+
+            warnings.warn(f"batch_topk_rows: Triton selection unusable ({err}); using the torch path", stacklevel=3)
+        _SELECT_CHECKED[device] = ok
+    return _SELECT_CHECKED[device]
 
 
 def candidates_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int, expected: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +156,14 @@ def _select_rows(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
         return torch.arange(rows * m, device=device)
     lo, frac = _row_lower_bounds(x2d, n_keep)
     lo = lo.to(x2d.dtype)
+    if _use_select_16bit(x2d):
+        from lightning_opt.ops import _topk_triton
+
+        idx = _topk_triton.select_16bit(x2d, n_keep, lo)
+        if idx is not None:
+            return idx
+        # a row with fewer than n_keep entries at or above its bound (unlucky sample, or NaN): the paths below
+        # lower that row's bound (and name rows without n_keep non-NaN entries)
     flat = x2d.reshape(-1)
     for _attempt in range(2):
         # one host sync: the candidate count sizes every buffer after it

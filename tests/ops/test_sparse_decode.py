@@ -111,3 +111,18 @@ def test_clt_sparse_decode_matches_dense_cross_layer_sum() -> None:
     torch.testing.assert_close(grads[0], dense_grads[0] * (acts.detach() != 0))
     for a, b in zip(grads[1:], dense_grads[1:]):
         torch.testing.assert_close(a, b)
+
+
+def test_decode_self_check_runs_with_autograd_under_inference_mode() -> None:
+    # The Triton self-check compares against the torch decode with gradients; a first call from inference mode
+    # or a backward pass must still be able to take them (else it would cache "unusable").
+    from lightning_opt.ops.sparse_decode import _agrees_with_torch, _torch_decode
+
+    def wrong(idx, v, offsets, w):
+        return _torch_decode(idx, v * 2, offsets, w)
+
+    with torch.inference_mode():
+        assert _agrees_with_torch(_torch_decode, torch.device("cpu"))
+        assert not _agrees_with_torch(wrong, torch.device("cpu"))
+    with torch.no_grad():
+        assert _agrees_with_torch(_torch_decode, torch.device("cpu"))

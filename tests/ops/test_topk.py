@@ -172,6 +172,7 @@ def test_triton_candidates_match_torch(monkeypatch: pytest.MonkeyPatch, dtype: t
         idx, vals = compact_ge(x.view(-1), lo, 40_000, capacity)
         assert torch.equal(idx, ref) and torch.equal(vals, x.view(-1)[ref])
     # the whole selection, both backends: identical indices (same set and tie rule)
+    monkeypatch.setattr(topk_mod, "SELECT_BACKEND", "candidates")
     for rows, n in ((1, 5000), (3, 700)):
         x2 = x.view(rows, -1).nan_to_num(-100.0)
         monkeypatch.setattr(topk_mod, "CANDIDATES_BACKEND", "torch")
@@ -179,6 +180,37 @@ def test_triton_candidates_match_torch(monkeypatch: pytest.MonkeyPatch, dtype: t
         monkeypatch.setattr(topk_mod, "CANDIDATES_BACKEND", "triton")
         idx, vals = batch_topk_rows(x2, n)
         assert torch.equal(idx, ref_idx) and torch.equal(vals, x2.reshape(-1)[idx])
+
+
+def _stable_sort_reference(x2d: torch.Tensor, n: int) -> torch.Tensor:
+    """The tie rule spelled out: per row the n largest, ties by smallest index, NaN never; ascending flat indices."""
+    rows, m = x2d.shape
+    order = torch.sort(x2d.float().nan_to_num(float("-inf")), dim=1, descending=True, stable=True).indices
+    return (order[:, :n].sort(dim=1).values + torch.arange(rows, device=x2d.device)[:, None] * m).reshape(-1)
+
+
+@pytest.mark.skipif(not _triton_runs_here(), reason="needs triton on CUDA (or TRITON_INTERPRET=1 on CPU)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,m,n", [(1, 9000, 700), (3, 3000, 250), (5, 777, 40)])
+def test_triton_three_pass_selection_matches_stable_sort(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                                         rows: int, m: int, n: int) -> None:
+    from lightning_opt.ops import _topk_triton as kt
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(kt, "SELECT_BLOCK", 512)  # rows of 3000 / 777 entries split blocks
+    torch.manual_seed(5)
+    x = (torch.randn(rows, m, device=dev) * 3).round().to(dtype)  # many ties at the cut-off
+    x[0, 3], x[-1, 4], x[-1, 5] = float("nan"), -0.0, 0.0
+    ref = _stable_sort_reference(x, n)
+    lo = torch.full((rows,), -1e4, device=dev).to(dtype)
+    assert torch.equal(kt.select_16bit(x, n, lo), ref)
+    # a bound no row reaches: None (the caller falls back)
+    assert kt.select_16bit(x, n, torch.full((rows,), 100.0, device=dev).to(dtype)) is None
+    # through batch_topk_rows: the Triton selection and the candidate path agree with the reference
+    for backend in ("triton", "candidates"):
+        monkeypatch.setattr(topk_mod, "SELECT_BACKEND", backend)
+        idx, vals = batch_topk_rows(x, n)
+        assert torch.equal(idx, ref) and torch.equal(vals, x.reshape(-1)[idx])
 
 
 @pytest.mark.gpu
@@ -190,8 +222,11 @@ def test_triton_selection_parity_at_clt_scale_on_gpu(monkeypatch: pytest.MonkeyP
     pre = torch.randn(12 * 4096 * 8192, device="cuda", generator=g).to(torch.bfloat16)
     n = 200 * 4096
     out = {}
-    for backend in ("torch", "triton"):
+    for select, backend in (("candidates", "torch"), ("candidates", "triton"), ("triton", "torch")):
+        monkeypatch.setattr(topk_mod, "SELECT_BACKEND", select)
         monkeypatch.setattr(topk_mod, "CANDIDATES_BACKEND", backend)
-        out[backend] = (batch_topk_rows(pre.view(1, -1), n)[0], global_batch_topk(pre.view(4096, -1), 200))
-    assert torch.equal(out["torch"][0], out["triton"][0])
-    assert torch.equal(out["torch"][1], out["triton"][1])
+        out[select, backend] = (batch_topk_rows(pre.view(1, -1), n)[0], batch_topk_rows(pre.view(12, -1), n)[0],
+                                global_batch_topk(pre.view(4096, -1), 200))
+    ref = out["candidates", "torch"]
+    for got in out.values():
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
