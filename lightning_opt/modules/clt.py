@@ -28,9 +28,10 @@ __all__ = ["CLTModule", "FVUMetric", "L0Metric", "ScalarMean", "replacement_kl"]
 
 _DECODES = ("auto", "dense", "sparse")
 # decode="auto" on CUDA: sparse from this many features per layer. Measured on an H200 (12 x 768, 4096 tokens,
-# k=200, benchmarks/results/clt_step.json): dense wins at 8192 (56.7 vs 61.8 ms), sparse at 16384 (82.8 vs
-# 100.7 ms); linear interpolation crosses near 10k.
-SPARSE_DECODE_MIN_FEATURES = 10240
+# k=200, benchmarks/results/clt_step.json): the dense decode with the gather-dot activation gradient (the
+# model's default) wins at 8192 (35.9 vs 52.5 ms) and at 16384 (64.5 vs 73.5 ms); sparse stays from 32768
+# (less memory; the crossover above 16384 is not measured).
+SPARSE_DECODE_MIN_FEATURES = 24576
 
 
 class FVUMetric(Metric):

@@ -21,6 +21,12 @@ BatchTopK algorithm (``batch_topk_rows``), for ``R`` rows of ``M`` entries keepi
 
 This touches ``x`` twice (sample gather aside): one compare + compaction, one gather. ``torch.topk`` over
 hundreds of millions of entries with ``k`` near a million is several times slower (see docs/clt.md).
+
+bf16/fp16 scores on CUDA with Triton (at most 256 rows) skip steps 2-3: ``ops._topk_triton.select_16bit`` reads
+``x`` three times (histogram of the 16-bit order keys of the entries ``>= lo``; per-block counts above and at
+the exact cut-off; a pass that writes each kept index straight to its output slot). Same result and tie rule,
+no sort, no compaction buffers; one host sync (whether some row came up short, then the path above runs). It
+is checked against a stable sort once per device and falls back with a warning if it disagrees.
 """
 
 from __future__ import annotations
