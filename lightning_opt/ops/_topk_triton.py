@@ -109,18 +109,24 @@ def compact_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int, capacity
 if triton is not None:
 
     @triton.jit
-    def _block(x_ptr, bound_ptr, n, row_len, BLOCK: tl.constexpr, BLOCK_IN_ONE_ROW: tl.constexpr):
-        # this program's offsets (int64), in-bounds mask, row per entry, entries and their row's bound
+    def _block(x_ptr, n, row_len, BLOCK: tl.constexpr, BLOCK_IN_ONE_ROW: tl.constexpr):
+        # this program's offsets (int64), in-bounds mask, row (one scalar if the block lies in one row, else
+        # per entry) and entries
         start = tl.program_id(0).to(tl.int64) * BLOCK  # int64: x may exceed 2**31 entries
         offs = start + tl.arange(0, BLOCK)
         inb = offs < n
         if BLOCK_IN_ONE_ROW:  # no 64-bit division per entry
-            row = start // row_len + tl.zeros_like(offs)
+            row = start // row_len
         else:
             row = offs // row_len
-        x = tl.load(x_ptr + offs, mask=inb, other=0.0)
-        bound = tl.load(bound_ptr + row, mask=inb, other=0.0)
-        return offs, inb, row, x, bound
+        return offs, inb, row, tl.load(x_ptr + offs, mask=inb, other=0.0)
+
+    @triton.jit
+    def _per_row(ptr, row, inb, BLOCK_IN_ONE_ROW: tl.constexpr):
+        # a per-row value: one scalar load for a block inside one row, else a gather per entry
+        if BLOCK_IN_ONE_ROW:
+            return tl.load(ptr + row)
+        return tl.load(ptr + row, mask=inb, other=0)
 
     @triton.jit
     def _key16(x):
@@ -131,7 +137,8 @@ if triton is not None:
 
     @triton.jit
     def _hist_ge_kernel(x_ptr, lo_ptr, hist_ptr, n, row_len, BLOCK: tl.constexpr, BLOCK_IN_ONE_ROW: tl.constexpr):
-        offs, inb, row, x, lo = _block(x_ptr, lo_ptr, n, row_len, BLOCK, BLOCK_IN_ONE_ROW)
+        offs, inb, row, x = _block(x_ptr, n, row_len, BLOCK, BLOCK_IN_ONE_ROW)
+        lo = _per_row(lo_ptr, row, inb, BLOCK_IN_ONE_ROW)
         hit = (x.to(tl.float32) >= lo.to(tl.float32)) & inb  # NaN: never
         ones = tl.full([BLOCK], 1, tl.int32)
         tl.atomic_add(hist_ptr + row * 65536 + _key16(x), ones, mask=hit, sem="relaxed")
@@ -139,9 +146,9 @@ if triton is not None:
     @triton.jit
     def _count_cut_kernel(x_ptr, cut_ptr, gt_ptr, eq_ptr, n, row_len, BLOCK: tl.constexpr,
                           BLOCK_IN_ONE_ROW: tl.constexpr):
-        offs, inb, row, x, cut = _block(x_ptr, cut_ptr, n, row_len, BLOCK, BLOCK_IN_ONE_ROW)
+        offs, inb, row, x = _block(x_ptr, n, row_len, BLOCK, BLOCK_IN_ONE_ROW)
         x = x.to(tl.float32)
-        cut = cut.to(tl.float32)
+        cut = _per_row(cut_ptr, row, inb, BLOCK_IN_ONE_ROW).to(tl.float32)
         pid = tl.program_id(0)
         tl.store(gt_ptr + pid, tl.sum(((x > cut) & inb).to(tl.int32), axis=0))
         tl.store(eq_ptr + pid, tl.sum(((x == cut) & inb).to(tl.int32), axis=0))
@@ -149,9 +156,9 @@ if triton is not None:
     @triton.jit
     def _write_kept_kernel(x_ptr, cut_ptr, gt_pre_ptr, eq_pre_ptr, gt_row0_ptr, eq_row0_ptr, quota_ptr, out_ptr,
                            n, row_len, n_keep, BLOCK: tl.constexpr, BLOCK_IN_ONE_ROW: tl.constexpr):
-        offs, inb, row, x, cut = _block(x_ptr, cut_ptr, n, row_len, BLOCK, BLOCK_IN_ONE_ROW)
+        offs, inb, row, x = _block(x_ptr, n, row_len, BLOCK, BLOCK_IN_ONE_ROW)
         x = x.to(tl.float32)
-        cut = cut.to(tl.float32)
+        cut = _per_row(cut_ptr, row, inb, BLOCK_IN_ONE_ROW).to(tl.float32)
         pid = tl.program_id(0)
         gt = (x > cut) & inb
         eq = (x == cut) & inb
@@ -160,10 +167,10 @@ if triton is not None:
         # entries of the same row before this one that are above / equal to the cut-off (int32 block-local
         # exclusive scans, int64 block and row offsets)
         gt_before = ((tl.cumsum(gt32, axis=0) - gt32).to(tl.int64) + tl.load(gt_pre_ptr + pid)
-                     - tl.load(gt_row0_ptr + row, mask=inb, other=0))
+                     - _per_row(gt_row0_ptr, row, inb, BLOCK_IN_ONE_ROW))
         eq_rank = ((tl.cumsum(eq32, axis=0) - eq32).to(tl.int64) + tl.load(eq_pre_ptr + pid)
-                   - tl.load(eq_row0_ptr + row, mask=inb, other=0))
-        quota = tl.load(quota_ptr + row, mask=inb, other=0)
+                   - _per_row(eq_row0_ptr, row, inb, BLOCK_IN_ONE_ROW))
+        quota = _per_row(quota_ptr, row, inb, BLOCK_IN_ONE_ROW)
         keep = gt | (eq & (eq_rank < quota))
         # kept entries of the row before this one: all above, and the first `quota` ties (flat-index order)
         dst = row * n_keep + gt_before + tl.minimum(eq_rank, quota)

@@ -106,15 +106,17 @@ def _select_16bit_works(device: torch.device) -> bool:
         ok = False
         try:
             gen = torch.Generator(device="cpu").manual_seed(0)
-            for dtype in (torch.bfloat16, torch.float16):
-                x = (torch.randn(3, 5000, generator=gen) * 4).round().to(dtype)
-                x[0, 3], x[1, 4], x[2, 5] = float("nan"), -0.0, 0.0
+            # rows that split blocks, and rows of whole blocks (one bound per block)
+            shapes = ((3, 5000, torch.bfloat16), (2, 2 * _topk_triton.SELECT_BLOCK, torch.float16))
+            for rows, m, dtype in shapes:
+                x = (torch.randn(rows, m, generator=gen) * 4).round().to(dtype)
+                x[0, 3], x[1, 4], x[-1, 5] = float("nan"), -0.0, 0.0
                 x = x.to(device)
                 lo = x.float().topk(200, dim=1).values[:, -1].to(dtype)  # exact bounds (NaN-free rows 1, 2)
                 lo[0] = float("-inf")
                 got = _topk_triton.select_16bit(x, 150, lo)
                 ref = torch.sort(x.float().nan_to_num(float("-inf")), dim=1, descending=True, stable=True)
-                ref = (ref.indices[:, :150].sort(dim=1).values + torch.arange(3, device=device)[:, None] * 5000)
+                ref = (ref.indices[:, :150].sort(dim=1).values + torch.arange(rows, device=device)[:, None] * m)
                 if got is None or not torch.equal(got, ref.reshape(-1)):
                     raise RuntimeError("the Triton selection disagrees with a stable sort on a check problem")
             ok = True

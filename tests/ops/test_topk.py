@@ -191,19 +191,20 @@ def _stable_sort_reference(x2d: torch.Tensor, n: int) -> torch.Tensor:
 
 @pytest.mark.skipif(not _triton_runs_here(), reason="needs triton on CUDA (or TRITON_INTERPRET=1 on CPU)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,m,n", [(1, 9000, 700), (3, 3000, 250), (5, 777, 40)])
+@pytest.mark.parametrize("rows,m,n", [(1, 9000, 700), (3, 3000, 250), (5, 777, 40), (2, 2048, 100)])
 def test_triton_three_pass_selection_matches_stable_sort(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
                                                          rows: int, m: int, n: int) -> None:
     from lightning_opt.ops import _topk_triton as kt
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    monkeypatch.setattr(kt, "SELECT_BLOCK", 512)  # rows of 3000 / 777 entries split blocks
+    monkeypatch.setattr(kt, "SELECT_BLOCK", 512)  # rows of 3000 / 777 entries split blocks, 2048 do not
     torch.manual_seed(5)
     x = (torch.randn(rows, m, device=dev) * 3).round().to(dtype)  # many ties at the cut-off
     x[0, 3], x[-1, 4], x[-1, 5] = float("nan"), -0.0, 0.0
     ref = _stable_sort_reference(x, n)
     lo = torch.full((rows,), -1e4, device=dev).to(dtype)
     assert torch.equal(kt.select_16bit(x, n, lo), ref)
+    assert topk_mod._select_16bit_works(x.device)  # the per-device self-check passes
     # a bound no row reaches: None (the caller falls back)
     assert kt.select_16bit(x, n, torch.full((rows,), 100.0, device=dev).to(dtype)) is None
     # through batch_topk_rows: the Triton selection and the candidate path agree with the reference
