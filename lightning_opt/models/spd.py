@@ -651,11 +651,13 @@ def greedy_identity_permutation(ci: Tensor) -> Tensor:
     return torch.tensor(order + [j for j in range(C) if j not in used], device=ci.device)
 
 
-def identity_ci_error(ci: Tensor, tolerance: float = 0.1) -> int:
-    """Entries off the (best-permuted) identity pattern: off-diagonal ``> tol`` or diagonal ``< 1 - tol``.
+def identity_ci_breakdown(ci: Tensor, tolerance: float = 0.1) -> dict[str, float]:
+    """The parts of :func:`identity_ci_error` after the greedy column matching.
 
-    ``ci [n_features, C]`` holds the importances for inputs with one active feature each; 0 means
-    each feature uses exactly one subcomponent of its own.
+    Returns ``off_diagonal`` (entries off the matched diagonal ``> tol``), ``diagonal_misses`` (matched
+    entries ``< 1 - tol``), ``off_diagonal_max`` and ``off_diagonal_mean_active`` (mean of the
+    off-diagonal entries ``> tol``): whether an error count comes from a few strong extra
+    subcomponents or from many weak ones.
     """
     ci = ci.detach().float()
     ci = ci[:, greedy_identity_permutation(ci)]
@@ -663,4 +665,20 @@ def identity_ci_error(ci: Tensor, tolerance: float = 0.1) -> int:
     diag = torch.diagonal(ci[:k, :k])
     off = ci.clone()
     off[:k, :k].fill_diagonal_(0.0)
-    return int((off > tolerance).sum().item() + (diag < 1 - tolerance).sum().item())
+    active = off[off > tolerance]
+    return {
+        "off_diagonal": int((off > tolerance).sum().item()),
+        "diagonal_misses": int((diag < 1 - tolerance).sum().item()),
+        "off_diagonal_max": float(off.max().item()) if off.numel() else 0.0,
+        "off_diagonal_mean_active": float(active.mean().item()) if active.numel() else 0.0,
+    }
+
+
+def identity_ci_error(ci: Tensor, tolerance: float = 0.1) -> int:
+    """Entries off the (best-permuted) identity pattern: off-diagonal ``> tol`` or diagonal ``< 1 - tol``.
+
+    ``ci [n_features, C]`` holds the importances for inputs with one active feature each; 0 means
+    each feature uses exactly one subcomponent of its own.
+    """
+    parts = identity_ci_breakdown(ci, tolerance)
+    return int(parts["off_diagonal"] + parts["diagonal_misses"])

@@ -571,7 +571,10 @@ class SPDModule(L.LightningModule):
 
         for n, g in ci.items():
             if any(fnmatch.fnmatchcase(n, p) for p in self.train_cfg.identity_patterns):
-                res[f"identity_ci_error/{n}"] = float(S.identity_ci_error(g))
+                parts = S.identity_ci_breakdown(g)
+                res[f"identity_ci_error/{n}"] = float(parts["off_diagonal"] + parts["diagonal_misses"])
+                for k, v in parts.items():
+                    res[f"identity_ci/{k}/{n}"] = float(v)
         if isinstance(cfg, TMSConfig) and "linear1" in spd.layers:
             layer = spd.layers["linear1"]
             # layer.weight is W^T [n_features, n_hidden]: row j is the direction feature j is written to

@@ -216,6 +216,13 @@ def test_identity_ci_error_counts_deviations_after_permutation():
     assert S.identity_ci_error(ci) == 1
     ci[1] = 0.0  # one feature uses none
     assert S.identity_ci_error(ci) == 2
+    parts = S.identity_ci_breakdown(ci)
+    assert parts == {"off_diagonal": 1, "diagonal_misses": 1, "off_diagonal_max": 0.5, "off_diagonal_mean_active": 0.5}
+    ci[2, 6] = 0.3
+    ci[3, 4] = 0.05  # below the tolerance: neither counted nor averaged
+    parts = S.identity_ci_breakdown(ci)
+    assert parts["off_diagonal"] == 2 and S.identity_ci_error(ci) == 3
+    assert parts["off_diagonal_mean_active"] == pytest.approx(0.4)
 
 
 def test_ci_l0():
