@@ -308,6 +308,12 @@ def _run_ours(
     elif variant == _AB_VARIANT:  # A/B: Lightning's own per-step SIGTERM broadcast on the GPU (+ .item())
         strategy = DecoderShardingStrategy(shard_encoder=True, cpu_sigterm_check=False)
         tokens_per_rank = args.tokens
+    elif variant == _AB_SELECT:  # A/B: the general selection path (tie counts, then a gather of kept entries)
+        import lightning_opt.strategies.decoder_sharding as ds
+
+        ds._POOL_SELECT = False
+        strategy = DecoderShardingStrategy(shard_encoder=True)
+        tokens_per_rank = args.tokens
     else:
         strategy, tokens_per_rank = "auto", args.tokens
     # Parameters are created on the device: initialising billions of them on the CPU takes long.
@@ -338,6 +344,9 @@ def _run_ours(
     finally:
         if counter is not None:
             counter.close()
+        import lightning_opt.strategies.decoder_sharding as ds
+
+        ds._POOL_SELECT = True
     step_ms = timer.step_ms()
     n_params = sum(p.numel() for p in module.parameters())
     l0 = module.l0[-1]
@@ -384,6 +393,7 @@ def _run_peer(rank: int, world: int, args: argparse.Namespace, n_features: int) 
 
 
 _AB_VARIANT = "ours_decoder_sharding_sharded_encoder_gpu_sigterm_2gpu"
+_AB_SELECT = "ours_decoder_sharding_sharded_encoder_general_select_2gpu"
 _ALL_VARIANTS = (
     "ours_1gpu",
     "peer_crosslayer_coding_1gpu",
@@ -392,6 +402,7 @@ _ALL_VARIANTS = (
     "ours_decoder_sharding_2gpu",
     "ours_decoder_sharding_sharded_encoder_2gpu",
     _AB_VARIANT,
+    _AB_SELECT,
     "peer_crosslayer_coding_2gpu",
 )
 
@@ -404,7 +415,7 @@ def _runs(args: argparse.Namespace, variants: list[str]) -> list[tuple[int, str]
         for f in args.features
         for v in variants
         if (not v.startswith("peer") or f in args.peer_features)
-        and (v != _AB_VARIANT or f == args.features[0])
+        and (v not in (_AB_VARIANT, _AB_SELECT) or f == args.features[0])
     ]
 
 

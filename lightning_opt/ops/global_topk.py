@@ -321,9 +321,9 @@ def shard_candidates(
 
 def _order_keys16(v: torch.Tensor) -> torch.Tensor:
     """Int32 keys in ``[0, 2**16)`` with the order of 16-bit float values (``-0`` and ``+0`` tie)."""
-    bits = v.view(torch.int16).to(torch.int32) & 0xFFFF
-    key = torch.where(bits >= 0x8000, 0xFFFF - bits, bits + 0x8000)
-    return torch.where(bits == 0x8000, 0x8000, key)
+    bits = (v + 0).view(torch.int16)  # + 0 turns -0 into +0
+    # negative values: flip the magnitude bits (larger magnitude, smaller key); then shift the sign up
+    return (bits ^ ((bits >> 15) & 0x7FFF)).to(torch.int32) + 0x8000
 
 
 def top_positions(values: torch.Tensor, valid: torch.Tensor | None, n_keep: int) -> torch.Tensor:
@@ -340,8 +340,9 @@ def top_positions(values: torch.Tensor, valid: torch.Tensor | None, n_keep: int)
         if valid is not None:
             key = torch.where(valid, key, -1)
         # index_add, not bincount: CUDA bincount reads its maximum on the host (a sync). Bin 0: padding.
-        hist = torch.zeros(1 << 16 | 1, dtype=torch.int64, device=device).index_add_(
-            0, key + 1, torch.ones_like(key, dtype=torch.int64)
+        # int32 counts: cheaper atomics where the top values crowd a few bins
+        hist = torch.zeros(1 << 16 | 1, dtype=torch.int32, device=device).index_add_(
+            0, key + 1, torch.ones_like(key)
         )[1:]
         at_or_above = torch.cat([hist.flip(0).cumsum(0).flip(0), hist.new_zeros(1)])
         cut = (at_or_above >= n_keep).sum() - 1  # counts fall with the key: the last bin that holds n_keep

@@ -159,6 +159,7 @@ class _GatherPadded(torch.autograd.Function):
         buf = torch.empty(width, isz + vsz, dtype=torch.uint8, device=indices.device)
         buf[:n, :isz] = indices.contiguous().view(torch.uint8).view(n, isz)
         buf[:n, isz:] = values.contiguous().view(torch.uint8).view(n, vsz)
+        buf[n:, :isz] = 255  # padding rows hold index -1 (the receivers' valid mask, no host copy)
         rows = _all_gather(buf, group, world).view(world * width, isz + vsz)
         out_idx = rows[:, :isz].contiguous().view(indices.dtype).view(-1)
         out_vals = rows[:, isz:].contiguous().view(values.dtype).view(-1)
@@ -183,7 +184,7 @@ def gather_padded(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """All ranks' sparse entries, rank-major and padded to the largest count, plus the ``valid`` row mask.
 
-    ``counts``: every rank's entry count in rank order (host ints). Gradients of the gathered values return
+    ``indices`` must be non-negative (padding rows get ``-1``). ``counts``: every rank's entry count in rank order (host ints). Gradients of the gathered values return
     summed to the rank that owns each entry; padding rows get none.
     """
     if len(counts) != world or counts[dist.get_rank(group)] != indices.numel():
@@ -192,12 +193,7 @@ def gather_padded(
             "pass the counts of the ranks of `group` in rank order."
         )
     out_idx, out_vals = _GatherPadded.apply(indices, values, group, world, counts)
-    width = out_idx.numel() // world
-    valid = (
-        torch.arange(width, device=indices.device)[None, :]
-        < torch.tensor(counts, device=indices.device)[:, None]
-    )
-    return out_idx, out_vals, valid.view(-1)
+    return out_idx, out_vals, out_idx >= 0
 
 
 class _TakeUnique(torch.autograd.Function):

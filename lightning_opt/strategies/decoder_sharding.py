@@ -35,6 +35,10 @@ def _no_mark(name: str) -> None:
 
 
 _FORMATS = ("consolidated", "sharded")
+# Feature-sharded encoders within one decoder group: gather the candidates and select on every rank (True)
+# or the general path (selection collectives, then a gather of the kept entries). benchmarks/clt_scaling.py
+# compares them.
+_POOL_SELECT = True
 
 
 def _shard_file(model_rank: int, model_size: int) -> str:
@@ -262,7 +266,7 @@ class DecoderShardingStrategy(DDPStrategy):
             n_features = clt.config.n_features
             mark = strategy.phase_hook or _no_mark
             mark("encode")
-            if not (strategy.global_topk and strategy.dp_size > 1):
+            if _POOL_SELECT and not (strategy.global_topk and strategy.dp_size > 1):
                 return strategy._select_in_group(clt, pre, decode_sparse, mark)
             first = 0
             if strategy.global_topk and strategy.dp_size > 1:
@@ -331,7 +335,9 @@ class DecoderShardingStrategy(DDPStrategy):
         global_idx = idx + layer_token * (n_features - width) + self.model_rank * width
         if n_layers * n_tokens * n_features < 2**31:
             global_idx = global_idx.to(torch.int32)
-        pool_idx, pool_vals, valid = gather_padded(global_idx, pre.reshape(-1)[idx], group, world, counts)
+        pool_idx, pool_vals, valid = gather_padded(
+            global_idx, take_unique(pre.reshape(-1), idx), group, world, counts
+        )
         big_k = min(k * n_tokens, sum(counts))
         pos = top_positions(pool_vals.detach(), valid, big_k)
         # rank-major pool -> ascending global indices (grouped by layer, then token: the decode's layout)
