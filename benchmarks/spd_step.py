@@ -253,6 +253,17 @@ class VariantTimeout(Exception):
     """A variant ran past its time budget (raised from SIGALRM, so also inside torch.compile)."""
 
 
+def preimport_compile_stack() -> None:
+    """Import torch.compile's machinery now, outside any time limit.
+
+    The first ``torch.compile`` of a process imports inductor and AOTAutograd; a SIGALRM that lands inside
+    those imports leaves them half-registered (``prims`` ops defined twice, "Library object has been
+    destroyed"), and every later compile or ``torch._dynamo.explain`` in the process then fails.
+    """
+    import torch._dynamo.backends.debugging  # noqa: F401  (pulls in functorch.compile / partitioners)
+    import torch._inductor.compile_fx  # noqa: F401
+
+
 @contextlib.contextmanager
 def time_limit(seconds: float) -> Iterator[None]:
     """Raise :class:`VariantTimeout` in the main thread after ``seconds`` (no-op where SIGALRM is missing)."""
@@ -284,6 +295,7 @@ def run_variant(
     t_start = time.perf_counter()
     step = None
     try:
+        preimport_compile_stack()  # never under the alarm (see its docstring)
         with time_limit(budget_s):
             step = make()
             last = None

@@ -35,6 +35,14 @@ def test_smoke_records_a_compile_timeout_and_keeps_going(tmp_path):
         assert rows[name]["step_ms"] > 0 and rows[name]["timed_iters"] == 2, rows[name]
     speed = on_disk["workloads"]["resid_mlp1"]["speedup"]
     assert "fewer syncs (ours fp32 eager: loss read every step / never)" in speed
+    # a compile cut off by the alarm must leave torch.compile usable in this process (the alarm once
+    # landed inside inductor's first import and broke every later compile in the test session)
+    import torch
+    import torch._dynamo
+
+    explained = torch._dynamo.explain(lambda t: t * 2 + 1)(torch.ones(3))
+    assert explained.graph_count == 1
+    torch._dynamo.reset()
 
 
 def test_global_budget_skips_the_rest(tmp_path):
