@@ -317,7 +317,8 @@ def _run_ours(
     else:
         strategy, tokens_per_rank = "auto", args.tokens
     # Parameters are created on the device: initialising billions of them on the CPU takes long.
-    phases = _Phases(device_type, enabled=rank == 0)
+    # every rank records its phases (the same host work on each): rank 1's show where rank 0 waits for it
+    phases = _Phases(device_type, enabled=True)
     if hasattr(strategy, "phase_hook"):
         strategy.phase_hook = phases.mark
     with torch.device(f"cuda:{torch.cuda.current_device()}" if device_type == "cuda" else "cpu"):
@@ -356,6 +357,14 @@ def _run_ours(
         dist.all_reduce(t)  # global active entries / global tokens
         l0 = float(t) / args.tokens
     ours_bytes = timer.bytes_per_step()
+    summaries: list[Any] = [phases.summary(args.warmup)]
+    if world > 1:
+        gathered: list[Any] = [None] * world
+        try:
+            dist.all_gather_object(gathered, summaries[0])
+            summaries = gathered
+        except Exception as err:  # diagnostics only: the timing row must survive
+            summaries.append({"error": f"{type(err).__name__}: {err}"})
     ddp_bytes = n_params * (2 if "bf16grad" in variant else 4) if data_parallel else 0
     return {
         "variant": variant,
@@ -366,7 +375,8 @@ def _run_ours(
         "note": "collective_bytes_per_step_ours includes the bf16 hook's all-reduce (a Python-level call)"
         if "bf16grad" in variant
         else "",
-        "phases_rank0": phases.summary(args.warmup),
+        "phases_rank0": summaries[0],
+        **({"phases_rank1": summaries[1]} if world > 1 else {}),
         "step_ms": step_ms,
         "tokens_per_s": args.tokens / (step_ms / 1e3),
         "active_per_token": l0,
@@ -554,27 +564,28 @@ def main() -> None:
 
 
 def _print_phases(rows: list[dict[str, Any]]) -> None:
-    """Rank 0's median GPU ms per phase (host ms in brackets where it is at least 80% of GPU: host-bound)."""
+    """Median GPU ms per phase on rank 0 (and rank 1 below it); ``h``: host time at least 80% of it."""
     names = [
         "lightning", "encode", "select", "gather", "decode", "loss", "loss_reduce", "backward",
         "post_backward", "optimizer", "between_steps",
     ]  # fmt: skip
     print(
-        f"\nper-phase GPU ms on rank 0 (h = host time >= 80% of it)\n{'variant':56} {'F/layer':>8} "
+        f"\nper-phase GPU ms on rank 0, rank 1 below (h = host time >= 80% of it)\n{'variant':56} {'F/layer':>8} "
         + " ".join(f"{n[:9]:>10}" for n in names)
     )
     for r in rows:
-        ph = r.get("phases_rank0") or {}
-        gpu, host = ph.get("gpu_ms", {}), ph.get("host_ms", {})
-        if not gpu:
-            continue
-        cells = []
-        for n in names:
-            g = gpu.get(n)
-            h = host.get(n, 0.0)
-            bound = ph.get("clock") == "cuda_events" and g is not None and g > 0.05 and h >= 0.8 * g
-            cells.append(f"{'-':>10}" if g is None else f"{g:9.2f}{'h' if bound else ' '}")
-        print(f"{r['variant']:56} {r['features_per_layer']:>8} " + " ".join(cells))
+        for key, label in (("phases_rank0", r["variant"]), ("phases_rank1", "  same, rank 1")):
+            ph = r.get(key) or {}
+            gpu, host = ph.get("gpu_ms", {}), ph.get("host_ms", {})
+            if not gpu:
+                continue
+            cells = []
+            for n in names:
+                g = gpu.get(n)
+                h = host.get(n, 0.0)
+                bound = ph.get("clock") == "cuda_events" and g is not None and g > 0.05 and h >= 0.8 * g
+                cells.append(f"{'-':>10}" if g is None else f"{g:9.2f}{'h' if bound else ' '}")
+            print(f"{label:56} {r['features_per_layer']:>8} " + " ".join(cells))
 
 
 if __name__ == "__main__":

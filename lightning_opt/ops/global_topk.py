@@ -24,6 +24,10 @@ Algorithm (per rank, ``N`` local entries, ``K = k * tokens_total``):
 4. Ties at ``t`` are shared out in rank order, then flat order (``all_gather`` of two counts per rank).
 5. Output: zeros with the kept candidates scattered back, so gradients reach exactly the kept entries.
 
+Ranks that hold different *features* of the same tokens (feature-sharded encoders) can instead gather every
+rank's candidates once (:func:`shard_candidates`) and pick the same ``K`` entries from that pool on every rank
+(:func:`top_positions`, same tie rule): no tie-count exchange, no second gather.
+
 Bytes moved per rank and call (world ``W``): ``W * 24`` (token counts, sizes and bounds) ``+ W * 8`` (candidate
 counts) ``+ W * C_max * elem_size`` (candidate values, ``C_max`` = the largest candidate count, about
 ``1.25 K / W``) ``+ W * 16`` (tie counts). For 2 ranks x 4096 tokens, k=200, float32: about 8 MB, against
