@@ -124,9 +124,12 @@ if triton is not None:
     @triton.jit
     def _per_row(ptr, row, inb, BLOCK_IN_ONE_ROW: tl.constexpr):
         # a per-row value: one scalar load for a block inside one row, else a gather per entry
+        # one return at the end: Triton's compiler rejects an early return (its interpreter does not)
         if BLOCK_IN_ONE_ROW:
-            return tl.load(ptr + row)
-        return tl.load(ptr + row, mask=inb, other=0)
+            v = tl.load(ptr + row)
+        else:
+            v = tl.load(ptr + row, mask=inb, other=0)
+        return v
 
     @triton.jit
     def _key16(x):
