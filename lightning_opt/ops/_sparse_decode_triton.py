@@ -28,7 +28,7 @@ def _forward_kernel(
     BLOCK_E: tl.constexpr,
 ):
     # One program per (token, column block): gather that token's decoder rows and accumulate in fp32.
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # int64 offsets: row * stride_out may exceed 2**31
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < D
     start = tl.load(start_ptr + row)
@@ -37,7 +37,7 @@ def _forward_kernel(
     for e0 in range(start, end, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         e_mask = e < end
-        ids = tl.load(idx_ptr + e, mask=e_mask, other=0)
+        ids = tl.load(idx_ptr + e, mask=e_mask, other=0).to(tl.int64)  # int32 ids: ids * stride_w may exceed 2**31
         vals = tl.load(val_ptr + e, mask=e_mask, other=0.0).to(tl.float32)
         w = tl.load(
             w_ptr + ids[:, None] * stride_w + cols[None, :],
@@ -65,8 +65,9 @@ def _grad_values_kernel(
     # grad_values[e] = <grad_out[row(e)], weight[idx(e)]>
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_mask = e < nnz
-    ids = tl.load(idx_ptr + e, mask=e_mask, other=0)
-    rows = tl.load(row_ptr + e, mask=e_mask, other=0)
+    # int64 offsets even for int32 ids / rows: ids * stride_w and rows * stride_g may exceed 2**31
+    ids = tl.load(idx_ptr + e, mask=e_mask, other=0).to(tl.int64)
+    rows = tl.load(row_ptr + e, mask=e_mask, other=0).to(tl.int64)
     acc = tl.zeros([BLOCK_E], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
@@ -95,8 +96,9 @@ def _grad_weight_kernel(
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     e_mask = e < nnz
     m = e_mask[:, None] & (cols < D)[None, :]
-    ids = tl.load(idx_ptr + e, mask=e_mask, other=0)
-    rows = tl.load(row_ptr + e, mask=e_mask, other=0)
+    # int64 offsets even for int32 ids / rows: ids * stride_w and rows * stride_g may exceed 2**31
+    ids = tl.load(idx_ptr + e, mask=e_mask, other=0).to(tl.int64)
+    rows = tl.load(row_ptr + e, mask=e_mask, other=0).to(tl.int64)
     vals = tl.load(val_ptr + e, mask=e_mask, other=0.0).to(tl.float32)
     g = tl.load(gout_ptr + rows[:, None] * stride_g + cols[None, :], mask=m, other=0.0).to(tl.float32)
     tl.atomic_add(gw_ptr + ids[:, None] * D + cols[None, :], vals[:, None] * g, mask=m)
