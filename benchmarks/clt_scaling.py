@@ -14,13 +14,18 @@ batch) trains on random activations with a real ``Trainer`` (bf16-mixed, fused A
   and ``benchmarks/peers/clt_tp_runner.py`` exist.
 
 Reported per variant: median step time (interval between batch starts, CUDA events), tokens/s, speedup over
-the 1-GPU run of the same size, mean active features per token over the global batch (must be k), bytes moved
+the 1-GPU run of the same size and scaling efficiency (tokens/s at N / (N x tokens/s at 1)), mean active features per token over the global batch (must be k), bytes moved
 by our collectives per step (measured at the Python collectives) plus DDP's gradient all-reduce payload
 (computed), and peak memory. Each variant runs in fresh processes; one failing variant is recorded and the
 others still run.
 
     python benchmarks/clt_scaling.py            # 2 CUDA GPUs, about 3-4 minutes on H100s (2 launches)
     python benchmarks/clt_scaling.py --smoke    # CPU + gloo, 2 processes, under a minute
+    # the scaling run (4 or 8 GPUs): global BatchTopK, decoder sharding with sharded encoders and both on a
+    # 2D mesh (decoder groups of --model-parallel ranks) at 1, 2, 4 (8) GPUs, 8192 and 32768 features per
+    # layer, the same 4096 tokens per step; writes benchmarks/results/clt_scaling_<max>gpu.json
+    python benchmarks/clt_scaling.py --gpus 1 2 4 --deadline-s 200
+    python benchmarks/clt_scaling.py --smoke --gpus 1 2 4   # the same on CPU with 4 gloo processes
     # the short re-run (about 1.5 minutes on 2 GPUs): 1 GPU vs sharded encoders at two sizes
     python benchmarks/clt_scaling.py --features 8192 16384 --variants ours_1gpu \\
         ours_decoder_sharding_sharded_encoder_2gpu --out benchmarks/results/clt_scaling_short.json
@@ -35,6 +40,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from typing import Any
@@ -291,24 +297,31 @@ def _run_ours(
     from lightning_opt.strategies import DecoderShardingStrategy, GlobalBatchTopKStrategy
 
     device_type = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    if variant == "ours_global_batchtopk_2gpu":
+    kind = _kind(variant)
+    mp_size = world  # ranks per decoder group (decoder sharding); the data-parallel size is world // mp_size
+    if kind == "ours_global_batchtopk":
         strategy: Any = GlobalBatchTopKStrategy()
         tokens_per_rank = args.tokens // world
-    elif variant == "ours_global_batchtopk_bf16grad_2gpu":
+    elif kind == "ours_global_batchtopk_bf16grad":
         # bf16 gradient all-reduce: half the bytes, but rounded gradients (not bit-comparable to 1 GPU)
         # (fp16 in the CPU smoke run: torch's bf16 hook needs NCCL)
         strategy = GlobalBatchTopKStrategy(grad_compression="fp16" if device_type == "cpu" else "bf16")
         tokens_per_rank = args.tokens // world
-    elif variant == "ours_decoder_sharding_2gpu":
+    elif kind == "ours_decoder_sharding":
         strategy = DecoderShardingStrategy()
         tokens_per_rank = args.tokens
-    elif variant == "ours_decoder_sharding_sharded_encoder_2gpu":
+    elif kind == "ours_decoder_sharding_sharded_encoder":
         strategy = DecoderShardingStrategy(shard_encoder=True)
         tokens_per_rank = args.tokens
-    elif variant == _AB_VARIANT:  # A/B: Lightning's own per-step SIGTERM broadcast on the GPU (+ .item())
+    elif kind == _KIND_2D:  # both: data groups of world // M ranks x decoder groups of M (global BatchTopK)
+        mp_size = args.model_parallel
+        strategy = DecoderShardingStrategy(model_parallel_size=mp_size, shard_encoder=True)
+        tokens_per_rank = args.tokens // (world // mp_size)
+    elif kind == _AB_KIND:  # A/B: Lightning's own per-step SIGTERM broadcast on the GPU (+ .item())
         strategy = DecoderShardingStrategy(shard_encoder=True, cpu_sigterm_check=False)
         tokens_per_rank = args.tokens
-    elif variant == _AB_SELECT:  # A/B: the general selection path (tie counts, then a gather of kept entries)
+    elif kind == _AB_SELECT_KIND:
+        # A/B: the general selection path (tie counts, then a gather of kept entries)
         import lightning_opt.strategies.decoder_sharding as ds
 
         ds._POOL_SELECT = False
@@ -351,11 +364,13 @@ def _run_ours(
     step_ms = timer.step_ms()
     n_params = sum(p.numel() for p in module.parameters())
     l0 = module.l0[-1]
-    data_parallel = variant.startswith("ours_global_batchtopk")
-    if data_parallel:
-        t = torch.tensor([l0 * tokens_per_rank], dtype=torch.float64, device=trainer.strategy.root_device)
-        dist.all_reduce(t)  # global active entries / global tokens
-        l0 = float(t) / args.tokens
+    data_parallel = kind.startswith("ours_global_batchtopk")
+    if world > 1:
+        # every rank holds tokens_per_rank tokens (ranks of a decoder group the same ones, with the same
+        # count), so the mean over ranks is the global active entries / global tokens
+        t = torch.tensor([l0], dtype=torch.float64, device=trainer.strategy.root_device)
+        dist.all_reduce(t)
+        l0 = float(t) / world
     ours_bytes = timer.bytes_per_step()
     summaries: list[Any] = [phases.summary(args.warmup)]
     if world > 1:
@@ -366,7 +381,12 @@ def _run_ours(
         except Exception as err:  # diagnostics only: the timing row must survive
             summaries.append({"error": f"{type(err).__name__}: {err}"})
     ddp_bytes = n_params * (2 if "bf16grad" in variant else 4) if data_parallel else 0
+    sharded = kind.startswith("ours_decoder") or kind == _KIND_2D
     return {
+        "strategy": kind,
+        "model_parallel_size": mp_size if sharded else 1,
+        "data_parallel_size": world // mp_size if sharded else world,
+        "grad_allreduce_bytes_per_step_2d": getattr(trainer.strategy, "grad_bytes_per_step", 0),
         "variant": variant,
         "features_per_layer": n_features,
         "world": world,
@@ -380,7 +400,10 @@ def _run_ours(
         "step_ms": step_ms,
         "tokens_per_s": args.tokens / (step_ms / 1e3),
         "active_per_token": l0,
+        "l0_is_k": abs(l0 - args.k) < 1e-6,  # BatchTopK keeps k * tokens entries of the global batch
         "collective_bytes_per_step_ours": ours_bytes,
+        # the bf16 hook's all-reduce is a Python-level call: already in ours_bytes
+        "bytes_per_step_total": ours_bytes + (0 if "bf16grad" in kind else ddp_bytes),
         "ddp_grad_allreduce_bytes_per_step": ddp_bytes,
         "params": n_params,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device_type == "cuda" else None,
@@ -402,8 +425,13 @@ def _run_peer(rank: int, world: int, args: argparse.Namespace, n_features: int) 
     return res
 
 
-_AB_VARIANT = "ours_decoder_sharding_sharded_encoder_gpu_sigterm_2gpu"
-_AB_SELECT = "ours_decoder_sharding_sharded_encoder_general_select_2gpu"
+_AB_KIND = "ours_decoder_sharding_sharded_encoder_gpu_sigterm"
+_AB_SELECT_KIND = "ours_decoder_sharding_sharded_encoder_general_select"
+# DecoderShardingStrategy(model_parallel_size=M, shard_encoder=True) with D = N / M > 1 data groups
+_KIND_2D = "ours_2d_sharded_encoder"
+_AB_VARIANT = f"{_AB_KIND}_2gpu"
+_AB_SELECT = f"{_AB_SELECT_KIND}_2gpu"
+# The 1-vs-2 comparison (the default with 2 GPUs): every variant, the A/Bs included.
 _ALL_VARIANTS = (
     "ours_1gpu",
     "peer_crosslayer_coding_1gpu",
@@ -415,6 +443,39 @@ _ALL_VARIANTS = (
     _AB_SELECT,
     "peer_crosslayer_coding_2gpu",
 )
+# Every strategy a variant name can carry (the name is ``<kind>_<N>gpu``).
+_KINDS = (
+    "ours", "peer_crosslayer_coding", "ours_global_batchtopk", "ours_global_batchtopk_bf16grad",
+    "ours_decoder_sharding", "ours_decoder_sharding_sharded_encoder", _AB_KIND, _AB_SELECT_KIND, _KIND_2D,
+)  # fmt: skip
+# The scaling run (any --gpus other than 1 2): the three strategies of the scaling question at every size.
+_SCALING_KINDS = ("ours_global_batchtopk", "ours_decoder_sharding_sharded_encoder", _KIND_2D)
+
+
+def _kind(variant: str) -> str:
+    """``ours_global_batchtopk_4gpu`` -> ``ours_global_batchtopk``."""
+    head, _, tail = variant.rpartition("_")
+    return head if tail.endswith("gpu") and tail[:-3].isdigit() else variant
+
+
+def _variants_for(world: int, args: argparse.Namespace, peer_ok: bool, scaling: bool) -> list[str]:
+    """Variant names of one launch of ``world`` processes (``--variants`` takes names or kinds)."""
+    if world == 1:
+        kinds = ["ours"] + (["peer_crosslayer_coding"] if peer_ok else [])
+    elif not scaling and world == 2:
+        kinds = [_kind(v) for v in _ALL_VARIANTS if v.endswith("2gpu") and not v.startswith("peer")]
+        kinds += ["peer_crosslayer_coding"] if peer_ok else []
+    else:
+        kinds = list(_SCALING_KINDS) + (["peer_crosslayer_coding"] if peer_ok and args.variants else [])
+    names = []
+    for kind in kinds:
+        if kind == _KIND_2D and (world % args.model_parallel or world // args.model_parallel < 2):
+            continue  # the 2D mesh needs at least 2 data groups of model_parallel ranks
+        name = f"{kind}_{world}gpu"
+        if args.variants and name not in args.variants and kind not in args.variants:
+            continue
+        names.append(name)
+    return names
 
 
 def _runs(args: argparse.Namespace, variants: list[str]) -> list[tuple[int, str]]:
@@ -425,7 +486,7 @@ def _runs(args: argparse.Namespace, variants: list[str]) -> list[tuple[int, str]
         for f in args.features
         for v in variants
         if (not v.startswith("peer") or f in args.peer_features)
-        and (v not in (_AB_VARIANT, _AB_SELECT) or f == args.features[0])
+        and (_kind(v) not in (_AB_KIND, _AB_SELECT_KIND) or f == args.features[0])
     ]
 
 
@@ -451,6 +512,22 @@ def _worker(
     kw = {"device_id": torch.device("cuda", rank)} if use_cuda else {}
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=120), **kw)
     for n_features, variant in _runs(args, variants):
+        # every rank must take the same decision, else the ranks that start a run wait forever
+        left = [args.end_unix - time.time() if args.end_unix else float("inf")]
+        dist.broadcast_object_list(left, src=0)
+        if left[0] < args.need_s:
+            if rank == 0:
+                with open(os.path.join(out_dir, f"{variant}_{n_features}.json"), "w") as f:
+                    json.dump(
+                        {
+                            "variant": variant,
+                            "features_per_layer": n_features,
+                            "world": world,
+                            "skipped": f"time budget: {left[0]:.0f}s left, needs ~{args.need_s:.0f}s",
+                        },
+                        f,
+                    )
+            continue
         try:
             if variant.startswith("peer"):
                 result = _run_peer(rank, world, args, n_features)
@@ -470,70 +547,21 @@ def _worker(
     dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--smoke", action="store_true", help="tiny CLT on CPU with 2 gloo processes")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/clt_scaling.json)")
-    parser.add_argument("--features", type=int, nargs="+", default=[8192, 16384, 32768])
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--k", type=int, default=200)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--d-model", type=int, default=768)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--no-peer", action="store_true", help="skip crosslayer-coding")
-    parser.add_argument(
-        "--variants", nargs="+", default=None, metavar="NAME",
-        help=f"run only these variants (default: all): {', '.join(_ALL_VARIANTS)}; keep ours_1gpu for the "
-        "same-run baseline of the ratios",
-    )  # fmt: skip
-    parser.add_argument(
-        "--peer-features", type=int, nargs="+", default=[8192, 16384],
-        help="sizes at which crosslayer-coding runs (its 32768 run alone takes about a minute)",
-    )  # fmt: skip
-    args = parser.parse_args()
-    if args.smoke:
-        args.features, args.tokens, args.k, args.layers, args.d_model = [64, 128], 64, 4, 3, 16
-        args.peer_features = [64, 128]
-        args.steps, args.warmup = 2, 1
-    gpus = torch.cuda.device_count() if not args.smoke else 2
-    peer_ok = (
-        not args.no_peer
-        and os.path.isdir(os.path.join(HERE, "..", ".peers", "crosslayer-coding"))
-        and os.path.exists(os.path.join(HERE, "peers", "clt_tp_runner.py"))
-    )
-    one = ["ours_1gpu"] + (["peer_crosslayer_coding_1gpu"] if peer_ok else [])
-    two = [v for v in _ALL_VARIANTS if v.endswith("2gpu") and not v.startswith("peer")]
-    two += ["peer_crosslayer_coding_2gpu"] if peer_ok else []
-    if args.variants:
-        unknown = sorted(set(args.variants) - set(_ALL_VARIANTS))
-        if unknown:
-            parser.error(f"unknown --variants {unknown}; choose from {list(_ALL_VARIANTS)}")
-        one = [v for v in one if v in args.variants]
-        two = [v for v in two if v in args.variants]
-    launches = [(w, names) for w, names in [(1, one), (2, two)] if names and (w == 1 or gpus >= 2)]
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for world, names in launches:
-            try:
-                mp.spawn(_worker, args=(world, _free_port(), names, args, tmp), nprocs=world, join=True)
-            except Exception as err:  # a crashed launch: its runs without a result get this error
-                launch_error = f"{type(err).__name__}: {str(err)[-2000:]}"
-            else:
-                launch_error = "no result written"
-            for n_features, variant in _runs(args, names):
-                path = os.path.join(tmp, f"{variant}_{n_features}.json")
-                if os.path.exists(path):
-                    with open(path) as f:
-                        row = json.load(f)
-                else:
-                    row = {"variant": variant, "features_per_layer": n_features, "world": world}
-                    row["error"] = launch_error
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    for row in rows:  # speedup over the 1-GPU run of the same code and size
+def default_gpus(available: int) -> list[int]:
+    """1 and every power of two up to ``available`` (1 and 2 on a 2-GPU machine: the 1-vs-2 comparison)."""
+    sizes, n = [1], 2
+    while n <= available:
+        sizes.append(n)
+        n *= 2
+    return sizes
+
+
+def add_scaling(rows: list[dict[str, Any]]) -> None:
+    """Speed-up and scaling efficiency of every row over the 1-GPU row of the same code and size.
+
+    Efficiency at N GPUs = tokens/s at N / (N x tokens/s at 1), both measured in this run.
+    """
+    for row in rows:
         base_name = "peer_crosslayer_coding_1gpu" if row["variant"].startswith("peer") else "ours_1gpu"
         base = next(
             (
@@ -543,19 +571,149 @@ def main() -> None:
             ),
             None,
         )
-        if base and "tokens_per_s" in base and "tokens_per_s" in row:
+        if base and base.get("tokens_per_s") and row.get("tokens_per_s"):
             row["speedup_vs_1gpu"] = row["tokens_per_s"] / base["tokens_per_s"]
-    out = write_result("clt_scaling", args, rows, gpus=gpus)
+            row["scaling_efficiency"] = row["speedup_vs_1gpu"] / row["world"]
+
+
+def _launch(world: int, names: list[str], args: argparse.Namespace, tmp: str) -> str:
+    """Run one group of ``world`` processes; return the error for runs that wrote no result.
+
+    The group is terminated at ``--end-unix`` (plus a grace period) so a hung collective cannot eat the
+    call: the runs done by then keep their results.
+    """
+    ctx = mp.spawn(_worker, args=(world, _free_port(), names, args, tmp), nprocs=world, join=False)
+    try:
+        while not ctx.join(timeout=2):
+            if args.end_unix and time.time() > args.end_unix + args.grace_s:
+                for proc in ctx.processes:
+                    if proc.is_alive():
+                        proc.terminate()
+                for proc in ctx.processes:
+                    proc.join(10)
+                return f"terminated: past the time budget (--end-unix + {args.grace_s:.0f}s)"
+    except Exception as err:  # a crashed launch: its runs without a result get this error
+        return f"{type(err).__name__}: {str(err)[-2000:]}"
+    return "no result written"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny CLT on CPU with gloo processes")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/clt_scaling.json)")
+    parser.add_argument(
+        "--gpus", type=int, nargs="+", default=None,
+        help="process-group sizes to run, e.g. 1 2 4 8 (default: 1 and every power of two up to the GPU "
+        "count; --smoke: 1 2). Other than '1 2' this is the scaling run: the three strategies at every size",
+    )  # fmt: skip
+    parser.add_argument(
+        "--features",
+        type=int,
+        nargs="+",
+        default=None,
+        help="features per layer (default 8192 16384 32768; scaling run: 8192 32768)",
+    )
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per optimizer step (all GPUs)")
+    parser.add_argument("--k", type=int, default=200)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--d-model", type=int, default=768)
+    parser.add_argument(
+        "--model-parallel",
+        type=int,
+        default=2,
+        help="decoder-group size M of the 2D (data x model) variant; it runs where N/M >= 2",
+    )
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-peer", action="store_true", help="skip crosslayer-coding")
+    parser.add_argument(
+        "--variants", nargs="+", default=None, metavar="NAME",
+        help=f"run only these variants (default: all): {', '.join(_ALL_VARIANTS)}, or kinds at every size: "
+        f"{', '.join(_KINDS)}; keep ours_1gpu for the same-run baseline of the ratios",
+    )  # fmt: skip
+    parser.add_argument(
+        "--peer-features", type=int, nargs="+", default=[8192, 16384],
+        help="sizes at which crosslayer-coding runs (its 32768 run alone takes about a minute)",
+    )  # fmt: skip
+    parser.add_argument("--deadline-s", type=float, default=None, help="time budget of the whole call")
+    parser.add_argument(
+        "--end-unix", type=float, default=None, help="absolute end time (overrides --deadline-s)"
+    )
+    parser.add_argument(
+        "--need-s", type=float, default=15.0, help="a run starts only with this much time left"
+    )
+    parser.add_argument(
+        "--grace-s", type=float, default=30.0, help="a launch is killed this long after the end"
+    )
+    args = parser.parse_args()
+    if args.end_unix is None and args.deadline_s is not None:
+        args.end_unix = time.time() + args.deadline_s
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() and not args.smoke else 0
+    if args.gpus is None:
+        args.gpus = [1, 2] if args.smoke else default_gpus(gpus)
+    bad = [w for w in args.gpus if w < 1 or (not args.smoke and w > max(gpus, 1))]
+    if bad or len(set(args.gpus)) != len(args.gpus):
+        parser.error(f"--gpus {args.gpus}: sizes must be distinct, >= 1 and at most the {gpus} GPUs present")
+    args.gpus = sorted(args.gpus)
+    scaling = args.gpus not in ([1, 2], [1], [2])
+    if args.smoke:
+        args.features = [64, 128] if not scaling else [64]
+        args.tokens, args.k, args.layers, args.d_model = 64, 4, 3, 16
+        args.peer_features = [64, 128]
+        args.steps, args.warmup = 2, 1
+    elif args.features is None:
+        args.features = [8192, 32768] if scaling else [8192, 16384, 32768]
+    if args.variants:
+        known = set(_KINDS) | set(_ALL_VARIANTS)
+        unknown = sorted(v for v in args.variants if v not in known and _kind(v) not in _KINDS)
+        if unknown:
+            parser.error(f"unknown --variants {unknown}; choose from {list(_ALL_VARIANTS)} or {list(_KINDS)}")
+    peer_ok = (
+        not args.no_peer
+        and os.path.isdir(os.path.join(HERE, "..", ".peers", "crosslayer-coding"))
+        and os.path.exists(os.path.join(HERE, "peers", "clt_tp_runner.py"))
+    )
+    launches = [(w, _variants_for(w, args, peer_ok, scaling)) for w in args.gpus]
+    launches = [(w, names) for w, names in launches if names]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world, names in launches:
+            left = args.end_unix - time.time() if args.end_unix else float("inf")
+            if left < args.need_s + 10:  # process start-up on top of one run
+                launch_error = f"skipped: time budget ({left:.0f}s left)"
+            else:
+                launch_error = _launch(world, names, args, tmp)
+            for n_features, variant in _runs(args, names):
+                path = os.path.join(tmp, f"{variant}_{n_features}.json")
+                if os.path.exists(path):
+                    with open(path) as f:
+                        row = json.load(f)
+                else:
+                    row = {"variant": variant, "features_per_layer": n_features, "world": world}
+                    row["skipped" if launch_error.startswith("skipped") else "error"] = launch_error
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    add_scaling(rows)
+    if args.out is None and not args.smoke and max(args.gpus) > 2:
+        args.out = os.path.join(HERE, "results", f"clt_scaling_{max(args.gpus)}gpu.json")
+    out = write_result("clt_scaling", args, rows, gpus=gpus, sizes=args.gpus, scaling_run=scaling)
     print(
-        f"\n{'variant':56} {'F/layer':>8} {'step ms':>9} {'tok/s':>10} {'x 1gpu':>7} {'L0':>7} {'our MB':>8} {'DDP MB':>8}"
+        f"\n{'variant':56} {'F/layer':>8} {'step ms':>9} {'tok/s':>10} {'x 1gpu':>7} {'eff':>6} {'L0':>7} "
+        f"{'our MB':>8} {'DDP MB':>8}"
     )
     for r in rows:
-        if "error" in r:
-            print(f"{r['variant']:56} {r['features_per_layer']:>8} ERROR {r['error'][:80]}")
+        if "error" in r or "skipped" in r:
+            why = r.get("error") or r.get("skipped")
+            print(
+                f"{r['variant']:56} {r['features_per_layer']:>8} {'ERROR' if 'error' in r else 'SKIPPED'} {why[:80]}"
+            )
             continue
         print(
             f"{r['variant']:56} {r['features_per_layer']:>8} {r['step_ms']:9.2f} {r['tokens_per_s']:10.0f} "
-            f"{r.get('speedup_vs_1gpu', float('nan')):7.2f} {r.get('active_per_token', float('nan')):7.1f} "
+            f"{r.get('speedup_vs_1gpu', float('nan')):7.2f} {r.get('scaling_efficiency', float('nan')):6.2f} "
+            f"{r.get('active_per_token', float('nan')):7.1f} "
             f"{r.get('collective_bytes_per_step_ours', 0) / 1e6:8.2f} "
             f"{r.get('ddp_grad_allreduce_bytes_per_step', 0) / 1e6:8.1f}"
         )
