@@ -73,22 +73,34 @@ def _decode_cases():
                                    "stride_g": "i64"}, meta, 4)
 
 
-_CASES = [*_selection_cases(), *_decode_cases()]
+def _all_cases():
+    # (kernel, signature, constexprs, num_warps, aligned); aligned: every pointer 16-byte aligned and every int
+    # a multiple of 16, as Triton specialises a real launch at CLT shapes (tt.divisibility hints change codegen)
+    seen = set()
+    for name, sig, consts, warps in (*_selection_cases(), *_decode_cases()):
+        yield name, sig, consts, warps, False
+        if name not in seen:
+            seen.add(name)
+            yield name, sig, consts, warps, True
+
+
+_CASES = list(_all_cases())
 
 
 def _case_id(case) -> str:
-    name, sig, consts, warps = case
+    name, sig, consts, warps, aligned = case
     types = "-".join(sorted({t.lstrip("*") for t in sig.values()}))
     flags = "-".join(f"{k}={v}" for k, v in consts.items())
-    return f"{name}[{types}|{flags}|w{warps}]"
+    return f"{name}[{types}|{flags}|w{warps}{'|aligned' if aligned else ''}]"
 
 
-def _compile(name: str, sig: dict[str, str], consts: dict[str, object], warps: int):
+def _compile(name: str, sig: dict[str, str], consts: dict[str, object], warps: int, aligned: bool):
     module = T if hasattr(T, name) else D
     full = {**sig, **dict.fromkeys(consts, "constexpr")}
     names = list(full)
     constexprs = {(names.index(k),): v for k, v in consts.items()}
-    return triton.compile(ASTSource(fn=getattr(module, name), signature=full, constexprs=constexprs),
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if aligned}
+    return triton.compile(ASTSource(fn=getattr(module, name), signature=full, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
@@ -97,7 +109,7 @@ def test_every_kernel_of_the_package_is_covered():
     missing = jitted - _KERNELS - _HELPERS
     assert not missing, f"new Triton kernels {sorted(missing)}: add their signatures to this test"
     assert {case[0] for case in _CASES} == _KERNELS
-    for name, sig, _, _ in _CASES:  # signatures name every runtime argument, in order
+    for name, sig, *_ in _CASES:  # signatures name every runtime argument, in order
         module = T if hasattr(T, name) else D
         params = [p for p in getattr(module, name).arg_names if p not in ("BLOCK", "BLOCK_IN_ONE_ROW", "BLOCK_D",
                                                                           "BLOCK_E")]
