@@ -460,8 +460,8 @@ def _kind(variant: str) -> str:
 
 def _variants_for(world: int, args: argparse.Namespace, peer_ok: bool, scaling: bool) -> list[str]:
     """Variant names of one launch of ``world`` processes (``--variants`` takes names or kinds)."""
-    if world == 1:
-        kinds = ["ours"] + (["peer_crosslayer_coding"] if peer_ok else [])
+    if world == 1:  # in a scaling run the peer only runs when asked for (--variants): time
+        kinds = ["ours"] + (["peer_crosslayer_coding"] if peer_ok and (not scaling or args.variants) else [])
     elif not scaling and world == 2:
         kinds = [_kind(v) for v in _ALL_VARIANTS if v.endswith("2gpu") and not v.startswith("peer")]
         kinds += ["peer_crosslayer_coding"] if peer_ok else []
@@ -505,6 +505,8 @@ def _worker(
     )  # fmt: skip
     import torch.distributed as dist
 
+    if args.smoke:  # one thread per process: several processes share a few CPU cores without spin-waiting
+        torch.set_num_threads(1)
     use_cuda = torch.cuda.is_available() and not args.smoke
     if use_cuda:
         torch.cuda.set_device(rank)
@@ -582,7 +584,14 @@ def _launch(world: int, names: list[str], args: argparse.Namespace, tmp: str) ->
     The group is terminated at ``--end-unix`` (plus a grace period) so a hung collective cannot eat the
     call: the runs done by then keep their results.
     """
-    ctx = mp.spawn(_worker, args=(world, _free_port(), names, args, tmp), nprocs=world, join=False)
+    # CPU smoke runs fork (no CUDA in the parent; torch and Lightning are not imported again per process)
+    ctx = mp.start_processes(
+        _worker,
+        args=(world, _free_port(), names, args, tmp),
+        nprocs=world,
+        join=False,
+        start_method="fork" if args.smoke else "spawn",
+    )
     try:
         while not ctx.join(timeout=2):
             if args.end_unix and time.time() > args.end_unix + args.grace_s:
@@ -670,12 +679,20 @@ def main() -> None:
         unknown = sorted(v for v in args.variants if v not in known and _kind(v) not in _KINDS)
         if unknown:
             parser.error(f"unknown --variants {unknown}; choose from {list(_ALL_VARIANTS)} or {list(_KINDS)}")
+    if args.smoke:  # imported once here, inherited by the forked processes
+        import lightning.pytorch  # noqa: F401
+
+        import lightning_opt.models.clt  # noqa: F401
+        import lightning_opt.strategies  # noqa: F401
     peer_ok = (
         not args.no_peer
         and os.path.isdir(os.path.join(HERE, "..", ".peers", "crosslayer-coding"))
         and os.path.exists(os.path.join(HERE, "peers", "clt_tp_runner.py"))
     )
-    launches = [(w, _variants_for(w, args, peer_ok, scaling)) for w in args.gpus]
+    # 1 GPU first (the baseline of the ratios), then the largest sizes (the point of a scaling run) while the
+    # time budget is fresh
+    order = args.gpus[:1] + sorted(args.gpus[1:], reverse=True)
+    launches = [(w, _variants_for(w, args, peer_ok, scaling)) for w in order]
     launches = [(w, names) for w, names in launches if names]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

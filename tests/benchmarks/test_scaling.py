@@ -1,0 +1,154 @@
+"""The scaling benchmarks end to end on CPU: real gloo process groups (4 for the CLT strategies, 2 for GPT-2
+DDP), the JSON they write, and the page made from it."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.clt_scaling import default_gpus
+from benchmarks.gpt2_ddp_scaling import _interpolate
+from benchmarks.scaling_report import COMMANDS, write_report
+
+ROOT = Path(__file__).resolve().parents[2]
+CLT_SMOKE_4 = ("clt_scaling.py", "--smoke", "--gpus", "1", "2", "4")  # 1, 2 and 4 gloo processes
+
+
+def _run(script: str, *args: str, timeout: float = 120) -> None:
+    proc = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("scaling_results")
+    _run(*CLT_SMOKE_4, "--no-peer", "--out", str(out / "clt_scaling_4gpu.json"))
+    _run("gpt2_ddp_scaling.py", "--smoke", "--out", str(out / "gpt2_ddp_scaling_smoke.json"))
+    return out
+
+
+def _env_ok(meta: dict, env: dict) -> None:
+    assert env["torch"] and env["lightning"] and "--smoke" in env["command"]
+    assert (meta.get("device") or env.get("device")).startswith("cpu")
+
+
+def test_clt_scaling_runs_every_strategy_at_1_2_4_processes(results):
+    data = json.loads((results / "clt_scaling_4gpu.json").read_text())
+    _env_ok(data, data)
+    assert data["sizes"] == [1, 2, 4] and data["scaling_run"] is True
+    rows = {(r["variant"], r["features_per_layer"]): r for r in data["rows"]}
+    assert set(rows) == {
+        (v, 64)
+        for v in [
+            "ours_1gpu",
+            "ours_global_batchtopk_2gpu",
+            "ours_decoder_sharding_sharded_encoder_2gpu",
+            "ours_global_batchtopk_4gpu",
+            "ours_decoder_sharding_sharded_encoder_4gpu",
+            "ours_2d_sharded_encoder_4gpu",
+        ]
+    }  # the 2D mesh needs two data groups of 2: only at 4
+    base = rows[("ours_1gpu", 64)]
+    k = data["config"]["k"]
+    for r in rows.values():
+        assert "error" not in r and r["tokens_per_s"] > 0
+        assert r["tokens_per_step"] == 64  # the same global batch at every size
+        assert r["active_per_token"] == pytest.approx(k, abs=1e-9) and r["l0_is_k"]
+        # efficiency from the measured numbers: tokens/s at N / (N x tokens/s at 1)
+        assert r["scaling_efficiency"] == pytest.approx(
+            r["tokens_per_s"] / (r["world"] * base["tokens_per_s"])
+        )
+        if r["world"] > 1:
+            assert r["bytes_per_step_total"] > 0
+    two_d = rows[("ours_2d_sharded_encoder_4gpu", 64)]
+    assert (two_d["data_parallel_size"], two_d["model_parallel_size"], two_d["tokens_per_rank"]) == (2, 2, 32)
+    assert 0 < two_d["grad_allreduce_bytes_per_step_2d"] <= two_d["collective_bytes_per_step_ours"]
+    dp = rows[("ours_global_batchtopk_4gpu", 64)]
+    assert dp["tokens_per_rank"] == 16 and dp["ddp_grad_allreduce_bytes_per_step"] == 4 * dp["params"]
+
+
+def test_gpt2_ddp_scaling_same_optimisation_at_every_size(results):
+    data = json.loads((results / "gpt2_ddp_scaling_smoke.json").read_text())
+    _env_ok(data, data["env"])
+    assert data["env"]["devices"] == []  # no CUDA here; GPU names are listed per device on a GPU machine
+    rows = {r["world"]: r for r in data["rows"]}
+    assert set(rows) == {1, 2}
+    assert rows[1]["accum"] == 2 * rows[2]["accum"]
+    assert rows[1]["global_tokens_per_step"] == rows[2]["global_tokens_per_step"]
+    for r in rows.values():
+        assert "error" not in r and r["tokens_per_s"] > 0 and r["steps"] == data["settings"]["steps"]
+        assert r["scaling_efficiency"] == pytest.approx(
+            r["tokens_per_s"] / (r["world"] * rows[1]["tokens_per_s"]), rel=1e-3
+        )
+        assert math.isfinite(r["final_val_loss"])
+    # same global batch and data: 2 DDP processes train the same model as 1 process with twice the accumulation
+    assert rows[2]["final_val_loss"] == pytest.approx(rows[1]["final_val_loss"], abs=2e-3)
+    t = data["target_run"]
+    assert "error" not in t and t["world"] == 2 and t["target_loss"] == data["target"]["loss"]
+    curve = t["val_curve"]
+    assert t["reached_target"] == any(p["val_loss"] <= t["target_loss"] for p in curve)
+    if t["reached_target"]:
+        hit = next(i for i, p in enumerate(curve) if p["val_loss"] <= t["target_loss"])
+        lo = curve[hit - 1]["train_s"] if hit else 0.0
+        assert lo <= t["time_to_target_s"] <= curve[hit]["train_s"]
+        assert t["stopped"] == "target reached" or curve[hit]["step"] == t["steps"]
+        assert t["steps"] == curve[hit]["step"]  # every rank stopped at the same validation
+        est = data["summary"]["estimated_time_to_target_s"]
+        assert est["1"] == pytest.approx(t["steps_to_target"] * rows[1]["step_ms"] / 1e3, abs=0.01)
+
+
+def test_report_tables_and_plot_from_the_smoke_results(results, tmp_path):
+    page = write_report(results, tmp_path / "scaling.md", include_smoke=True)
+    text = page.read_text()
+    assert (tmp_path / "img" / "scaling.png").stat().st_size > 10_000
+    assert "ours_2d_sharded_encoder | 64 | 4 | 2 x 2 |" in text
+    gpt2 = json.loads((results / "gpt2_ddp_scaling_smoke.json").read_text())
+    eff2 = next(r for r in gpt2["rows"] if r["world"] == 2)["scaling_efficiency"]
+    assert f"| {eff2:.1%} |" in text
+    assert "Time to val loss" in text
+
+
+def test_report_without_results_says_pending_with_the_commands(tmp_path):
+    (tmp_path / "results").mkdir()
+    page = write_report(tmp_path / "results", tmp_path / "docs" / "scaling.md")
+    text = page.read_text()
+    assert text.count("GPU figures: pending") >= 2
+    assert COMMANDS[4] in text and COMMANDS[8] in text and ".data/novels" in text
+    assert not (tmp_path / "docs" / "img" / "scaling.png").exists()
+
+
+def test_interpolation_and_default_sizes():
+    curve = [{"step": 4, "train_s": 2.0, "val_loss": 5.0}, {"step": 8, "train_s": 4.0, "val_loss": 4.0}]
+    assert _interpolate(curve, 4.5, "train_s") == pytest.approx(3.0)
+    assert _interpolate(curve, 4.5, "step") == pytest.approx(6.0)
+    assert _interpolate(curve, 3.0, "step") is None
+    assert _interpolate(curve, 5.5, "step") == 4.0
+    assert [default_gpus(n) for n in (0, 1, 2, 4, 6, 8)] == [
+        [1],
+        [1],
+        [1, 2],
+        [1, 2, 4],
+        [1, 2, 4],
+        [1, 2, 4, 8],
+    ]
+
+
+def test_no_time_left_skips_every_size_and_still_writes_the_json(tmp_path):
+    _run(*CLT_SMOKE_4, "--deadline-s", "1", "--out", str(tmp_path / "c.json"))
+    _run("gpt2_ddp_scaling.py", "--smoke", "--deadline-s", "1", "--out", str(tmp_path / "g.json"))
+    clt = json.loads((tmp_path / "c.json").read_text())
+    assert len(clt["rows"]) == 6 and all("skipped" in r and "tokens_per_s" not in r for r in clt["rows"])
+    gpt2 = json.loads((tmp_path / "g.json").read_text())
+    assert [r["world"] for r in gpt2["rows"]] == [1, 2] and all("skipped" in r for r in gpt2["rows"])
+    assert "skipped" in gpt2["target_run"] and gpt2["summary"]["tokens_per_s"] == {}
