@@ -66,7 +66,8 @@ from gpt2_common import (  # noqa: E402
 
 RECORD_TARGET_FALLBACK = 4.2893  # the record script's final val loss on the novels shards (H100, 127 steps)
 SMOKE_VOCAB = 512
-SMOKE_SHAPE = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=SMOKE_VOCAB, vocab_multiple=1, n_value_embeds=1)
+# 4 layers: the middle two have an unused ``ve_lambda`` like the full model (see :func:`freeze_unused`)
+SMOKE_SHAPE = dict(n_layer=4, n_head=2, n_embd=64, vocab_size=SMOKE_VOCAB, vocab_multiple=1, n_value_embeds=1)
 
 
 def record_target() -> tuple[float, str]:
@@ -161,6 +162,25 @@ def _interpolate(curve: list[dict[str, Any]], target: float, key: str) -> float 
     return None
 
 
+def freeze_unused(model: torch.nn.Module) -> list[str]:
+    """Freeze the parameters no loss ever reaches, so plain DDP (``find_unused_parameters=False``) can run.
+
+    The speedrun GPT creates ``attn.ve_lambda`` in every block, but only the blocks with value embeddings
+    use it; DDP then fails after the first backward ("parameters that were not used in producing the
+    loss"). A probe forward/backward on 8 tokens finds them; freezing changes nothing (on one GPU they get
+    no gradient either) and avoids ``find_unused_parameters=True`` (a graph walk every step).
+    """
+    with torch.random.fork_rng():
+        x = torch.zeros(1, 8, dtype=torch.long, device=next(model.parameters()).device)
+        model(x, x).backward()
+    unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    for name, p in model.named_parameters():
+        p.grad = None
+        if name in unused:
+            p.requires_grad_(False)
+    return unused
+
+
 def run_ddp(
     spec: RunSpec,
     rank: int,
@@ -183,6 +203,7 @@ def run_ddp(
         torch.cuda.reset_peak_memory_stats(dev)
     torch.manual_seed(spec.seed)
     module = GPT2SpeedrunModule(spec.model, spec.optim, schedule_for(spec), compile=spec.compile)
+    unused = freeze_unused(module.model)
     dm = TokenShardDataModule(
         train_path, None, seq_len=spec.seq_len, batch_size=spec.micro_batch, shuffle=False
     )
@@ -260,6 +281,7 @@ def run_ddp(
         "global_tokens_per_step": global_tokens,
         "stopped": state["stopped"],
         "train_s_total": state.get("end"),
+        "unused_params_frozen": unused,
     }
     warm = min(spec.warm, steps_done)
     if state["t_warm"] is not None and steps_done > warm:

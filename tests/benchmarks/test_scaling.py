@@ -88,6 +88,8 @@ def test_gpt2_ddp_scaling_same_optimisation_at_every_size(results):
     assert rows[1]["global_tokens_per_step"] == rows[2]["global_tokens_per_step"]
     for r in rows.values():
         assert "error" not in r and r["tokens_per_s"] > 0 and r["steps"] == data["settings"]["steps"]
+        # plain DDP runs although the model has parameters no loss reaches (frozen before wrapping)
+        assert r["unused_params_frozen"] == ["blocks.1.attn.ve_lambda", "blocks.2.attn.ve_lambda"]
         assert r["scaling_efficiency"] == pytest.approx(
             r["tokens_per_s"] / (r["world"] * rows[1]["tokens_per_s"]), rel=1e-3
         )
