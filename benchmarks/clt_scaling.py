@@ -466,7 +466,9 @@ def _variants_for(world: int, args: argparse.Namespace, peer_ok: bool, scaling: 
         kinds = [_kind(v) for v in _ALL_VARIANTS if v.endswith("2gpu") and not v.startswith("peer")]
         kinds += ["peer_crosslayer_coding"] if peer_ok else []
     else:
-        kinds = list(_SCALING_KINDS) + (["peer_crosslayer_coding"] if peer_ok and args.variants else [])
+        # the three strategies; with --variants any kind (the A/Bs, the peer) at every size it names
+        kinds = [k for k in _KINDS if k != "ours"] if args.variants else list(_SCALING_KINDS)
+        kinds = [k for k in kinds if peer_ok or not k.startswith("peer")]
     names = []
     for kind in kinds:
         if kind == _KIND_2D and (world % args.model_parallel or world // args.model_parallel < 2):
