@@ -656,7 +656,7 @@ def main() -> None:
         "--need-s", type=float, default=15.0, help="a run starts only with this much time left"
     )
     parser.add_argument(
-        "--grace-s", type=float, default=30.0, help="a launch is killed this long after the end"
+        "--grace-s", type=float, default=20.0, help="a launch is killed this long after the end"
     )
     args = parser.parse_args()
     if args.end_unix is None and args.deadline_s is not None:

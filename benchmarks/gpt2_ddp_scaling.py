@@ -540,7 +540,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--reserve-s", type=float, default=15.0, help="the target run stops this long before the end"
     )
-    p.add_argument("--grace-s", type=float, default=30.0, help="a launch is killed this long after the end")
+    p.add_argument("--grace-s", type=float, default=20.0, help="a launch is killed this long after the end")
     args = p.parse_args(argv)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() and not args.smoke else 0
     if args.gpus is None:
