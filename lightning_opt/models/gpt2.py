@@ -208,7 +208,10 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = RMSNorm(self.hd) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd) if cfg.qk_norm else None
         # learned mix of the value embedding into the values (modded-nanogpt style)
-        self.ve_lambda = nn.Parameter(torch.tensor(0.5)) if cfg.n_value_embeds else None
+        # only in the layers that get one (the first and last n_value_embeds): a parameter no loss reaches
+        # would make plain DDP fail after the first backward
+        has_ve = layer < cfg.n_value_embeds or layer >= cfg.n_layer - cfg.n_value_embeds
+        self.ve_lambda = nn.Parameter(torch.tensor(0.5)) if cfg.n_value_embeds and has_ve else None
         # decide flash-attn vs SDPA now: inside torch.compile the import probe would break the graph
         resolve_backend(cfg.attn_backend)
 

@@ -196,3 +196,17 @@ def test_speedrun_model_traces_without_graph_breaks(loss_impl):
         torch._dynamo.reset()
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
+
+
+def test_every_parameter_gets_a_gradient_in_the_speedrun_config():
+    """DDP (without find_unused_parameters) needs a gradient for every trainable parameter after backward."""
+    cfg = GPTConfig(**{**BASE, "n_layer": 6}, vocab_multiple=128, pos_emb="rope", norm="rmsnorm", bias=False,
+                    qk_norm=True, mlp="relu2", tie_embeddings=False, zero_init_proj=True, logit_softcap=30.0,
+                    n_value_embeds=2, unet_skips=True)
+    model = GPT(cfg)
+    x = torch.randint(0, 300, (2, 16))
+    model(x, x.roll(-1, 1)).backward()
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing, missing
+    # value-embedding mixes exist exactly in the layers that get a value embedding (first 2, last 2)
+    assert [b.attn.ve_lambda is not None for b in model.blocks] == [True, True, False, False, True, True]
