@@ -66,7 +66,7 @@ from gpt2_common import (  # noqa: E402
 
 RECORD_TARGET_FALLBACK = 4.2893  # the record script's final val loss on the novels shards (H100, 127 steps)
 SMOKE_VOCAB = 512
-# 4 layers: the middle two have an unused ``ve_lambda`` like the full model (see :func:`freeze_unused`)
+# 4 layers: value embeddings in the first and last block only, the layout of the full model
 SMOKE_SHAPE = dict(n_layer=4, n_head=2, n_embd=64, vocab_size=SMOKE_VOCAB, vocab_multiple=1, n_value_embeds=1)
 
 
@@ -165,10 +165,11 @@ def _interpolate(curve: list[dict[str, Any]], target: float, key: str) -> float 
 def freeze_unused(model: torch.nn.Module) -> list[str]:
     """Freeze the parameters no loss ever reaches, so plain DDP (``find_unused_parameters=False``) can run.
 
-    The speedrun GPT creates ``attn.ve_lambda`` in every block, but only the blocks with value embeddings
-    use it; DDP then fails after the first backward ("parameters that were not used in producing the
-    loss"). A probe forward/backward on 8 tokens finds them; freezing changes nothing (on one GPU they get
-    no gradient either) and avoids ``find_unused_parameters=True`` (a graph walk every step).
+    E.g. a speedrun GPT that creates ``attn.ve_lambda`` in blocks without value embeddings (as ours did
+    until that was fixed): DDP then fails after the first backward ("parameters that were not used in
+    producing the loss"). A probe forward/backward on 8 tokens finds them; freezing changes nothing (on one
+    GPU they get no gradient either) and avoids ``find_unused_parameters=True`` (a graph walk every step).
+    Returns their names (recorded in the JSON; empty for a model without such parameters).
     """
     with torch.random.fork_rng():
         x = torch.zeros(1, 8, dtype=torch.long, device=next(model.parameters()).device)

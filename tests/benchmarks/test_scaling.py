@@ -38,6 +38,20 @@ def results(tmp_path_factory) -> Path:
     return out
 
 
+def _unused_in_smoke_model() -> list[str]:
+    from dataclasses import replace
+
+    from benchmarks.gpt2_common import load_yaml_config
+    from benchmarks.gpt2_ddp_scaling import SMOKE_SHAPE, freeze_unused
+    from lightning_opt.models.gpt2 import GPT
+
+    cfg = replace(load_yaml_config("gpt2-124m-speedrun")[0], block_size=64, **SMOKE_SHAPE)
+    model = GPT(cfg)
+    unused = freeze_unused(model)
+    assert all(p.grad is None for p in model.parameters())  # the probe leaves no gradient behind
+    return unused
+
+
 def _env_ok(meta: dict, env: dict) -> None:
     assert env["torch"] and env["lightning"] and "--smoke" in env["command"]
     assert (meta.get("device") or env.get("device")).startswith("cpu")
@@ -88,8 +102,8 @@ def test_gpt2_ddp_scaling_same_optimisation_at_every_size(results):
     assert rows[1]["global_tokens_per_step"] == rows[2]["global_tokens_per_step"]
     for r in rows.values():
         assert "error" not in r and r["tokens_per_s"] > 0 and r["steps"] == data["settings"]["steps"]
-        # plain DDP runs although the model has parameters no loss reaches (frozen before wrapping)
-        assert r["unused_params_frozen"] == ["blocks.1.attn.ve_lambda", "blocks.2.attn.ve_lambda"]
+        # plain DDP runs: parameters no loss reaches (if the model has any) are frozen before wrapping
+        assert r["unused_params_frozen"] == _unused_in_smoke_model()
         assert r["scaling_efficiency"] == pytest.approx(
             r["tokens_per_s"] / (r["world"] * rows[1]["tokens_per_s"]), rel=1e-3
         )
@@ -155,3 +169,23 @@ def test_no_time_left_skips_every_size_and_still_writes_the_json(tmp_path):
     gpt2 = json.loads((tmp_path / "g.json").read_text())
     assert [r["world"] for r in gpt2["rows"]] == [1, 2] and all("skipped" in r for r in gpt2["rows"])
     assert "skipped" in gpt2["target_run"] and gpt2["summary"]["tokens_per_s"] == {}
+
+
+def test_freeze_unused_finds_parameters_no_loss_reaches():
+    import torch
+
+    from benchmarks.gpt2_ddp_scaling import freeze_unused
+
+    class Toy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = torch.nn.Embedding(10, 4)
+            self.unused = torch.nn.Linear(4, 4)
+
+        def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return self.used(idx).square().mean()
+
+    model = Toy()
+    assert freeze_unused(model) == ["unused.weight", "unused.bias"]
+    assert model.used.weight.requires_grad and not model.unused.weight.requires_grad
+    assert model.used.weight.grad is None  # the probe's gradient is not left for the first step
