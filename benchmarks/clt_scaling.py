@@ -36,29 +36,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
 import traceback
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 from clt_common import write_result  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dist_launch import default_gpus, init_group, launch, seconds_left  # noqa: E402
 
 
 class _ByteCounter:
@@ -501,25 +493,12 @@ def _worker(
     """
     import gc
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), RANK=str(rank),
-        WORLD_SIZE=str(world), NODE_RANK="0",
-    )  # fmt: skip
     import torch.distributed as dist
 
-    if args.smoke:  # one thread per process: several processes share a few CPU cores without spin-waiting
-        torch.set_num_threads(1)
-    use_cuda = torch.cuda.is_available() and not args.smoke
-    if use_cuda:
-        torch.cuda.set_device(rank)
-    backend = "nccl" if use_cuda else "gloo"
-    kw = {"device_id": torch.device("cuda", rank)} if use_cuda else {}
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=120), **kw)
+    use_cuda = init_group(rank, world, port, args.smoke, timeout_s=120)
     for n_features, variant in _runs(args, variants):
-        # every rank must take the same decision, else the ranks that start a run wait forever
-        left = [args.end_unix - time.time() if args.end_unix else float("inf")]
-        dist.broadcast_object_list(left, src=0)
-        if left[0] < args.need_s:
+        left = seconds_left(args.end_unix)  # the same decision on every rank
+        if left < args.need_s:
             if rank == 0:
                 with open(os.path.join(out_dir, f"{variant}_{n_features}.json"), "w") as f:
                     json.dump(
@@ -527,7 +506,7 @@ def _worker(
                             "variant": variant,
                             "features_per_layer": n_features,
                             "world": world,
-                            "skipped": f"time budget: {left[0]:.0f}s left, needs ~{args.need_s:.0f}s",
+                            "skipped": f"time budget: {left:.0f}s left, needs ~{args.need_s:.0f}s",
                         },
                         f,
                     )
@@ -551,15 +530,6 @@ def _worker(
     dist.destroy_process_group()
 
 
-def default_gpus(available: int) -> list[int]:
-    """1 and every power of two up to ``available`` (1 and 2 on a 2-GPU machine: the 1-vs-2 comparison)."""
-    sizes, n = [1], 2
-    while n <= available:
-        sizes.append(n)
-        n *= 2
-    return sizes
-
-
 def add_scaling(rows: list[dict[str, Any]]) -> None:
     """Speed-up and scaling efficiency of every row over the 1-GPU row of the same code and size.
 
@@ -578,34 +548,6 @@ def add_scaling(rows: list[dict[str, Any]]) -> None:
         if base and base.get("tokens_per_s") and row.get("tokens_per_s"):
             row["speedup_vs_1gpu"] = row["tokens_per_s"] / base["tokens_per_s"]
             row["scaling_efficiency"] = row["speedup_vs_1gpu"] / row["world"]
-
-
-def _launch(world: int, names: list[str], args: argparse.Namespace, tmp: str) -> str:
-    """Run one group of ``world`` processes; return the error for runs that wrote no result.
-
-    The group is terminated at ``--end-unix`` (plus a grace period) so a hung collective cannot eat the
-    call: the runs done by then keep their results.
-    """
-    # CPU smoke runs fork (no CUDA in the parent; torch and Lightning are not imported again per process)
-    ctx = mp.start_processes(
-        _worker,
-        args=(world, _free_port(), names, args, tmp),
-        nprocs=world,
-        join=False,
-        start_method="fork" if args.smoke else "spawn",
-    )
-    try:
-        while not ctx.join(timeout=2):
-            if args.end_unix and time.time() > args.end_unix + args.grace_s:
-                for proc in ctx.processes:
-                    if proc.is_alive():
-                        proc.terminate()
-                for proc in ctx.processes:
-                    proc.join(10)
-                return f"terminated: past the time budget (--end-unix + {args.grace_s:.0f}s)"
-    except Exception as err:  # a crashed launch: its runs without a result get this error
-        return f"{type(err).__name__}: {str(err)[-2000:]}"
-    return "no result written"
 
 
 def main() -> None:
@@ -703,7 +645,7 @@ def main() -> None:
             if left < args.need_s + 10:  # process start-up on top of one run
                 launch_error = f"skipped: time budget ({left:.0f}s left)"
             else:
-                launch_error = _launch(world, names, args, tmp)
+                launch_error = launch(_worker, (names, args, tmp), world, args.smoke, args.end_unix, args.grace_s)
             for n_features, variant in _runs(args, names):
                 path = os.path.join(tmp, f"{variant}_{n_features}.json")
                 if os.path.exists(path):

@@ -35,13 +35,11 @@ import glob
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 import time
 import traceback
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from dist_launch import default_gpus, init_group, launch, seconds_left  # noqa: E402
 from gpt2_common import (  # noqa: E402
     ROOT,
     Clock,
@@ -81,25 +79,6 @@ def record_target() -> tuple[float, str]:
         except (OSError, KeyError, TypeError, ValueError):
             continue
     return RECORD_TARGET_FALLBACK, "built-in (no readable gpt2_record_*.json)"
-
-
-def default_gpus(available: int) -> list[int]:
-    """1 and every power of two up to ``available``."""
-    sizes, n = [1], 2
-    while n <= available:
-        sizes.append(n)
-        n *= 2
-    return sizes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ------------------------------------------------------------------------------------------------
-# one run inside a process group
 
 
 def _val_tokens(val_path: str, n: int, vocab_mod: int | None) -> torch.Tensor:
@@ -323,35 +302,18 @@ def _worker(
 
     import torch.distributed as dist
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        LOCAL_RANK=str(rank),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        NODE_RANK="0",
-    )
-    if args.smoke:  # one thread per process: several processes share a few CPU cores without spin-waiting
-        torch.set_num_threads(1)
-    use_cuda = torch.cuda.is_available() and not args.smoke
+    use_cuda = init_group(rank, world, port, args.smoke, timeout_s=300)
     if use_cuda:
-        torch.cuda.set_device(rank)
         torch.set_float32_matmul_precision("high")
-    kw = {"device_id": torch.device("cuda", rank)} if use_cuda else {}
-    dist.init_process_group(
-        "nccl" if use_cuda else "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300), **kw
-    )
     val = _val_tokens(val_path, args.val_tokens, SMOKE_VOCAB if args.smoke else None)
     for job in jobs:
-        # the same decision on every rank: a rank that starts a run alone waits forever
-        left = [args.end_unix - time.time() if args.end_unix else float("inf")]
-        dist.broadcast_object_list(left, src=0)
+        left = seconds_left(args.end_unix)  # the same decision on every rank
         need = args.need_s if job == "throughput" else args.need_s + 30
         t0 = time.perf_counter()
-        if left[0] < need:
+        if left < need:
             result: dict[str, Any] = {
                 "world": world,
-                "skipped": f"time budget: {left[0]:.0f}s left, needs ~{need:.0f}s",
+                "skipped": f"time budget: {left:.0f}s left, needs ~{need:.0f}s",
             }
         else:
             spec = replace(specs[job], accum=specs[job].accum // world)
@@ -383,38 +345,6 @@ def _worker(
         torch._dynamo.reset()
         dist.barrier()
     dist.destroy_process_group()
-
-
-def _launch(
-    world: int,
-    jobs: list[str],
-    args: argparse.Namespace,
-    specs: dict[str, RunSpec],
-    train_path: str,
-    val_path: str,
-    tmp: str,
-) -> str:
-    """One process group of ``world`` processes; returns the error for jobs that wrote no result."""
-    # CPU smoke runs fork (no CUDA in the parent; torch and Lightning are not imported again per process)
-    ctx = mp.start_processes(
-        _worker,
-        args=(world, _free_port(), jobs, args, specs, train_path, val_path, tmp),
-        nprocs=world,
-        join=False,
-        start_method="fork" if args.smoke else "spawn",
-    )
-    try:
-        while not ctx.join(timeout=2):
-            if args.end_unix and time.time() > args.end_unix + args.grace_s:
-                for proc in ctx.processes:
-                    if proc.is_alive():
-                        proc.terminate()
-                for proc in ctx.processes:
-                    proc.join(10)
-                return f"terminated: past the time budget (--end-unix + {args.grace_s:.0f}s)"
-    except Exception as err:  # a crashed process (e.g. killed for memory)
-        return f"{type(err).__name__}: {str(err)[-2000:]}"
-    return "no result written"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -604,7 +534,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if left < args.need_s + 15:  # process start-up on top of one run
                 launch_error = f"skipped: time budget ({left:.0f}s left)"
             else:
-                launch_error = _launch(world, jobs, args, specs, train_path, val_path, tmp)
+                launch_error = launch(_worker, (jobs, args, specs, train_path, val_path, tmp), world, args.smoke,
+                                      args.end_unix, args.grace_s)
             for job in jobs:
                 path = os.path.join(tmp, f"{job}_{world}.json")
                 if os.path.exists(path):
