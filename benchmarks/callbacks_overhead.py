@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -36,11 +35,12 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import lightning
 import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from result_header import result_header  # noqa: E402
 
 from lightning_opt.callbacks import (  # noqa: E402
     AsyncCheckpoint,
@@ -437,13 +437,7 @@ def main() -> None:
         attribution["sum_of_the_six_alone"] = {"overhead_vs_none": sum(singles)}
 
     report = {
-        "benchmark": "callbacks_overhead",
-        "device": torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "command": " ".join([sys.executable, *sys.argv]),
+        **result_header("callbacks_overhead"),
         "config": {
             "model": "GPT-2 124M" if not args.smoke else "tiny (smoke)",
             "batch": f"{args.batch_size}x{cfg.block_size}",

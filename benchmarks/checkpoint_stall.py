@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -23,7 +22,6 @@ import time
 import traceback
 from typing import Any
 
-import lightning
 import lightning.pytorch as pl
 import torch
 
@@ -31,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from callbacks_overhead import BenchModule, RandomTokens, gpt_config  # noqa: E402
+from result_header import result_header  # noqa: E402
 
 from lightning_opt.callbacks import AsyncCheckpoint  # noqa: E402
 
@@ -233,13 +232,7 @@ def main() -> None:
         if sync.get("file_bytes") and ours.get("file_bytes"):
             ratios[f"{name}_file_over_sync_file"] = ours["file_bytes"] / sync["file_bytes"]
     report = {
-        "benchmark": "checkpoint_stall",
-        "device": torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "command": " ".join([sys.executable, *sys.argv]),
+        **result_header("checkpoint_stall"),
         "config": {
             "model": "GPT-2 124M" if not args.smoke else "tiny (smoke)",
             "batch_size": args.batch_size,

@@ -5,27 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import sys
 from typing import Any
 
 import torch
+from result_header import result_header
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def write_result(name: str, args: argparse.Namespace, rows: list[dict[str, Any]], **extra: Any) -> str:
     """Write ``benchmarks/results/<name>[_smoke].json`` (or ``args.out``) and return the path."""
-    import lightning
 
     on_gpu = torch.cuda.is_available() and not args.smoke
     out = args.out or os.path.join(RESULTS, f"{name}_smoke.json" if args.smoke else f"{name}.json")
     result = {
-        "benchmark": name,
-        "device": torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "command": " ".join([sys.executable, *sys.argv]),
+        **result_header(name, on_gpu),
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         **extra,
         "rows": rows,

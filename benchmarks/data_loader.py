@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from result_header import result_header  # noqa: E402
 
 from lightning_opt.data.datamodule import TokenShardDataModule  # noqa: E402
 from lightning_opt.data.shards import write_shard  # noqa: E402
@@ -182,12 +183,7 @@ def main() -> None:
     width, depth = (32, 1) if args.smoke else (1024, 8)
 
     result: dict = {
-        "benchmark": "data_loader",
-        "command": " ".join([sys.executable, *sys.argv]),
-        "device": torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else platform.processor() or "cpu",
-        "torch": torch.__version__,
+        **result_header("data_loader"),
         "smoke": args.smoke,
         "batch": batch,
         "seq_len": seq_len,
