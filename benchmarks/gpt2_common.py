@@ -437,10 +437,16 @@ class SyncProbe:
     def __init__(self) -> None:
         self.found: dict[str, dict[str, Any]] = {}
         self._old: Any = None
+        self.used = False  # one window per run
+
+    @property
+    def active(self) -> bool:
+        return self._old is not None
 
     def start(self) -> None:
         import warnings
 
+        self.used = True
         self._old = warnings.showwarning
         warnings.simplefilter("always", UserWarning)
         warnings.showwarning = self._record  # type: ignore[assignment]
@@ -501,8 +507,7 @@ def train_lightning(spec: RunSpec, data: Tokens, train_path: Path, logger: str =
             state["clock"] = Clock(dev)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if probe is not None and trainer.global_step == probe_window[0] and probe._old is None \
-                    and not probe.found:
+            if probe is not None and trainer.global_step == probe_window[0] and not probe.used:
                 probe.start()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -514,7 +519,7 @@ def train_lightning(spec: RunSpec, data: Tokens, train_path: Path, logger: str =
             clock: Clock = state["clock"]
             if done == spec.warm:
                 state["t_warm"] = clock.now()
-            if probe is not None and done >= probe_window[1] and probe._old is not None:
+            if probe is not None and done >= probe_window[1] and probe.active:
                 probe.stop()
             if spec.val_every and (done % spec.val_every == 0 or done == spec.steps):
                 model = pl_module.model
