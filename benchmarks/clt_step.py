@@ -21,7 +21,7 @@ synthetic activations; 4096 / 8192 / 16384 / 32768 features per layer. Per featu
 * ``select_ours`` / ``select_torch_topk`` / ``select_global_topk``: the BatchTopK selection alone on the bf16
   pre-activations ``[12 * 4096 * F]`` (ours = ``ops.topk.batch_topk_rows``; ``torch.topk`` of k*tokens; the
   strategies helper's ``global_batch_topk`` with ``group=None``). ``select_path`` says which path
-  ``select_ours`` took (``triton_3pass``: ``_topk_triton.select_16bit``; ``candidates``: candidate step +
+  ``select_ours`` took (``triton_2pass``: ``_topk_triton.select_16bit``; ``candidates``: candidate step +
   threshold step). Also the candidate path (``select_ours_candidates``), with the top-k threshold step
   (``select_ours_topk_threshold``) and with torch candidates, the candidate phase alone, and sweeps of the
   Triton kernels' ``BLOCK`` x ``num_warps`` (``candidates_sweep``, ``select_sweep``).
@@ -316,10 +316,10 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
     lo = lo.to(pre.dtype)
     expected = int(frac * pre.numel())
     out["select_candidates_backend"] = "triton" if _triton_ok(pre) else "torch"
-    # which path select_ours takes: the three-pass Triton selection or candidates + threshold step
+    # which path select_ours takes: the two-pass Triton selection or candidates + threshold step
     with warnings.catch_warnings(record=True) as caught:  # a failed Triton self-check warns: keep its message
         warnings.simplefilter("always")
-        out["select_path"] = "triton_3pass" if topk_mod._use_select_16bit(pre.view(1, -1)) else "candidates"
+        out["select_path"] = "triton_2pass" if topk_mod._use_select_16bit(pre.view(1, -1)) else "candidates"
     if caught:
         out["select_warnings"] = [str(w.message)[:300] for w in caught]
 
@@ -362,7 +362,7 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
                 except Exception as err:
                     sweep[f"{block}x{warps}"] = repr(err)[:120]
         out["candidates_sweep"] = {"default": f"{kt.BLOCK}x{kt.NUM_WARPS}", "ms": sweep}
-        if out["select_path"] == "triton_3pass":  # the three-pass selection's launch shape
+        if out["select_path"] == "triton_2pass":  # the two-pass selection's launch shape
             sweep = {}
             for block in (1024, 2048, 4096, 8192):
                 for warps in (4, 8):

@@ -5,11 +5,9 @@ sum, reserves room for them with one ``atomic_add`` on a global counter and writ
 pairs into preallocated buffers. Blocks reserve in arbitrary order, so the caller sorts the (few) hits by
 index afterwards; the result is then identical to ``nonzero(x >= lo)`` and does not depend on scheduling.
 
-:func:`select_16bit` is the whole BatchTopK selection for bf16/fp16 scores in three passes over ``x`` and no
-sort: a per-row histogram of the 16-bit order keys of the entries at or above a lower bound (global atomics, only
-for those few entries), then the exact cut-off per row from it (torch, on 2**16 bins), then per block the counts
-of entries above and equal to the cut-off, and last one pass that writes every kept index to its final slot
-(block prefix sums give each entry its rank). The output is ascending, ``n_keep`` per row, like the torch path.
+:func:`select_16bit` is the whole BatchTopK selection for bf16/fp16 scores in two passes over ``x``: per-block counts of the entries at or above a lower bound, then those entries (the candidates)
+in flat order to slots given by the block prefix sums; a sort of the few candidates' 16-bit order keys gives each row's exact cut-off, and a running count keeps the entries above it and the first ties. The
+output is ascending, ``n_keep`` per row, like the torch path.
 
 Import is lazy and optional: :func:`available` says whether the kernel can run for a tensor (CUDA, or any
 device under ``TRITON_INTERPRET=1``); callers fall back to torch otherwise.
@@ -139,45 +137,26 @@ if triton is not None:
         return tl.where(b == 0x8000, 0x8000, key)
 
     @triton.jit
-    def _hist_ge_kernel(x_ptr, lo_ptr, hist_ptr, n, row_len, BLOCK: tl.constexpr, BLOCK_IN_ONE_ROW: tl.constexpr):
+    def _count_ge_kernel(x_ptr, lo_ptr, cnt_ptr, n, row_len, BLOCK: tl.constexpr, BLOCK_IN_ONE_ROW: tl.constexpr):
+        # pass 1: per block, the count of entries at or above their row's bound (a read at memory speed)
         offs, inb, row, x = _block(x_ptr, n, row_len, BLOCK, BLOCK_IN_ONE_ROW)
         lo = _per_row(lo_ptr, row, inb, BLOCK_IN_ONE_ROW)
         hit = (x.to(tl.float32) >= lo.to(tl.float32)) & inb  # NaN: never
-        ones = tl.full([BLOCK], 1, tl.int32)
-        tl.atomic_add(hist_ptr + row * 65536 + _key16(x), ones, mask=hit, sem="relaxed")
+        tl.store(cnt_ptr + tl.program_id(0), tl.sum(hit.to(tl.int32), axis=0))
 
     @triton.jit
-    def _count_cut_kernel(x_ptr, cut_ptr, gt_ptr, eq_ptr, n, row_len, BLOCK: tl.constexpr,
-                          BLOCK_IN_ONE_ROW: tl.constexpr):
+    def _compact_ordered_kernel(x_ptr, lo_ptr, pre_ptr, idx_ptr, val_ptr, n, row_len, BLOCK: tl.constexpr,
+                                BLOCK_IN_ONE_ROW: tl.constexpr):
+        # pass 2: every entry at or above its bound to its slot in flat order (the block's exclusive prefix from
+        # pass 1 plus a block-local scan; no atomics, no sort): its flat index and value. (int64 slots: on an H200
+        # an int32 scan-and-add here ran at half the speed.)
         offs, inb, row, x = _block(x_ptr, n, row_len, BLOCK, BLOCK_IN_ONE_ROW)
-        x = x.to(tl.float32)
-        cut = _per_row(cut_ptr, row, inb, BLOCK_IN_ONE_ROW).to(tl.float32)
-        pid = tl.program_id(0)
-        tl.store(gt_ptr + pid, tl.sum(((x > cut) & inb).to(tl.int32), axis=0))
-        tl.store(eq_ptr + pid, tl.sum(((x == cut) & inb).to(tl.int32), axis=0))
-
-    @triton.jit
-    def _write_kept_kernel(x_ptr, cut_ptr, gt_pre_ptr, eq_pre_ptr, gt_row0_ptr, eq_row0_ptr, quota_ptr, out_ptr,
-                           n, row_len, n_keep, BLOCK: tl.constexpr, BLOCK_IN_ONE_ROW: tl.constexpr):
-        offs, inb, row, x = _block(x_ptr, n, row_len, BLOCK, BLOCK_IN_ONE_ROW)
-        x = x.to(tl.float32)
-        cut = _per_row(cut_ptr, row, inb, BLOCK_IN_ONE_ROW).to(tl.float32)
-        pid = tl.program_id(0)
-        gt = (x > cut) & inb
-        eq = (x == cut) & inb
-        gt32 = gt.to(tl.int32)
-        eq32 = eq.to(tl.int32)
-        # entries of the same row before this one that are above / equal to the cut-off (int32 block-local
-        # exclusive scans, int64 block and row offsets)
-        gt_before = ((tl.cumsum(gt32, axis=0) - gt32).to(tl.int64) + tl.load(gt_pre_ptr + pid)
-                     - _per_row(gt_row0_ptr, row, inb, BLOCK_IN_ONE_ROW))
-        eq_rank = ((tl.cumsum(eq32, axis=0) - eq32).to(tl.int64) + tl.load(eq_pre_ptr + pid)
-                   - _per_row(eq_row0_ptr, row, inb, BLOCK_IN_ONE_ROW))
-        quota = _per_row(quota_ptr, row, inb, BLOCK_IN_ONE_ROW)
-        keep = gt | (eq & (eq_rank < quota))
-        # kept entries of the row before this one: all above, and the first `quota` ties (flat-index order)
-        dst = row * n_keep + gt_before + tl.minimum(eq_rank, quota)
-        tl.store(out_ptr + dst, offs, mask=keep)
+        lo = _per_row(lo_ptr, row, inb, BLOCK_IN_ONE_ROW)
+        hit = (x.to(tl.float32) >= lo.to(tl.float32)) & inb
+        h = hit.to(tl.int32)
+        dst = tl.load(pre_ptr + tl.program_id(0)) + (tl.cumsum(h, axis=0) - h).to(tl.int64)
+        tl.store(idx_ptr + dst, offs, mask=hit)
+        tl.store(val_ptr + dst, x, mask=hit)
 
 
 def _exclusive_cumsum(c: torch.Tensor) -> torch.Tensor:
@@ -190,14 +169,25 @@ def select_16bit(x2d: torch.Tensor, n_keep: int, lo_rows: torch.Tensor) -> torch
     """Sorted flat indices of the ``n_keep`` largest entries of every row of a bf16/fp16 ``x2d`` (ties: the
     smallest flat indices), given per-row bounds ``lo_rows`` that at least ``n_keep`` entries per row reach.
 
-    Returns ``None`` when some row has fewer than ``n_keep`` entries at or above its bound (the caller falls
-    back). One host sync: that check (a single flag).
+    Two passes over ``x``: (1) per block, the count of entries at or above the bound; (2) those entries (the
+    candidates), in flat order, to slots given by the block prefix sums, with their values. Then, on the
+    candidates only: a sort of their row-major 16-bit order keys gives each row's exact cut-off (the
+    ``n_keep``-th largest key), and the row keeps the entries above it and the first ``n_keep - above`` equal to
+    it (a running count).
+
+    Returns:
+        ``None`` when some row has fewer than ``n_keep`` entries at or above its bound (the caller falls back).
+        One host sync, between the passes: the candidate count (it sizes the buffers) and the per-row counts (the
+        check). Rows that split a launch block (row length not a multiple of ``SELECT_BLOCK``) are checked at the
+        end instead: a second sync.
     """
     if triton is None:
         raise ImportError("select_16bit needs triton (pip install triton, or use the torch path)")
     if x2d.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"select_16bit handles bf16/fp16 scores, got {x2d.dtype}")
     rows, m = x2d.shape
+    if rows > 1 << 15:
+        raise ValueError(f"select_16bit handles at most {1 << 15} rows, got {rows}")
     flat = x2d.contiguous().view(-1)
     n = flat.numel()
     dev = flat.device
@@ -205,23 +195,65 @@ def select_16bit(x2d: torch.Tensor, n_keep: int, lo_rows: torch.Tensor) -> torch
     one_row = rows == 1 or m % SELECT_BLOCK == 0
     grid = (triton.cdiv(n, SELECT_BLOCK),)
     meta = {"BLOCK": SELECT_BLOCK, "BLOCK_IN_ONE_ROW": one_row, "num_warps": SELECT_WARPS}
-    hist = torch.zeros(rows * _BINS, dtype=torch.int32, device=dev)
-    _hist_ge_kernel[grid](flat, lo_rows, hist, n, m, **meta)
-    at_or_above = hist.view(rows, _BINS).flip(1).cumsum(1, dtype=torch.int64).flip(1)  # entries with key >= b
-    if bool((at_or_above[:, 0] < n_keep).any()):  # host sync: a short row needs the caller's fallback
+    cnt = torch.empty(grid[0], dtype=torch.int32, device=dev)
+    _count_ge_kernel[grid](flat, lo_rows, cnt, n, m, **meta)
+    pre = _exclusive_cumsum(cnt)
+    counts = [pre[-1:] + cnt[-1:]]
+    if one_row and rows > 1:
+        counts.append(cnt.view(rows, -1).sum(1))  # blocks lie inside rows: per-row counts from block counts
+    counts = torch.cat(counts).tolist()  # host sync: the total sizes the buffers, the rest is the check
+    total, per_row = counts[0], counts[1:] if rows > 1 else counts
+    if total < rows * n_keep or (per_row and min(per_row) < n_keep):
         return None
-    t = (at_or_above >= n_keep).sum(1) - 1  # per row: the largest key with >= n_keep entries at or above
-    padded = torch.cat([at_or_above, at_or_above.new_zeros(rows, 1)], dim=1)
-    above = padded.gather(1, (t + 1)[:, None]).squeeze(1)
-    ties = padded.gather(1, t[:, None]).squeeze(1) - above
-    # the cut-off key back to its 16-bit value (the inverse of _key16)
-    bits = torch.where(t >= 0x8000, t - 0x8000, 0xFFFF - t)
-    cut = torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(flat.dtype).contiguous()
-    n_blocks = grid[0]
-    gt_cnt = torch.empty(n_blocks, dtype=torch.int32, device=dev)
-    eq_cnt = torch.empty(n_blocks, dtype=torch.int32, device=dev)
-    _count_cut_kernel[grid](flat, cut, gt_cnt, eq_cnt, n, m, **meta)
-    out = torch.empty(rows * n_keep, dtype=torch.int64, device=dev)
-    _write_kept_kernel[grid](flat, cut, _exclusive_cumsum(gt_cnt), _exclusive_cumsum(eq_cnt), _exclusive_cumsum(above),
-                             _exclusive_cumsum(ties), (n_keep - above).contiguous(), out, n, m, n_keep, **meta)
+    idx = torch.empty(total, dtype=torch.int64, device=dev)
+    val = torch.empty(total, dtype=flat.dtype, device=dev)
+    _compact_ordered_kernel[grid](flat, lo_rows, pre, idx, val, n, m, **meta)
+    out, short = _keep_candidates(idx, val, rows, m, n_keep)
+    if not one_row and bool(short):  # second host sync: rows that split blocks were not checked above
+        return None
     return out
+
+
+def _key16_torch(v: torch.Tensor) -> torch.Tensor:
+    # int32 order key of 16-bit floats, like _key16 in the kernels (-0 gets +0's key)
+    b = v.view(torch.int16).to(torch.int32) & 0xFFFF
+    key = torch.where(b >= 0x8000, 0xFFFF - b, b + 0x8000)
+    return torch.where(b == 0x8000, 0x8000, key)
+
+
+def _keep_candidates(idx: torch.Tensor, val: torch.Tensor, rows: int, m: int, n_keep: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the candidates (flat order): the kept flat indices (``rows * n_keep``, ascending) and whether some
+    row has fewer than ``n_keep`` candidates (then the indices are meaningless). No host sync.
+
+    Each candidate gets the key ``row * 2**16 + 16-bit order key``; one sort of the keys gives each row's range
+    and its ``n_keep``-th largest key (the cut-off); the row keeps the keys above it and, in flat order, the
+    first ``n_keep - above`` equal to it."""
+    dev = val.device
+    key = _key16_torch(val)
+    if rows > 1:
+        row = torch.div(idx, m, rounding_mode="floor").to(torch.int32)
+        key = key + (row << 16)
+    sorted_keys = torch.sort(key).values
+    base = torch.arange(rows + 1, device=dev, dtype=torch.int32) * _BINS
+    bounds = torch.searchsorted(sorted_keys, base)  # [rows + 1]: where each row's keys start (and the end)
+    start, end = bounds[:-1], bounds[1:]
+    short = (end - start < n_keep).any()
+    cut = sorted_keys[(end - n_keep).clamp(min=0)]  # the n_keep-th largest key of each row (row * 2**16 + key)
+    above_from = torch.searchsorted(sorted_keys, cut, right=True)
+    quota = n_keep - (end - above_from)  # ties kept: n_keep minus the keys above the cut-off
+    if rows > 1:
+        ties = above_from - torch.searchsorted(sorted_keys, cut)
+        ties_before = (torch.cumsum(ties, 0) - ties)[row.long()]
+        cut, quota = cut[row.long()], quota[row.long()]
+    else:
+        ties_before = 0
+    eq = key == cut
+    rank = torch.cumsum(eq, 0) - ties_before  # 1-based rank of a tie inside its row, in flat order
+    keep = (key > cut) | (eq & (rank <= quota))
+    total_out = rows * n_keep
+    # every row keeps exactly n_keep and rows come in order: the running count is the output slot (clamped: a
+    # short row's cut-off is meaningless and may keep too many; the caller discards that result)
+    slot = torch.where(keep, torch.cumsum(keep, 0) - 1, total_out).clamp_(max=total_out)
+    out = torch.empty(total_out + 1, dtype=torch.int64, device=dev)
+    return out.scatter_(0, slot, idx)[:total_out], short

@@ -9,7 +9,7 @@ values* always equals ``torch.topk``'s. NaN entries are never kept.
 
 BatchTopK algorithm (``batch_topk_rows``), for ``R`` rows of ``M`` entries keeping ``n`` per row:
 
-1. A per-row lower bound ``lo`` from a fixed-seed sample of columns: a value that about ``1.25 n`` entries
+1. A per-row lower bound ``lo`` from a fixed-seed sample of columns: a value that about ``1.1 n`` entries
    of the row reach (with a binomial margin), so every true top-``n`` entry is at or above it.
 2. Candidates: the entries with ``x >= lo``, as ascending flat indices and values (one host sync: the count
    sizes the rest). On CUDA with Triton installed this is one fused pass (compare, block-local prefix sum,
@@ -23,10 +23,11 @@ This touches ``x`` twice (sample gather aside): one compare + compaction, one ga
 hundreds of millions of entries with ``k`` near a million is several times slower (see docs/clt.md).
 
 bf16/fp16 scores on CUDA with Triton (at most 256 rows) skip steps 2-3: ``ops._topk_triton.select_16bit`` reads
-``x`` three times (histogram of the 16-bit order keys of the entries ``>= lo``; per-block counts above and at
-the exact cut-off; a pass that writes each kept index straight to its output slot). Same result and tie rule,
-no sort, no compaction buffers; one host sync (whether some row came up short, then the path above runs). It
-is checked against a stable sort once per device and falls back with a warning if it disagrees.
+``x`` twice (per-block counts of the entries ``>= lo``; then those entries in flat order, at slots the counts'
+prefix sums give, with their 16-bit order keys), sorts only the candidates' keys for each row's exact cut-off and
+keeps by a running count. Same result and tie rule; one host sync, between the passes (the candidate count, and
+whether some row came up short: then the path above runs). It is checked against a stable sort once per device and falls back with a warning if
+it disagrees.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ __all__ = [
     "JumpReLUFunction",
 ]
 
-_SAMPLE_COLS = 1 << 15
+_SAMPLE_COLS = 1 << 18
 _SEED = 0x7A9B
 # candidate step: "auto" (Triton kernel on CUDA when importable, else torch), "torch" or "triton"
 CANDIDATES_BACKEND = "auto"
@@ -51,7 +52,7 @@ CANDIDATES_BACKEND = "auto"
 # or "auto" (top-k for one row and on CPU, histogram for several rows on CUDA): with one row both have no extra
 # sync and the top-k was faster on an H200 (2.08 vs 2.44 ms at 4096 x 12 x 8192 bf16, docs/clt.md)
 THRESHOLD_METHOD = "auto"
-# whole selection for bf16/fp16: "auto" (the three-pass Triton selection when it passes its self-check, else
+# whole selection for bf16/fp16: "auto" (the two-pass Triton selection when it passes its self-check, else
 # the candidate + threshold steps), "candidates" (always the candidate + threshold steps) or "triton"
 SELECT_BACKEND = "auto"
 _KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
@@ -65,6 +66,21 @@ def _check_k(n_keep: int, m: int, what: str) -> None:
         raise ValueError(f"{what}={n_keep} exceeds the {m} entries available; lower k.")
 
 
+_COLUMN_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _sample_columns(m: int, device: torch.device) -> torch.Tensor:
+    """The fixed-seed sample of ``_SAMPLE_COLS`` column indices for rows of ``m`` entries, drawn once per
+    ``(m, device)`` (a fresh generator: sampling never advances the user's RNG stream)."""
+    key = (m, device)
+    if key not in _COLUMN_CACHE:
+        if len(_COLUMN_CACHE) >= 32:  # a few row lengths in practice; bound the memory anyway
+            _COLUMN_CACHE.clear()
+        gen = torch.Generator(device=device).manual_seed(_SEED)
+        _COLUMN_CACHE[key] = torch.randint(0, m, (_SAMPLE_COLS,), device=device, generator=gen)
+    return _COLUMN_CACHE[key]
+
+
 def _row_lower_bounds(x2d: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, float]:
     """Per-row value that at least ``n_keep`` entries reach with high probability, and the fraction of a
     row expected to reach it (sizes the candidate buffers)."""
@@ -72,18 +88,17 @@ def _row_lower_bounds(x2d: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, flo
     if m <= _SAMPLE_COLS:
         # The whole row is the sample: the n-th largest is exact.
         return torch.topk(x2d.float(), n_keep, dim=1, sorted=False).values.amin(dim=1), n_keep / m
-    # A fresh fixed-seed generator: sampling must not advance the user's RNG stream.
-    gen = torch.Generator(device=x2d.device).manual_seed(_SEED)
-    cols = torch.randint(0, m, (_SAMPLE_COLS,), device=x2d.device, generator=gen)
+    cols = _sample_columns(m, x2d.device)
     sample = x2d[:, cols].float()
     mean = _SAMPLE_COLS * n_keep / m
-    # 25% plus four binomial standard deviations plus a constant: a fallback is rare.
-    j = min(_SAMPLE_COLS, int(math.ceil(1.25 * mean + 4.0 * math.sqrt(mean) + 16)))
+    # 10% plus four binomial standard deviations plus a constant: a fallback is rare. (2**18 columns: at
+    # 4096 x 12 x 8192 with k=200 the bound lets ~1.3x the kept count through, vs ~2x with 2**15.)
+    j = min(_SAMPLE_COLS, int(math.ceil(1.1 * mean + 4.0 * math.sqrt(mean) + 16)))
     return torch.topk(sample, j, dim=1, sorted=False).values.amin(dim=1), j / _SAMPLE_COLS
 
 
 def _use_select_16bit(x2d: torch.Tensor) -> bool:
-    """Whether the three-pass Triton selection (``_topk_triton.select_16bit``) handles ``x2d``."""
+    """Whether the two-pass Triton selection (``_topk_triton.select_16bit``) handles ``x2d``."""
     if SELECT_BACKEND == "candidates" or x2d.dtype not in (torch.bfloat16, torch.float16):
         return False
     if x2d.shape[0] * _BINS > _MAX_BINS:

@@ -192,7 +192,7 @@ def _stable_sort_reference(x2d: torch.Tensor, n: int) -> torch.Tensor:
 @pytest.mark.skipif(not _triton_runs_here(), reason="needs triton on CUDA (or TRITON_INTERPRET=1 on CPU)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,m,n", [(1, 9000, 700), (3, 3000, 250), (5, 777, 40), (2, 2048, 100)])
-def test_triton_three_pass_selection_matches_stable_sort(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+def test_triton_two_pass_selection_matches_stable_sort(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
                                                          rows: int, m: int, n: int) -> None:
     from lightning_opt.ops import _topk_triton as kt
 

@@ -26,7 +26,7 @@ from lightning_opt.ops import _topk_triton as T  # noqa: E402
 _MODULES = (T, D)
 # kernels launched by a wrapper (the others are @triton.jit helpers they call)
 _KERNELS = {
-    "_compact_ge_kernel", "_hist_ge_kernel", "_count_cut_kernel", "_write_kept_kernel",
+    "_compact_ge_kernel", "_count_ge_kernel", "_compact_ordered_kernel",
     "_forward_kernel", "_grad_values_kernel", "_grad_weight_kernel",
 }
 _HELPERS = {"_block", "_per_row", "_key16"}
@@ -36,14 +36,11 @@ def _selection_cases():
     # (kernel, signature, constexprs, num_warps); ``n`` is i32 below 2**31 entries and i64 above
     for dt, n, one_row in itertools.product(("bf16", "fp16"), ("i32", "i64"), (True, False)):
         meta = {"BLOCK": T.SELECT_BLOCK, "BLOCK_IN_ONE_ROW": one_row}
-        yield ("_hist_ge_kernel", {"x_ptr": f"*{dt}", "lo_ptr": f"*{dt}", "hist_ptr": "*i32", "n": n,
-                                   "row_len": "i32"}, meta, T.SELECT_WARPS)
-        yield ("_count_cut_kernel", {"x_ptr": f"*{dt}", "cut_ptr": f"*{dt}", "gt_ptr": "*i32", "eq_ptr": "*i32",
-                                     "n": n, "row_len": "i32"}, meta, T.SELECT_WARPS)
-        yield ("_write_kept_kernel", {"x_ptr": f"*{dt}", "cut_ptr": f"*{dt}", "gt_pre_ptr": "*i64",
-                                      "eq_pre_ptr": "*i64", "gt_row0_ptr": "*i64", "eq_row0_ptr": "*i64",
-                                      "quota_ptr": "*i64", "out_ptr": "*i64", "n": n, "row_len": "i32",
-                                      "n_keep": n}, meta, T.SELECT_WARPS)
+        yield ("_count_ge_kernel", {"x_ptr": f"*{dt}", "lo_ptr": f"*{dt}", "cnt_ptr": "*i32", "n": n,
+                                    "row_len": "i32"}, meta, T.SELECT_WARPS)
+        yield ("_compact_ordered_kernel", {"x_ptr": f"*{dt}", "lo_ptr": f"*{dt}", "pre_ptr": "*i64",
+                                           "idx_ptr": "*i64", "val_ptr": f"*{dt}", "n": n, "row_len": "i32"},
+               meta, T.SELECT_WARPS)
     # the candidate pass: any float scores, the default block and the largest one of the benchmark's sweep
     for dt, n, one_row, (block, warps) in itertools.product(("bf16", "fp16", "fp32"), ("i32", "i64"),
                                                             (True, False), ((T.BLOCK, T.NUM_WARPS), (16384, 16))):
