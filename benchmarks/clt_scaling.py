@@ -144,6 +144,7 @@ def _build_module(
 
     from lightning_opt.models.clt import CLT, CLTConfig
     from lightning_opt.ops.global_topk import batch_topk_threshold_sparse
+    from lightning_opt.ops.topk import batch_topk_rows
 
     class _Steps(Dataset):
         def __len__(self) -> int:
@@ -194,7 +195,10 @@ def _build_module(
                 pre = clt.encode(x)
                 phases.mark("encode")
                 L, _, nf = pre.shape
-                idx, vals = batch_topk_threshold_sparse(pre.reshape(N, L * nf), args.k, clt.topk_group)
+                if clt.topk_group is None:  # one process: the selection CLT.activate uses (the fastest local one)
+                    idx, vals = batch_topk_rows(pre.reshape(1, L * N * nf), args.k * N)
+                else:
+                    idx, vals = batch_topk_threshold_sparse(pre.reshape(N, L * nf), args.k, clt.topk_group)
                 phases.mark("select")
                 recon = clt.decode_sparse(idx, F.relu(vals), N)
                 phases.mark("decode")

@@ -23,8 +23,8 @@ synthetic activations; 4096 / 8192 / 16384 / 32768 features per layer. Per featu
   strategies helper's ``global_batch_topk`` with ``group=None``). ``select_path`` says which path
   ``select_ours`` took (``triton_2pass``: ``_topk_triton.select_16bit``; ``candidates``: candidate step +
   threshold step). Also the candidate path (``select_ours_candidates``), with the top-k threshold step
-  (``select_ours_topk_threshold``) and with torch candidates, the candidate phase alone, and sweeps of the
-  Triton kernels' ``BLOCK`` x ``num_warps`` (``candidates_sweep``, ``select_sweep``).
+  (``select_ours_topk_threshold``) and with torch candidates, the candidate phase alone, and a sweep of the
+  Triton kernels' ``BLOCK`` x ``num_warps`` for the whole selection (``select_sweep``).
 * ``peer``: crosslayer-coding's own ``CrossLayerTranscoder`` + ``LossManager.compute_total_loss`` step
   (its trainer's step: activations, total loss, backward, AdamW; sparsity and pre-activation terms on), and
   its BatchTopK helper alone. Runs in a subprocess per size (own memory accounting, OOM isolated), only
@@ -312,9 +312,7 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
     def with_backend(backend: str, fn: Callable[[], Any]) -> Callable[[], Any]:
         return with_setting("CANDIDATES_BACKEND", backend, fn)
 
-    lo, frac = topk_mod._row_lower_bounds(pre.view(1, -1), n_keep)
-    lo = lo.to(pre.dtype)
-    expected = int(frac * pre.numel())
+    lo = topk_mod._row_lower_bounds(pre.view(1, -1), n_keep)[0].to(pre.dtype)
     out["select_candidates_backend"] = "triton" if _triton_ok(pre) else "torch"
     # which path select_ours takes: the two-pass Triton selection or candidates + threshold step
     with warnings.catch_warnings(record=True) as caught:  # a failed Triton self-check warns: keep its message
@@ -334,8 +332,8 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
         "select_ours_topk_threshold": candidates_path(with_setting(
             "THRESHOLD_METHOD", "topk", lambda: batch_topk_rows(pre.view(1, -1), n_keep))),
         "select_ours_per_layer": lambda: batch_topk_rows(pre.view(args.layers, -1), n_keep),
-        "phase_candidates": lambda: topk_mod.candidates_ge(pre, lo, pre.numel(), expected),
-        "phase_candidates_torch": with_backend("torch", lambda: topk_mod.candidates_ge(pre, lo, pre.numel(), expected)),
+        "phase_candidates": lambda: topk_mod.candidates_ge(pre, lo, pre.numel()),
+        "phase_candidates_torch": with_backend("torch", lambda: topk_mod.candidates_ge(pre, lo, pre.numel())),
         "select_torch_topk": lambda: torch.topk(pre, n_keep, sorted=False),
     }
     try:
@@ -349,30 +347,19 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
             out[name] = time_fn(fn, dev, 2, args.select_steps)
         except Exception as err:  # one failing variant must not kill the others
             out[name] = {"error": repr(err)}
-    if _triton_ok(pre):  # the candidate kernel's launch shape: BLOCK x num_warps (the default is marked)
+    if _triton_ok(pre) and out["select_path"] == "triton_2pass":  # the two passes' launch shape (default marked)
         from lightning_opt.ops import _topk_triton as kt
 
         sweep = {}
-        for block in (2048, 4096, 8192, 16384):
-            for warps in (4, 8, 16):
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8):
                 fn = with_setting("BLOCK", block, with_setting(
-                    "NUM_WARPS", warps, lambda: kt.compact_ge(pre, lo, pre.numel(), int(1.3 * expected) + 1024), kt), kt)
+                    "NUM_WARPS", warps, lambda: batch_topk_rows(pre.view(1, -1), n_keep), kt), kt)
                 try:
                     sweep[f"{block}x{warps}"] = round(time_fn(fn, dev, 2, args.select_steps)["median_ms"], 4)
                 except Exception as err:
                     sweep[f"{block}x{warps}"] = repr(err)[:120]
-        out["candidates_sweep"] = {"default": f"{kt.BLOCK}x{kt.NUM_WARPS}", "ms": sweep}
-        if out["select_path"] == "triton_2pass":  # the two-pass selection's launch shape
-            sweep = {}
-            for block in (1024, 2048, 4096, 8192):
-                for warps in (4, 8):
-                    fn = with_setting("SELECT_BLOCK", block, with_setting(
-                        "SELECT_WARPS", warps, lambda: batch_topk_rows(pre.view(1, -1), n_keep), kt), kt)
-                    try:
-                        sweep[f"{block}x{warps}"] = round(time_fn(fn, dev, 2, args.select_steps)["median_ms"], 4)
-                    except Exception as err:
-                        sweep[f"{block}x{warps}"] = repr(err)[:120]
-            out["select_sweep"] = {"default": f"{kt.SELECT_BLOCK}x{kt.SELECT_WARPS}", "ms": sweep}
+        out["select_sweep"] = {"default": f"{kt.BLOCK}x{kt.NUM_WARPS}", "ms": sweep}
     # exactness: same kept multiset as torch.topk
     try:
         idx, vals = batch_topk_rows(pre.view(1, -1), n_keep)

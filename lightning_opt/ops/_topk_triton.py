@@ -1,15 +1,18 @@
-"""Triton kernel behind the BatchTopK candidate step: ``x >= lo`` plus compaction in one pass over ``x``.
+"""Triton kernels behind BatchTopK: the entries ``x >= lo`` in flat order, in two passes over ``x``.
 
-Each program compares ``BLOCK`` entries with their row's bound, numbers its hits with a block-local prefix
-sum, reserves room for them with one ``atomic_add`` on a global counter and writes ``(flat index, value)``
-pairs into preallocated buffers. Blocks reserve in arbitrary order, so the caller sorts the (few) hits by
-index afterwards; the result is then identical to ``nonzero(x >= lo)`` and does not depend on scheduling.
+Pass 1 (:func:`count_ge`): each program of ``BLOCK`` entries counts those at or above its row's bound (a read at
+memory speed). The exclusive prefix sum of the block counts gives each block its first output slot. Pass 2: each
+program numbers its hits with a block-local scan and writes ``(flat index, value)`` straight to its slots. No
+atomics, no sort: the result is ``nonzero(x >= lo)`` and ``x[...]`` of it, and does not depend on scheduling.
+One host sync, between the passes (the total sizes the buffers). Replaces an earlier single pass that reserved
+room with one ``atomic_add`` per block and then sorted the hits (slower on an H200: docs/clt.md).
 
-:func:`select_16bit` is the whole BatchTopK selection for bf16/fp16 scores in two passes over ``x``: per-block counts of the entries at or above a lower bound, then those entries (the candidates)
-in flat order to slots given by the block prefix sums; a sort of the few candidates' 16-bit order keys gives each row's exact cut-off, and a running count keeps the entries above it and the first ties. The
-output is ascending, ``n_keep`` per row, like the torch path.
+:func:`compact_ge` is that candidate step. :func:`select_16bit` is the whole BatchTopK selection for bf16/fp16
+scores: the same two passes, then a sort of only the candidates' 16-bit order keys gives each row's exact
+cut-off, and a running count keeps the entries above it and the first ties. The output is ascending, ``n_keep``
+per row, like the torch path.
 
-Import is lazy and optional: :func:`available` says whether the kernel can run for a tensor (CUDA, or any
+Import is lazy and optional: :func:`available` says whether the kernels can run for a tensor (CUDA, or any
 device under ``TRITON_INTERPRET=1``); callers fall back to torch otherwise.
 """
 
@@ -26,13 +29,11 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
 
-__all__ = ["available", "compact_ge", "select_16bit"]
+__all__ = ["available", "count_ge", "compact_counted", "compact_ge", "select_16bit"]
 
-# module-level so benchmarks/clt_step.py can sweep them (H200 sweep of compact_ge: 2048 x 4 was fastest)
+# module-level so benchmarks/clt_step.py can sweep them (H200 sweep of the whole selection: 2048 x 4 fastest)
 BLOCK = 2048
 NUM_WARPS = 4
-SELECT_BLOCK = 2048
-SELECT_WARPS = 4
 _BINS = 1 << 16
 
 
@@ -41,67 +42,6 @@ def available(x: torch.Tensor) -> bool:
     if triton is None:
         return False
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-if triton is not None:
-
-    @triton.jit
-    def _compact_ge_kernel(x_ptr, lo_ptr, idx_ptr, val_ptr, counter_ptr, n, row_len, cap, BLOCK: tl.constexpr,
-                           BLOCK_IN_ONE_ROW: tl.constexpr):
-        pid = tl.program_id(0)
-        start = pid.to(tl.int64) * BLOCK  # int64: x may exceed 2**31 entries
-        offs = start + tl.arange(0, BLOCK)
-        inb = offs < n
-        x = tl.load(x_ptr + offs, mask=inb, other=0.0)
-        if BLOCK_IN_ONE_ROW:
-            lo = tl.load(lo_ptr + start // row_len)  # one scalar load: no 64-bit division per entry
-        else:
-            lo = tl.load(lo_ptr + offs // row_len, mask=inb, other=0.0)
-        # compare in float32 (exact for bf16/fp16 inputs); NaN compares False: never a candidate
-        keep = (x.to(tl.float32) >= lo.to(tl.float32)) & inb
-        hit = keep.to(tl.int32)
-        pos = tl.cumsum(hit, axis=0) - hit  # exclusive prefix sum inside the block
-        base = tl.atomic_add(counter_ptr, tl.sum(hit, axis=0).to(tl.int64))  # one atomic per block
-        dst = base + pos
-        ok = keep & (dst < cap)  # the counter still counts overflowing hits; the caller retries
-        tl.store(idx_ptr + dst, offs, mask=ok)
-        tl.store(val_ptr + dst, x, mask=ok)
-
-
-def compact_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ascending flat indices and values of the entries of ``flat`` with ``flat[i] >= lo_rows[i // row_len]``.
-
-    Args:
-        flat: contiguous 1-D scores.
-        lo_rows: per-row bounds in ``flat``'s dtype (one per ``row_len`` entries).
-        row_len: entries per row.
-        capacity: expected upper bound on the hit count (buffers are sized by it; too small costs a rerun).
-
-    Returns:
-        ``(indices int64, values)``, like ``nonzero(flat >= lo)`` and ``flat[indices]``. One host sync (the
-        hit count sizes the result).
-    """
-    if triton is None:
-        raise ImportError("compact_ge needs triton (pip install triton, or use the torch path)")
-    flat = flat.contiguous()
-    lo_rows = lo_rows.to(flat.dtype).contiguous()
-    n = flat.numel()
-    capacity = max(1, min(int(capacity), n))
-    counter = torch.zeros(1, dtype=torch.int64, device=flat.device)
-    idx = torch.empty(capacity, dtype=torch.int64, device=flat.device)
-    val = torch.empty(capacity, dtype=flat.dtype, device=flat.device)
-    if n > 0:
-        one_row = lo_rows.numel() == 1 or row_len % BLOCK == 0
-        _compact_ge_kernel[(triton.cdiv(n, BLOCK),)](flat, lo_rows, idx, val, counter, n, row_len, capacity,
-                                                     BLOCK=BLOCK, BLOCK_IN_ONE_ROW=one_row, num_warps=NUM_WARPS)
-    count = int(counter.item())  # host sync: the hit count sizes every buffer after this
-    if count > capacity:
-        return compact_ge(flat, lo_rows, row_len, count)
-    keys = idx[:count]
-    if n <= torch.iinfo(torch.int32).max:
-        keys = keys.to(torch.int32)  # half the radix-sort passes of int64 keys
-    keys, order = torch.sort(keys)  # blocks reserved in arbitrary order; restore flat order
-    return keys.long(), val[:count][order]
 
 
 if triton is not None:
@@ -165,6 +105,55 @@ def _exclusive_cumsum(c: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _launch(flat: torch.Tensor, row_len: int, rows: int) -> tuple[tuple[int], dict[str, object]]:
+    one_row = rows == 1 or row_len % BLOCK == 0
+    return (triton.cdiv(flat.numel(), BLOCK),), {"BLOCK": BLOCK, "BLOCK_IN_ONE_ROW": one_row, "num_warps": NUM_WARPS}
+
+
+def count_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass 1: per launch block, how many entries of ``flat`` reach their row's bound. Returns ``(pre, total)``:
+    the blocks' exclusive prefix sums (int64) and the total as a one-element device tensor. No host sync."""
+    if triton is None:
+        raise ImportError("count_ge needs triton (pip install triton, or use the torch path)")
+    lo_rows = lo_rows.to(flat.dtype).contiguous()
+    grid, meta = _launch(flat, row_len, lo_rows.numel())
+    cnt = torch.empty(grid[0], dtype=torch.int32, device=flat.device)
+    if flat.numel() > 0:
+        _count_ge_kernel[grid](flat, lo_rows, cnt, flat.numel(), row_len, **meta)
+    pre = _exclusive_cumsum(cnt)
+    return pre, (pre[-1:] + cnt[-1:]) if cnt.numel() else pre.new_zeros(1)
+
+
+def compact_counted(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int, pre: torch.Tensor,
+                    total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass 2: the ``total`` entries of ``flat`` at or above their row's bound, ascending flat indices (int64)
+    and values, given :func:`count_ge`'s prefix sums for the same ``flat``, bounds and row length."""
+    lo_rows = lo_rows.to(flat.dtype).contiguous()
+    grid, meta = _launch(flat, row_len, lo_rows.numel())
+    idx = torch.empty(total, dtype=torch.int64, device=flat.device)
+    val = torch.empty(total, dtype=flat.dtype, device=flat.device)
+    if total > 0:
+        _compact_ordered_kernel[grid](flat, lo_rows, pre, idx, val, flat.numel(), row_len, **meta)
+    return idx, val
+
+
+def compact_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ascending flat indices and values of the entries of ``flat`` with ``flat[i] >= lo_rows[i // row_len]``.
+
+    Args:
+        flat: contiguous 1-D scores (any float dtype).
+        lo_rows: per-row bounds (one per ``row_len`` entries).
+        row_len: entries per row.
+
+    Returns:
+        ``(indices int64, values)``, like ``nonzero(flat >= lo)`` and ``flat[indices]``. One host sync (the
+        hit count sizes the result).
+    """
+    flat = flat.contiguous()
+    pre, total = count_ge(flat, lo_rows, row_len)
+    return compact_counted(flat, lo_rows, row_len, pre, int(total.item()))  # host sync: the count
+
+
 def select_16bit(x2d: torch.Tensor, n_keep: int, lo_rows: torch.Tensor) -> torch.Tensor | None:
     """Sorted flat indices of the ``n_keep`` largest entries of every row of a bf16/fp16 ``x2d`` (ties: the
     smallest flat indices), given per-row bounds ``lo_rows`` that at least ``n_keep`` entries per row reach.
@@ -178,7 +167,7 @@ def select_16bit(x2d: torch.Tensor, n_keep: int, lo_rows: torch.Tensor) -> torch
     Returns:
         ``None`` when some row has fewer than ``n_keep`` entries at or above its bound (the caller falls back).
         One host sync, between the passes: the candidate count (it sizes the buffers) and the per-row counts (the
-        check). Rows that split a launch block (row length not a multiple of ``SELECT_BLOCK``) are checked at the
+        check). Rows that split a launch block (row length not a multiple of ``BLOCK``) are checked at the
         end instead: a second sync.
     """
     if triton is None:
@@ -189,36 +178,21 @@ def select_16bit(x2d: torch.Tensor, n_keep: int, lo_rows: torch.Tensor) -> torch
     if rows > 1 << 15:
         raise ValueError(f"select_16bit handles at most {1 << 15} rows, got {rows}")
     flat = x2d.contiguous().view(-1)
-    n = flat.numel()
-    dev = flat.device
-    lo_rows = lo_rows.to(flat.dtype).contiguous()
-    one_row = rows == 1 or m % SELECT_BLOCK == 0
-    grid = (triton.cdiv(n, SELECT_BLOCK),)
-    meta = {"BLOCK": SELECT_BLOCK, "BLOCK_IN_ONE_ROW": one_row, "num_warps": SELECT_WARPS}
-    cnt = torch.empty(grid[0], dtype=torch.int32, device=dev)
-    _count_ge_kernel[grid](flat, lo_rows, cnt, n, m, **meta)
-    pre = _exclusive_cumsum(cnt)
-    counts = [pre[-1:] + cnt[-1:]]
-    if one_row and rows > 1:
-        counts.append(cnt.view(rows, -1).sum(1))  # blocks lie inside rows: per-row counts from block counts
+    one_row = rows == 1 or m % BLOCK == 0
+    pre, total = count_ge(flat, lo_rows, m)
+    counts = [total]
+    if one_row and rows > 1:  # blocks lie inside rows: per-row counts from the block counts
+        block_counts = torch.diff(pre, append=total)
+        counts.append(block_counts.view(rows, -1).sum(1))
     counts = torch.cat(counts).tolist()  # host sync: the total sizes the buffers, the rest is the check
-    total, per_row = counts[0], counts[1:] if rows > 1 else counts
-    if total < rows * n_keep or (per_row and min(per_row) < n_keep):
+    n_cand, per_row = counts[0], counts[1:]
+    if n_cand < rows * n_keep or (per_row and min(per_row) < n_keep):
         return None
-    idx = torch.empty(total, dtype=torch.int64, device=dev)
-    val = torch.empty(total, dtype=flat.dtype, device=dev)
-    _compact_ordered_kernel[grid](flat, lo_rows, pre, idx, val, n, m, **meta)
+    idx, val = compact_counted(flat, lo_rows, m, pre, n_cand)
     out, short = _keep_candidates(idx, val, rows, m, n_keep)
     if not one_row and bool(short):  # second host sync: rows that split blocks were not checked above
         return None
     return out
-
-
-def _key16_torch(v: torch.Tensor) -> torch.Tensor:
-    # int32 order key of 16-bit floats, like _key16 in the kernels (-0 gets +0's key)
-    b = v.view(torch.int16).to(torch.int32) & 0xFFFF
-    key = torch.where(b >= 0x8000, 0xFFFF - b, b + 0x8000)
-    return torch.where(b == 0x8000, 0x8000, key)
 
 
 def _keep_candidates(idx: torch.Tensor, val: torch.Tensor, rows: int, m: int, n_keep: int
@@ -230,7 +204,9 @@ def _keep_candidates(idx: torch.Tensor, val: torch.Tensor, rows: int, m: int, n_
     and its ``n_keep``-th largest key (the cut-off); the row keeps the keys above it and, in flat order, the
     first ``n_keep - above`` equal to it."""
     dev = val.device
-    key = _key16_torch(val)
+    from lightning_opt.ops.topk import _order_keys16
+
+    key = _order_keys16(val)
     if rows > 1:
         row = torch.div(idx, m, rounding_mode="floor").to(torch.int32)
         key = key + (row << 16)

@@ -13,9 +13,11 @@ kept.
 Algorithm (per rank, ``N`` local entries, ``K = k * tokens_total``):
 
 1. Lower bound ``lo``: each rank estimates, from a fixed-seed random sample of its entries, a value that about
-   ``1.25 K / world`` of its entries reach, and the group takes the minimum (scalar collective).
+   ``1.1 K / world`` of its entries reach (plus a binomial margin), and the group takes the minimum (scalar
+   collective).
 2. Candidates: the flat indices with ``x >= lo``, ascending (``ops.topk.candidates_ge``: a fused Triton
-   compare-and-compact pass on CUDA when Triton is installed, else ``nonzero``); one host sync sizes them. If fewer than ``K`` entries reach ``lo``
+   count pass and an ordered compaction pass on CUDA when Triton is installed, else ``nonzero``); one host
+   sync sizes them. If fewer than ``K`` entries reach ``lo``
    over the group (an unlucky sample), the candidates are the entries at or above the local ``min(K, N)``-th
    largest value instead (exact, slower).
 3. Threshold ``t``: the ``K``-th largest of all candidate values (``all_gather`` of the padded values; a top-k
@@ -30,7 +32,7 @@ rank's candidates once (:func:`shard_candidates`) and pick the same ``K`` entrie
 
 Bytes moved per rank and call (world ``W``): ``W * 24`` (token counts, sizes and bounds) ``+ W * 8`` (candidate
 counts) ``+ W * C_max * elem_size`` (candidate values, ``C_max`` = the largest candidate count, about
-``1.25 K / W``) ``+ W * 16`` (tie counts). For 2 ranks x 4096 tokens, k=200, float32: about 8 MB, against
+``1.1 K / W``) ``+ W * 16`` (tie counts). For 2 ranks x 4096 tokens, k=200, float32: about 8 MB, against
 3.2 GB for an ``all_gather`` of ``x`` at 98,304 features.
 """
 
@@ -42,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_opt.ops.topk import candidates_ge
+from lightning_opt.ops.topk import _order_keys16, candidates_ge
 
 __all__ = ["global_batch_topk", "batch_topk_threshold_sparse", "shard_candidates", "top_positions"]
 
@@ -85,12 +87,12 @@ def _all_gather(t: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.
 def _sample_rank(s: int, frac: float) -> int:
     """Rank in a sample of ``s`` whose value bounds the top ``frac`` of the data with a margin."""
     mean = s * frac
-    # Margin: 25% plus four binomial standard deviations plus a constant, so a fallback is rare.
-    return min(s, int(math.ceil(1.25 * mean + 4.0 * math.sqrt(mean) + 16)))
+    # Margin: 10% plus four binomial standard deviations plus a constant, so a fallback is rare.
+    return min(s, int(math.ceil(1.1 * mean + 4.0 * math.sqrt(mean) + 16)))
 
 
 def _lower_bound(flat: torch.Tensor, frac: float) -> torch.Tensor:
-    """A value that about ``frac * 1.25`` of ``flat`` reaches, estimated from a fixed-seed sample."""
+    """A value that about ``frac * 1.1`` of ``flat`` reaches (plus a margin), estimated from a fixed-seed sample."""
     n = flat.numel()
     if n <= _SAMPLE_SIZE:
         sample = flat
@@ -185,9 +187,7 @@ def _select(
     # Candidates at or above the sampled bound. nonzero syncs with the host once: the candidate count sizes
     # every buffer after it.
     # The bound is the group's minimum, so this rank may see more than its own estimate: size by the larger.
-    s = min(n, _SAMPLE_SIZE)
-    expected = int(min(1.0, max(_sample_rank(s, frac) / max(1, s), 1.25 * frac)) * n)
-    idx, vals = candidates_ge(flat, lo.view(1), n, expected) if n > 0 else (empty_idx, flat[:0])
+    idx, vals = candidates_ge(flat, lo.view(1), n) if n > 0 else (empty_idx, flat[:0])
     count = torch.tensor([idx.numel()], dtype=torch.long, device=device)
     counts_host = (_all_gather(count, group, world).view(-1) if world > 1 else count).tolist()
     if sum(counts_host) < big_k:
@@ -294,8 +294,9 @@ def shard_candidates(
 
     Steps 1-2 of the algorithm above for equal feature shards: the union of every rank's candidates holds
     the global top-``k * tokens_total``. Returns this rank's candidate flat indices (ascending) and every
-    rank's candidate count in rank order (host list: it sizes the gather that follows). Two host syncs (the
-    local count, the exchanged counts); the pool is then selected with :func:`top_positions` on each rank.
+    rank's candidate count in rank order (host list: it sizes the gather that follows). One host sync (the
+    exchanged counts) with the Triton candidate passes, two with the torch path (the local count first); the
+    pool is then selected with :func:`top_positions` on each rank.
     """
     world = _group_size(group)
     flat = x.detach().reshape(-1)
@@ -307,14 +308,12 @@ def shard_candidates(
         lo = _lower_bound(flat, frac).float().reshape(())
     if world > 1:
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)  # no host sync: the sizes are known
-    s = min(n, _SAMPLE_SIZE)
-    expected = int(min(1.0, max(_sample_rank(s, frac) / max(1, s), 1.25 * frac)) * n)
     if n > 0 and frac < 1:
-        idx, _ = candidates_ge(flat, lo.to(x.dtype).view(1), n, expected)  # host sync: the count
+        idx, counts = _candidates_exchanged(flat, lo.to(x.dtype).view(1), group, world)
     else:
         idx = torch.arange(n, device=x.device)
-    count = torch.tensor([idx.numel()], dtype=torch.long, device=x.device)
-    counts = (_all_gather(count, group, world).view(-1) if world > 1 else count).tolist()  # host sync
+        count = torch.tensor([n], dtype=torch.long, device=x.device)
+        counts = (_all_gather(count, group, world).view(-1) if world > 1 else count).tolist()  # host sync
     if sum(counts) < big_k and n > 0:
         # The sample overestimated the bound: this rank's min(K, N)-th largest value bounds its share.
         idx = torch.nonzero(flat >= _kth_largest(flat, min(big_k, n))).squeeze(1)
@@ -323,34 +322,47 @@ def shard_candidates(
     return idx, counts
 
 
-def _order_keys16(v: torch.Tensor) -> torch.Tensor:
-    """Int32 keys in ``[0, 2**16)`` with the order of 16-bit float values (``-0`` and ``+0`` tie)."""
-    bits = (v + 0).view(torch.int16)  # + 0 turns -0 into +0
-    # negative values: flip the magnitude bits (larger magnitude, smaller key); then shift the sign up
-    return (bits ^ ((bits >> 15) & 0x7FFF)).to(torch.int32) + 0x8000
+def _candidates_exchanged(flat: torch.Tensor, lo: torch.Tensor, group: dist.ProcessGroup | None,
+                          world: int) -> tuple[torch.Tensor, list[int]]:
+    """This rank's ascending candidate indices (``flat >= lo``) and every rank's candidate count (host list).
+
+    With the Triton passes the local count is a device tensor after the counting pass: it is exchanged before
+    the compaction, so the one host sync reads every rank's count. The torch path syncs for the local count
+    (``nonzero``) and again for the exchanged counts."""
+    from lightning_opt.ops import _topk_triton
+    from lightning_opt.ops import topk as topk_mod
+
+    n = flat.numel()
+    if topk_mod.CANDIDATES_BACKEND != "torch" and (topk_mod.CANDIDATES_BACKEND == "triton"
+                                                   or _topk_triton.available(flat)):
+        pre, count = _topk_triton.count_ge(flat, lo, n)
+        counts = (_all_gather(count, group, world).view(-1) if world > 1 else count).tolist()  # host sync
+        rank = dist.get_rank(group) if world > 1 else 0
+        return _topk_triton.compact_counted(flat, lo, n, pre, counts[rank])[0], counts
+    idx, _ = candidates_ge(flat, lo, n)  # host sync: the count
+    count = torch.tensor([idx.numel()], dtype=torch.long, device=flat.device)
+    return idx, (_all_gather(count, group, world).view(-1) if world > 1 else count).tolist()  # host sync
 
 
 def top_positions(values: torch.Tensor, valid: torch.Tensor | None, n_keep: int) -> torch.Tensor:
     """Ascending positions of the ``n_keep`` largest ``values`` (ties: smaller position first).
 
     ``valid`` (bool, like ``values``) excludes padding. Needs at least ``n_keep`` valid, non-NaN entries.
-    No host sync: the output size is ``n_keep``. 16-bit floats find the exact cut-off in a 2**16-bin
-    histogram of order keys (no sort); other dtypes use a top-k.
+    No host sync: the output size is ``n_keep``. 16-bit floats find the exact cut-off in a sort of their int32
+    order keys; other dtypes use a top-k.
     """
     n = values.numel()
     device = values.device
     if values.dtype in (torch.bfloat16, torch.float16):
         key = _order_keys16(values)
         if valid is not None:
-            key = torch.where(valid, key, -1)
-        # index_add, not bincount: CUDA bincount reads its maximum on the host (a sync). Bin 0: padding.
-        # int32 counts: cheaper atomics where the top values crowd a few bins
-        hist = torch.zeros(1 << 16 | 1, dtype=torch.int32, device=device).index_add_(
-            0, key + 1, torch.ones_like(key)
-        )[1:]
-        at_or_above = torch.cat([hist.flip(0).cumsum(0).flip(0), hist.new_zeros(1)])
-        cut = (at_or_above >= n_keep).sum() - 1  # counts fall with the key: the last bin that holds n_keep
-        above = at_or_above[cut + 1]
+            key = torch.where(valid, key, -1)  # padding sorts below every real key
+        # the n_keep-th largest key from one sort of the int32 keys, not a 2**16-bin histogram: atomics crowd
+        # the few bins the top values share (on an H200, ~1.6M such atomic adds cost ~0.8 ms in a selection
+        # pass; a sort of ~1M int32 keys took ~0.06 ms)
+        sorted_keys = torch.sort(key).values
+        cut = sorted_keys[n - n_keep]
+        above = n - torch.searchsorted(sorted_keys, cut.view(1), right=True)
         gt, eq = key > cut, key == cut
     else:
         v = values if valid is None else torch.where(valid, values, float("-inf"))

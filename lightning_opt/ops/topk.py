@@ -123,7 +123,7 @@ def _select_16bit_works(device: torch.device) -> bool:
         try:
             gen = torch.Generator(device="cpu").manual_seed(0)
             # rows that split blocks, and rows of whole blocks (one bound per block)
-            shapes = ((3, 5000, torch.bfloat16), (2, 2 * _topk_triton.SELECT_BLOCK, torch.float16))
+            shapes = ((3, 5000, torch.bfloat16), (2, 2 * _topk_triton.BLOCK, torch.float16))
             for rows, m, dtype in shapes:
                 x = (torch.randn(rows, m, generator=gen) * 4).round().to(dtype)
                 x[0, 3], x[1, 4], x[-1, 5] = float("nan"), -0.0, 0.0
@@ -144,25 +144,23 @@ def _select_16bit_works(device: torch.device) -> bool:
     return _SELECT_CHECKED[device]
 
 
-def candidates_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int, expected: int) -> tuple[torch.Tensor, torch.Tensor]:
+def candidates_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Ascending flat indices and values of the entries with ``flat[i] >= lo_rows[i // row_len]``.
 
-    Triton (one fused pass, see ``ops._topk_triton``) on CUDA when available, else ``nonzero``; the results
-    are identical. One host sync: the count sizes the result.
+    Triton (a counting pass and an ordered compaction pass, see ``ops._topk_triton``) on CUDA when available,
+    else ``nonzero``; the results are identical. One host sync: the count sizes the result.
 
     Args:
         flat: 1-D scores.
         lo_rows: per-row bounds (``flat``'s dtype).
         row_len: entries per row.
-        expected: about how many hits to expect (sizes the Triton buffers; a miss costs a second pass).
     """
     backend = CANDIDATES_BACKEND
     if backend != "torch":
         from lightning_opt.ops import _topk_triton
 
         if backend == "triton" or _topk_triton.available(flat):
-            # 30% headroom over the expected count: an overflow reruns the kernel with the exact size
-            return _topk_triton.compact_ge(flat, lo_rows, row_len, int(1.3 * expected) + 1024)
+            return _topk_triton.compact_ge(flat, lo_rows, row_len)
     lo = lo_rows.to(flat.dtype)
     mask = (flat.view(-1, row_len) >= lo[:, None]).view(-1) if lo.numel() > 1 else flat >= lo.view(())
     idx = torch.nonzero(mask).squeeze(1)  # host sync: the count sizes the result
@@ -178,8 +176,7 @@ def _select_rows(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.long, device=device)
     if n_keep == m:
         return torch.arange(rows * m, device=device)
-    lo, frac = _row_lower_bounds(x2d, n_keep)
-    lo = lo.to(x2d.dtype)
+    lo = _row_lower_bounds(x2d, n_keep)[0].to(x2d.dtype)
     if _use_select_16bit(x2d):
         from lightning_opt.ops import _topk_triton
 
@@ -191,7 +188,7 @@ def _select_rows(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
     flat = x2d.reshape(-1)
     for _attempt in range(2):
         # one host sync: the candidate count sizes every buffer after it
-        cand, vals = candidates_ge(flat, lo, m, int(rows * min(m, math.ceil(frac * m))))
+        cand, vals = candidates_ge(flat, lo, m)
         if rows == 1:
             counts_host = [cand.numel()]  # already on the host: no second sync
         else:
@@ -251,6 +248,13 @@ def _order_keys(v: torch.Tensor) -> torch.Tensor:
     b = v.view(ints).to(torch.int64) & full
     key = torch.where(b >= top, full - b, b + top)
     return torch.where(b == top, top, key)
+
+
+def _order_keys16(v: torch.Tensor) -> torch.Tensor:
+    """Int32 keys in ``[0, 2**16)`` with the order of 16-bit float values (``-0`` and ``+0`` tie)."""
+    bits = (v + 0).view(torch.int16)  # + 0 turns -0 into +0
+    # negative values: flip the magnitude bits (larger magnitude, smaller key); then shift the sign up
+    return (bits ^ ((bits >> 15) & 0x7FFF)).to(torch.int32) + 0x8000
 
 
 def _hist_cut(bins: torch.Tensor, valid: torch.Tensor | None, rows: int, row: torch.Tensor,

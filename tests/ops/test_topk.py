@@ -160,6 +160,7 @@ def _triton_runs_here() -> bool:
 @pytest.mark.skipif(not _triton_runs_here(), reason="needs triton on CUDA (or TRITON_INTERPRET=1 on CPU)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_candidates_match_torch(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    from lightning_opt.ops import _topk_triton as kt
     from lightning_opt.ops._topk_triton import compact_ge
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -168,9 +169,11 @@ def test_triton_candidates_match_torch(monkeypatch: pytest.MonkeyPatch, dtype: t
     x[1, 7] = float("nan")
     lo = torch.tensor([1.0, 4.0, -2.0], device=dev).to(dtype)
     ref = torch.nonzero((x >= lo[:, None]).view(-1)).squeeze(1)
-    for capacity in (10, 10**6):  # too small: the kernel reruns with the exact count
-        idx, vals = compact_ge(x.view(-1), lo, 40_000, capacity)
+    for block in (2048, 512, 4096):  # blocks inside rows (40,000 = 78 x 512 + 64: not for 512 and 4096)
+        monkeypatch.setattr(kt, "BLOCK", block)
+        idx, vals = compact_ge(x.view(-1), lo, 40_000)
         assert torch.equal(idx, ref) and torch.equal(vals, x.view(-1)[ref])
+    monkeypatch.setattr(kt, "BLOCK", 2048)
     # the whole selection, both backends: identical indices (same set and tie rule)
     monkeypatch.setattr(topk_mod, "SELECT_BACKEND", "candidates")
     for rows, n in ((1, 5000), (3, 700)):
@@ -197,7 +200,7 @@ def test_triton_two_pass_selection_matches_stable_sort(monkeypatch: pytest.Monke
     from lightning_opt.ops import _topk_triton as kt
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    monkeypatch.setattr(kt, "SELECT_BLOCK", 512)  # rows of 3000 / 777 entries split blocks, 2048 do not
+    monkeypatch.setattr(kt, "BLOCK", 512)  # rows of 3000 / 777 entries split blocks, 2048 do not
     torch.manual_seed(5)
     x = (torch.randn(rows, m, device=dev) * 3).round().to(dtype)  # many ties at the cut-off
     x[0, 3], x[-1, 4], x[-1, 5] = float("nan"), -0.0, 0.0

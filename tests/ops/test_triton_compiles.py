@@ -26,29 +26,26 @@ from lightning_opt.ops import _topk_triton as T  # noqa: E402
 _MODULES = (T, D)
 # kernels launched by a wrapper (the others are @triton.jit helpers they call)
 _KERNELS = {
-    "_compact_ge_kernel", "_count_ge_kernel", "_compact_ordered_kernel",
+    "_count_ge_kernel", "_compact_ordered_kernel",
     "_forward_kernel", "_grad_values_kernel", "_grad_weight_kernel",
 }
 _HELPERS = {"_block", "_per_row", "_key16"}
 
 
 def _selection_cases():
-    # (kernel, signature, constexprs, num_warps); ``n`` is i32 below 2**31 entries and i64 above
-    for dt, n, one_row in itertools.product(("bf16", "fp16"), ("i32", "i64"), (True, False)):
-        meta = {"BLOCK": T.SELECT_BLOCK, "BLOCK_IN_ONE_ROW": one_row}
-        yield ("_count_ge_kernel", {"x_ptr": f"*{dt}", "lo_ptr": f"*{dt}", "cnt_ptr": "*i32", "n": n,
-                                    "row_len": "i32"}, meta, T.SELECT_WARPS)
-        yield ("_compact_ordered_kernel", {"x_ptr": f"*{dt}", "lo_ptr": f"*{dt}", "pre_ptr": "*i64",
-                                           "idx_ptr": "*i64", "val_ptr": f"*{dt}", "n": n, "row_len": "i32"},
-               meta, T.SELECT_WARPS)
-    # the candidate pass: any float scores, the default block and the largest one of the benchmark's sweep
-    for dt, n, one_row, (block, warps) in itertools.product(("bf16", "fp16", "fp32"), ("i32", "i64"),
-                                                            (True, False), ((T.BLOCK, T.NUM_WARPS), (16384, 16))):
+    # (kernel, signature, constexprs, num_warps); ``n`` is i32 below 2**31 entries and i64 above. Any float
+    # scores (fp32: the candidate step of other dtypes), the default launch shape and the largest of the
+    # benchmark's sweep.
+    for dt, n, one_row, (block, warps) in itertools.product(("bf16", "fp16", "fp32"), ("i32", "i64"), (True, False),
+                                                            ((T.BLOCK, T.NUM_WARPS), (8192, 8))):
         if (dt, n) not in {("bf16", "i32"), ("bf16", "i64"), ("fp16", "i32"), ("fp32", "i32")}:
             continue
-        yield ("_compact_ge_kernel", {"x_ptr": f"*{dt}", "lo_ptr": f"*{dt}", "idx_ptr": "*i64",
-                                      "val_ptr": f"*{dt}", "counter_ptr": "*i64", "n": n, "row_len": "i32",
-                                      "cap": n}, {"BLOCK": block, "BLOCK_IN_ONE_ROW": one_row}, warps)
+        meta = {"BLOCK": block, "BLOCK_IN_ONE_ROW": one_row}
+        yield ("_count_ge_kernel", {"x_ptr": f"*{dt}", "lo_ptr": f"*{dt}", "cnt_ptr": "*i32", "n": n,
+                                    "row_len": "i32"}, meta, warps)
+        yield ("_compact_ordered_kernel", {"x_ptr": f"*{dt}", "lo_ptr": f"*{dt}", "pre_ptr": "*i64",
+                                           "idx_ptr": "*i64", "val_ptr": f"*{dt}", "n": n, "row_len": "i32"},
+               meta, warps)
 
 
 def _decode_cases():
