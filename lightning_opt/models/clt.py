@@ -613,30 +613,28 @@ def _sparse_decode_layers(
 ) -> torch.Tensor:
     """Sparse decode: per source layer, CSR rows (tokens) into ``W_dec[l]`` via
     :func:`lightning_opt.ops.sparse_decode.sparse_decode` (Triton on CUDA, else ``embedding_bag``)."""
-    from lightning_opt.ops.sparse_decode import sparse_decode
+    from lightning_opt.ops.sparse_decode import _decode_csr, layer_segments
 
     L = len(W_dec)
     d = W_dec[0].shape[-1]
     device = values.device
     if backend == "auto":
         _triton_decode_ok(device)  # settle sparse_decode's cached Triton self-check with grad enabled
-    per_layer = n_tokens * nf
-    # One host sync: the layer boundaries of the (layer-grouped) indices slice the per-layer segments.
-    bounds = torch.searchsorted(indices, torch.arange(L + 1, device=device) * per_layer).tolist()
+    # Every layer's CSR views from one pass over the indices; one host sync (the layer boundaries).
+    feature, token, row_ptr, bounds = layer_segments(indices, L, n_tokens, nf)
     on = torch.is_autocast_enabled(device.type)
     dtype = torch.get_autocast_dtype(device.type) if on else W_dec[0].dtype
-    tokens = torch.arange(n_tokens, device=device)
+    values = values.to(dtype)
     ys: list[torch.Tensor | None] = []
     for s in range(L):
         lo, hi = bounds[s], bounds[s + 1]
         if hi == lo:
             ys.append(None)
             continue
-        local = indices[lo:hi] - s * per_layer
-        tok = torch.div(local, nf, rounding_mode="floor")
-        offsets = torch.searchsorted(tok, tokens)
+        seg = row_ptr[s * n_tokens : (s + 1) * n_tokens + 1] - lo
         w = W_dec[s].reshape(nf, -1).to(dtype)
-        ys.append(sparse_decode(local - tok * nf, values[lo:hi].to(dtype), w, offsets=offsets, backend=backend))
+        ys.append(_decode_csr(feature[lo:hi], values[lo:hi], w, seg[:-1], backend, ends=seg[1:],
+                              rows=token[lo:hi]))
     return _triangular_sum(ys, L, d, n_tokens, device)
 
 

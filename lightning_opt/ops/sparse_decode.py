@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from lightning_opt._optional import is_available
 
-__all__ = ["sparse_decode", "clt_sparse_decode", "to_csr", "flat_to_csr"]
+__all__ = ["sparse_decode", "clt_sparse_decode", "layer_segments", "to_csr", "flat_to_csr"]
 
 _BACKENDS = ("auto", "torch", "triton")
 
@@ -119,6 +119,14 @@ def sparse_decode(
     if weight.dim() != 2:
         raise ValueError(f"weight must be [features, D], got shape {tuple(weight.shape)}")
     indices, values, offsets, rows = _normalise(indices, values, offsets)
+    out = _decode_csr(indices, values, weight, offsets, backend)
+    return out if bias is None else out + bias
+
+
+def _decode_csr(indices: torch.Tensor, values: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                backend: str, ends: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The CSR decode on the chosen backend. ``ends`` / ``rows`` (Triton only): each token's end and each
+    entry's token, when the caller has them (else derived)."""
     if backend == "auto":
         backend = (
             "triton"
@@ -126,10 +134,25 @@ def sparse_decode(
             else "torch"
         )
     if backend == "triton":
-        out = _TritonDecode.apply(indices, values, offsets, weight)
-    else:
-        out = _torch_decode(indices, values, offsets, weight)
-    return out if bias is None else out + bias
+        return _TritonDecode.apply(indices, values, offsets, weight, ends, rows)
+    return _torch_decode(indices, values, offsets, weight)
+
+
+def layer_segments(indices: torch.Tensor, n_layers: int, n_tokens: int, features: int) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """Per-source-layer CSR views of ascending flat indices into a layer-major ``[L, N, F]`` tensor, computed
+    once for all layers (a handful of launches instead of a handful per layer).
+
+    Returns ``(feature, token, row_ptr, bounds)``: every entry's feature id and token, the CSR start of every
+    ``(layer, token)`` row (``L * N + 1`` entries) and the layer boundaries as a host list (one host sync).
+    Layer ``l``'s entries are ``bounds[l]:bounds[l + 1]``; its token offsets are
+    ``row_ptr[l * N : (l + 1) * N + 1] - bounds[l]``.
+    """
+    row = torch.div(indices, features, rounding_mode="floor")  # layer * N + token
+    feature = indices - row * features
+    token = torch.remainder(row, n_tokens)
+    row_ptr = torch.searchsorted(row, torch.arange(n_layers * n_tokens + 1, device=row.device, dtype=row.dtype))
+    return feature, token, row_ptr, row_ptr[::n_tokens].tolist()
 
 
 def clt_sparse_decode(
@@ -155,24 +178,18 @@ def clt_sparse_decode(
     if n_layers == 0:
         raise ValueError("W_dec is empty: a CLT needs at least one source layer")
     features, _, d_out = W_dec[0].shape
-    layer_size = n_tokens * features
-    # One host sync: the layer boundaries size the per-layer slices.
-    bounds = torch.searchsorted(
-        indices, torch.arange(n_layers + 1, device=indices.device, dtype=indices.dtype) * layer_size
-    ).tolist()
-    out = torch.zeros(n_tokens, n_layers, d_out, dtype=W_dec[0].dtype, device=W_dec[0].device)
     for layer, w in enumerate(W_dec):
         if w.shape != (features, n_layers - layer, d_out):
             raise ValueError(
                 f"W_dec[{layer}] has shape {tuple(w.shape)}, expected {(features, n_layers - layer, d_out)}"
             )
+    feature, token, row_ptr, bounds = layer_segments(indices, n_layers, n_tokens, features)  # one host sync
+    out = torch.zeros(n_tokens, n_layers, d_out, dtype=W_dec[0].dtype, device=W_dec[0].device)
+    for layer, w in enumerate(W_dec):
         lo, hi = bounds[layer], bounds[layer + 1]
-        local = indices[lo:hi] - layer * layer_size
-        rows = torch.div(local, features, rounding_mode="floor")
-        offsets = torch.searchsorted(rows, torch.arange(n_tokens, device=rows.device, dtype=rows.dtype))
-        dec = sparse_decode(
-            local - rows * features, values[lo:hi], w.reshape(features, -1), offsets, backend=backend
-        )
+        seg = row_ptr[layer * n_tokens : (layer + 1) * n_tokens + 1] - lo
+        dec = _decode_csr(feature[lo:hi], values[lo:hi], w.reshape(features, -1), seg[:-1], backend,
+                          ends=seg[1:], rows=token[lo:hi])
         out[:, layer:] += dec.view(n_tokens, n_layers - layer, d_out)
     return out
 
@@ -225,31 +242,36 @@ def _triton_works(device: torch.device) -> bool:
 class _TritonDecode(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, indices: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor
+        ctx: Any, indices: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor,
+        ends: torch.Tensor | None = None, rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``ends`` (each token's end) and ``rows`` (each entry's token) are derived when not given; a caller
+        that decodes many segments of one index array (the CLT's source layers) passes views of tensors it
+        computed once for all segments, which saves launches per segment."""
         from lightning_opt.ops import _sparse_decode_triton as kernels
 
         indices = indices.contiguous()
         values = values.contiguous()
         weight = weight.contiguous()
-        ends = torch.cat([offsets[1:], offsets.new_tensor([indices.numel()])]).contiguous()
-        ctx.save_for_backward(indices, values, offsets, ends, weight)
+        if ends is None:
+            ends = torch.cat([offsets[1:], offsets.new_full((1,), indices.numel())])
+        ends = ends.contiguous()
+        ctx.save_for_backward(indices, values, offsets, ends, weight, rows)
         return kernels.forward(indices, values, offsets.contiguous(), ends, weight)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         from lightning_opt.ops import _sparse_decode_triton as kernels
 
-        indices, values, offsets, ends, weight = ctx.saved_tensors
-        # The token of each entry; output_size avoids a host sync.
-        counts = ends - offsets
-        rows = torch.repeat_interleave(
-            torch.arange(offsets.numel(), device=offsets.device), counts, output_size=indices.numel()
-        )
+        indices, values, offsets, ends, weight, rows = ctx.saved_tensors
+        if rows is None:  # the token of each entry; output_size avoids a host sync
+            rows = torch.repeat_interleave(
+                torch.arange(offsets.numel(), device=offsets.device), ends - offsets, output_size=indices.numel()
+            )
         grad_out = grad_out.contiguous()
         grad_values = grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_values = kernels.grad_values(indices, rows, grad_out, weight).to(values.dtype)
+            grad_values = kernels.grad_values(indices, rows.contiguous(), grad_out, weight).to(values.dtype)
         if ctx.needs_input_grad[3]:
-            grad_weight = kernels.grad_weight(indices, rows, values, grad_out, weight.shape).to(weight.dtype)
-        return None, grad_values, None, grad_weight
+            grad_weight = kernels.grad_weight(indices, rows.contiguous(), values, grad_out, weight.shape).to(weight.dtype)
+        return None, grad_values, None, grad_weight, None, None

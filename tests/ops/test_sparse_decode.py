@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -126,3 +128,32 @@ def test_decode_self_check_runs_with_autograd_under_inference_mode() -> None:
         assert not _agrees_with_torch(wrong, torch.device("cpu"))
     with torch.no_grad():
         assert _agrees_with_torch(_torch_decode, torch.device("cpu"))
+
+
+@pytest.mark.skipif(not is_available("triton") or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="needs triton on CUDA (or TRITON_INTERPRET=1 on CPU)")
+def test_layer_segments_feed_the_triton_decode_like_the_torch_one() -> None:
+    # the CLT decode passes each layer's token ends and entry tokens as views of tensors computed once
+    # (layer_segments); the Triton kernels must then give the torch path's output and gradients
+    from lightning_opt.models.clt import _sparse_decode_layers
+    from lightning_opt.ops.sparse_decode import layer_segments
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    L, N, F, d = 3, 5, 16, 8
+    W = [torch.randn(F, L - s, d, device=dev, requires_grad=True) for s in range(L)]
+    flat = torch.randperm(L * N * F, device=dev)[:40].sort().values
+    vals = torch.rand(40, device=dev, requires_grad=True)
+    feature, token, row_ptr, bounds = layer_segments(flat, L, N, F)
+    assert bounds == [int((flat < s * N * F).sum()) for s in range(L + 1)]
+    assert torch.equal(feature, flat % F) and torch.equal(token, (flat // F) % N)
+    results = {}
+    for backend in ("torch", "triton"):
+        for name, fn in (("op", lambda b=backend: clt_sparse_decode(flat, vals, W, N, backend=b)),
+                         ("clt", lambda b=backend: _sparse_decode_layers(flat, vals, W, N, F, b))):
+            out = fn()
+            results[backend, name] = (out, torch.autograd.grad(out.square().sum(), [vals, *W]))
+    for name in ("op", "clt"):
+        (a, ga), (b, gb) = results["torch", name], results["triton", name]
+        assert torch.allclose(a, b, atol=1e-5)
+        assert all(torch.allclose(x, y, atol=1e-4) for x, y in zip(ga, gb))
