@@ -316,6 +316,12 @@ def _run_ours(
     elif kind == _AB_KIND:  # A/B: Lightning's own per-step SIGTERM broadcast on the GPU (+ .item())
         strategy = DecoderShardingStrategy(shard_encoder=True, cpu_sigterm_check=False)
         tokens_per_rank = args.tokens
+    elif kind == _AB_SYNCED_KIND:
+        import lightning_opt.strategies.decoder_sharding as ds
+
+        ds._PADDED_POOL = False
+        strategy = DecoderShardingStrategy(shard_encoder=True)
+        tokens_per_rank = args.tokens
     elif kind == _AB_SELECT_KIND:
         # A/B: the general selection path (tie counts, then a gather of kept entries)
         import lightning_opt.strategies.decoder_sharding as ds
@@ -356,7 +362,7 @@ def _run_ours(
             counter.close()
         import lightning_opt.strategies.decoder_sharding as ds
 
-        ds._POOL_SELECT = True
+        ds._POOL_SELECT, ds._PADDED_POOL = True, True
     step_ms = timer.step_ms()
     n_params = sum(p.numel() for p in module.parameters())
     l0 = module.l0[-1]
@@ -423,10 +429,13 @@ def _run_peer(rank: int, world: int, args: argparse.Namespace, n_features: int) 
 
 _AB_KIND = "ours_decoder_sharding_sharded_encoder_gpu_sigterm"
 _AB_SELECT_KIND = "ours_decoder_sharding_sharded_encoder_general_select"
+# A/B: the pool selection with the synced candidate step (a host sync before the gather) instead of the padded one
+_AB_SYNCED_KIND = "ours_decoder_sharding_sharded_encoder_synced_pool"
 # DecoderShardingStrategy(model_parallel_size=M, shard_encoder=True) with D = N / M > 1 data groups
 _KIND_2D = "ours_2d_sharded_encoder"
 _AB_VARIANT = f"{_AB_KIND}_2gpu"
 _AB_SELECT = f"{_AB_SELECT_KIND}_2gpu"
+_AB_SYNCED = f"{_AB_SYNCED_KIND}_2gpu"
 # The 1-vs-2 comparison (the default with 2 GPUs): every variant, the A/Bs included.
 _ALL_VARIANTS = (
     "ours_1gpu",
@@ -437,12 +446,14 @@ _ALL_VARIANTS = (
     "ours_decoder_sharding_sharded_encoder_2gpu",
     _AB_VARIANT,
     _AB_SELECT,
+    _AB_SYNCED,
     "peer_crosslayer_coding_2gpu",
 )
 # Every strategy a variant name can carry (the name is ``<kind>_<N>gpu``).
 _KINDS = (
     "ours", "peer_crosslayer_coding", "ours_global_batchtopk", "ours_global_batchtopk_bf16grad",
-    "ours_decoder_sharding", "ours_decoder_sharding_sharded_encoder", _AB_KIND, _AB_SELECT_KIND, _KIND_2D,
+    "ours_decoder_sharding", "ours_decoder_sharding_sharded_encoder", _AB_KIND, _AB_SELECT_KIND, _AB_SYNCED_KIND,
+    _KIND_2D,
 )  # fmt: skip
 # The scaling run (any --gpus other than 1 2): the three strategies of the scaling question at every size.
 _SCALING_KINDS = ("ours_global_batchtopk", "ours_decoder_sharding_sharded_encoder", _KIND_2D)
@@ -484,7 +495,7 @@ def _runs(args: argparse.Namespace, variants: list[str]) -> list[tuple[int, str]
         for f in args.features
         for v in variants
         if (not v.startswith("peer") or f in args.peer_features)
-        and (_kind(v) not in (_AB_KIND, _AB_SELECT_KIND) or f == args.features[0])
+        and (_kind(v) not in (_AB_KIND, _AB_SELECT_KIND, _AB_SYNCED_KIND) or f == args.features[0])
     ]
 
 

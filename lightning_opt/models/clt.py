@@ -332,18 +332,22 @@ class CLT(nn.Module):
         ys = [a @ w.reshape(nf, -1).to(acts.dtype) for a, w in zip(acts.unbind(0), self.W_dec)]
         return _TriangularSum.apply(L, d, *ys) + self.b_dec
 
-    def decode_sparse(self, indices: torch.Tensor, values: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    def decode_sparse(self, indices: torch.Tensor, values: torch.Tensor, n_tokens: int,
+                      layer_bounds: list[int] | None = None) -> torch.Tensor:
         """Decode sparse activations (flat indices into ``[L, n_tokens, F]``) -> ``[N, L, d_out]``.
 
         Indices must ascend (as :func:`~lightning_opt.ops.topk.batch_topk_rows` returns them) for the torch
-        path; tied decoders fall back to the dense decode.
+        path; tied decoders fall back to the dense decode. ``layer_bounds`` (host ints, ``L + 1``): where each
+        source layer's entries start in ``indices``, when the caller read them already (saves the decode's
+        host sync).
         """
         L, nf = self.config.n_layers, self.config.n_features
         if self.config.decoder_tying != "untied":
             dense = scatter_dense(indices, values, torch.empty(L, n_tokens, nf, device="meta"))
             return self.decode(dense)
         W = list(self.W_dec)
-        return _sparse_decode_layers(indices, values, W, n_tokens, nf, self.sparse_decode_impl) + self.b_dec
+        return _sparse_decode_layers(indices, values, W, n_tokens, nf, self.sparse_decode_impl,
+                                     layer_bounds) + self.b_dec
 
     def forward(self, x: torch.Tensor, dense: bool | None = None) -> CLTOutput:
         """Encode, activate and decode raw inputs ``x`` ``[N, L, d_model]``.
@@ -610,6 +614,7 @@ def _sparse_decode_layers(
     n_tokens: int,
     nf: int,
     backend: str = "auto",
+    layer_bounds: list[int] | None = None,
 ) -> torch.Tensor:
     """Sparse decode: per source layer, CSR rows (tokens) into ``W_dec[l]`` via
     :func:`lightning_opt.ops.sparse_decode.sparse_decode` (Triton on CUDA, else ``embedding_bag``)."""
@@ -620,8 +625,9 @@ def _sparse_decode_layers(
     device = values.device
     if backend == "auto":
         _triton_decode_ok(device)  # settle sparse_decode's cached Triton self-check with grad enabled
-    # Every layer's CSR views from one pass over the indices; one host sync (the layer boundaries).
-    feature, token, row_ptr, bounds = layer_segments(indices, L, n_tokens, nf)
+    # Every layer's CSR views from one pass over the indices; one host sync (the layer boundaries) unless the
+    # caller passed them.
+    feature, token, row_ptr, bounds = layer_segments(indices, L, n_tokens, nf, layer_bounds)
     on = torch.is_autocast_enabled(device.type)
     dtype = torch.get_autocast_dtype(device.type) if on else W_dec[0].dtype
     values = values.to(dtype)

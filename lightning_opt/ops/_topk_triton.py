@@ -85,8 +85,8 @@ if triton is not None:
         tl.store(cnt_ptr + tl.program_id(0), tl.sum(hit.to(tl.int32), axis=0))
 
     @triton.jit
-    def _compact_ordered_kernel(x_ptr, lo_ptr, pre_ptr, idx_ptr, val_ptr, n, row_len, BLOCK: tl.constexpr,
-                                BLOCK_IN_ONE_ROW: tl.constexpr):
+    def _compact_ordered_kernel(x_ptr, lo_ptr, pre_ptr, idx_ptr, val_ptr, n, row_len, cap, BLOCK: tl.constexpr,
+                                BLOCK_IN_ONE_ROW: tl.constexpr, CAPPED: tl.constexpr):
         # pass 2: every entry at or above its bound to its slot in flat order (the block's exclusive prefix from
         # pass 1 plus a block-local scan; no atomics, no sort): its flat index and value. (int64 slots: on an H200
         # an int32 scan-and-add here ran at half the speed.)
@@ -95,6 +95,8 @@ if triton is not None:
         hit = (x.to(tl.float32) >= lo.to(tl.float32)) & inb
         h = hit.to(tl.int32)
         dst = tl.load(pre_ptr + tl.program_id(0)) + (tl.cumsum(h, axis=0) - h).to(tl.int64)
+        if CAPPED:  # buffers of ``cap`` slots sized before the count was known: drop what does not fit
+            hit = hit & (dst < cap)
         tl.store(idx_ptr + dst, offs, mask=hit)
         tl.store(val_ptr + dst, x, mask=hit)
 
@@ -125,15 +127,19 @@ def count_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int) -> tuple[t
 
 
 def compact_counted(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int, pre: torch.Tensor,
-                    total: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    total: int, capped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass 2: the ``total`` entries of ``flat`` at or above their row's bound, ascending flat indices (int64)
-    and values, given :func:`count_ge`'s prefix sums for the same ``flat``, bounds and row length."""
+    and values, given :func:`count_ge`'s prefix sums for the same ``flat``, bounds and row length.
+
+    ``capped=True``: ``total`` is a capacity chosen before the count was known (no host sync); the first
+    ``min(count, total)`` slots are filled, the rest hold garbage (the caller masks them by the count)."""
     lo_rows = lo_rows.to(flat.dtype).contiguous()
     grid, meta = _launch(flat, row_len, lo_rows.numel())
     idx = torch.empty(total, dtype=torch.int64, device=flat.device)
     val = torch.empty(total, dtype=flat.dtype, device=flat.device)
     if total > 0:
-        _compact_ordered_kernel[grid](flat, lo_rows, pre, idx, val, flat.numel(), row_len, **meta)
+        _compact_ordered_kernel[grid](flat, lo_rows, pre, idx, val, flat.numel(), row_len, total, CAPPED=capped,
+                                      **meta)
     return idx, val
 
 

@@ -46,7 +46,9 @@ import torch.distributed as dist
 
 from lightning_opt.ops.topk import _order_keys16, candidates_ge
 
-__all__ = ["global_batch_topk", "batch_topk_threshold_sparse", "shard_candidates", "top_positions"]
+__all__ = [
+    "global_batch_topk", "batch_topk_threshold_sparse", "shard_candidates", "shard_candidates_padded", "top_positions"
+]
 
 _SAMPLE_SIZE = 1 << 18
 _SAMPLE_SEED = 0x5EED
@@ -322,6 +324,50 @@ def shard_candidates(
     return idx, counts
 
 
+def shard_candidates_padded(
+    x: torch.Tensor, k: int, group: dist.ProcessGroup | None, tokens_total: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """:func:`shard_candidates` without a host sync: fixed-size buffers, checked later.
+
+    The capacity ``cap`` comes from the sample's estimate (1.3x plus 1024, the same on every rank of equal
+    shards), so nothing waits for the device: the count and the ordered compaction (Triton passes on CUDA,
+    ``nonzero_static`` otherwise) fill the first ``min(count, cap)`` slots. Returns ``(idx, counts, ok)``: this
+    rank's candidate flat indices, ascending, ``-1`` past its count (``[cap]`` int64); every rank's count
+    (``[world]`` int64, device); and a device flag, true when the ranks' buffers hold every candidate (no count
+    above ``cap``) and at least ``k * tokens_total`` of them, i.e. when the pool holds the exact global top-K.
+    The caller reads ``ok`` with a host sync it needs anyway and falls back to :func:`shard_candidates` when it
+    is false (rare: an unlucky sample). ``None`` when there is nothing to select (``K`` covers every entry).
+    """
+    world = _group_size(group)
+    flat = x.detach().reshape(-1)
+    n = flat.numel()
+    big_k = k * tokens_total
+    frac = big_k / max(1, n * world)
+    if n == 0 or frac >= 1:
+        return None
+    lo = _lower_bound(flat, frac).float().reshape(())
+    if world > 1:
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    s = min(n, _SAMPLE_SIZE)
+    cap = min(n, int(1.3 * _sample_rank(s, frac) / s * n) + 1024)
+    lo_x = lo.to(x.dtype).view(1)
+    from lightning_opt.ops import _topk_triton
+    from lightning_opt.ops import topk as topk_mod
+
+    if topk_mod.CANDIDATES_BACKEND != "torch" and (topk_mod.CANDIDATES_BACKEND == "triton"
+                                                   or _topk_triton.available(flat)):
+        pre, count = _topk_triton.count_ge(flat, lo_x, n)
+        idx, _ = _topk_triton.compact_counted(flat, lo_x, n, pre, cap, capped=True)
+        idx = torch.where(torch.arange(cap, device=flat.device) < count, idx, -1)
+    else:
+        hit = flat >= lo_x
+        count = hit.sum().view(1)
+        idx = torch.nonzero_static(hit, size=cap, fill_value=-1).squeeze(1)
+    counts = _all_gather(count, group, world).view(-1) if world > 1 else count
+    ok = (counts <= cap).all() & (counts.sum() >= big_k)
+    return idx, counts, ok
+
+
 def _candidates_exchanged(flat: torch.Tensor, lo: torch.Tensor, group: dist.ProcessGroup | None,
                           world: int) -> tuple[torch.Tensor, list[int]]:
     """This rank's ascending candidate indices (``flat >= lo``) and every rank's candidate count (host list).
@@ -373,6 +419,8 @@ def top_positions(values: torch.Tensor, valid: torch.Tensor | None, n_keep: int)
         above = gt.sum()
     keep = gt | (eq & (torch.cumsum(eq, 0) <= n_keep - above))
     # exactly n_keep are kept, in position order: the running count is the output slot
-    slot = torch.where(keep, torch.cumsum(keep, 0) - 1, n_keep)
-    out = torch.empty(n_keep + 1, dtype=torch.long, device=device)
+    slot = torch.where(keep, torch.cumsum(keep, 0) - 1, n_keep).clamp_(max=n_keep)
+    # zeros, not empty: with fewer than n_keep valid entries (a pool the caller will discard) every position
+    # must still index ``values``
+    out = torch.zeros(n_keep + 1, dtype=torch.long, device=device)
     return out.scatter_(0, slot, torch.arange(n, device=device))[:n_keep]

@@ -138,21 +138,21 @@ def _decode_csr(indices: torch.Tensor, values: torch.Tensor, weight: torch.Tenso
     return _torch_decode(indices, values, offsets, weight)
 
 
-def layer_segments(indices: torch.Tensor, n_layers: int, n_tokens: int, features: int) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+def layer_segments(indices: torch.Tensor, n_layers: int, n_tokens: int, features: int,
+                   bounds: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """Per-source-layer CSR views of ascending flat indices into a layer-major ``[L, N, F]`` tensor, computed
     once for all layers (a handful of launches instead of a handful per layer).
 
     Returns ``(feature, token, row_ptr, bounds)``: every entry's feature id and token, the CSR start of every
-    ``(layer, token)`` row (``L * N + 1`` entries) and the layer boundaries as a host list (one host sync).
-    Layer ``l``'s entries are ``bounds[l]:bounds[l + 1]``; its token offsets are
-    ``row_ptr[l * N : (l + 1) * N + 1] - bounds[l]``.
+    ``(layer, token)`` row (``L * N + 1`` entries) and the layer boundaries as a host list (one host sync,
+    unless the caller passes ``bounds``: then they are trusted). Layer ``l``'s entries are
+    ``bounds[l]:bounds[l + 1]``; its token offsets are ``row_ptr[l * N : (l + 1) * N + 1] - bounds[l]``.
     """
     row = torch.div(indices, features, rounding_mode="floor")  # layer * N + token
     feature = indices - row * features
     token = torch.remainder(row, n_tokens)
     row_ptr = torch.searchsorted(row, torch.arange(n_layers * n_tokens + 1, device=row.device, dtype=row.dtype))
-    return feature, token, row_ptr, row_ptr[::n_tokens].tolist()
+    return feature, token, row_ptr, bounds if bounds is not None else row_ptr[::n_tokens].tolist()
 
 
 def clt_sparse_decode(

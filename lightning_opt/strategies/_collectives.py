@@ -211,6 +211,28 @@ class _TakeUnique(torch.autograd.Function):
         return grad.new_zeros(ctx.n).index_copy_(0, idx, grad.contiguous()), None
 
 
+class _TakeMasked(torch.autograd.Function):
+    """``src[idx]`` where ``valid``, else 0; ``idx`` unique among the valid entries (the others may be anything
+    in range). Backward scatters the valid entries' gradients (the rest go to a dump slot)."""
+
+    @staticmethod
+    def forward(ctx: Any, src: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(idx, valid)
+        ctx.n = src.numel()
+        return torch.where(valid, src[idx], 0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        idx, valid = ctx.saved_tensors
+        slot = torch.where(valid, idx, ctx.n)
+        return grad.new_zeros(ctx.n + 1).scatter_(0, slot, grad.contiguous())[: ctx.n], None, None
+
+
+def take_masked(src: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``where(valid, src[idx], 0)`` (1-D; ``idx`` in range and unique where ``valid``) with a scatter backward."""
+    return _TakeMasked.apply(src, idx, valid)
+
+
 def take_unique(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``src[idx]`` (1-D, unique ``idx``) with a scatter backward."""
     return _TakeUnique.apply(src, idx)

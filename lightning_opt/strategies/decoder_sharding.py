@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from lightning_opt.strategies._collectives import (
     gather_sparse,
     sum_backward,
     sum_forward,
+    take_masked,
     take_unique,
 )
 from lightning_opt.strategies._sigterm import install_cpu_sigterm_check, new_cpu_group
@@ -39,6 +40,19 @@ _FORMATS = ("consolidated", "sharded")
 # or the general path (selection collectives, then a gather of the kept entries). benchmarks/clt_scaling.py
 # compares them.
 _POOL_SELECT = True
+# the pool selection without a host sync before the gather (fixed-size candidate buffers, checked at the
+# decode's bounds sync); False: the synced candidate step (benchmarks/clt_scaling.py's A/B)
+_PADDED_POOL = True
+
+
+@contextmanager
+def _padded_pool(on: bool) -> Iterator[None]:
+    global _PADDED_POOL
+    old, _PADDED_POOL = _PADDED_POOL, on
+    try:
+        yield
+    finally:
+        _PADDED_POOL = old
 
 
 def _shard_file(model_rank: int, model_size: int) -> str:
@@ -322,12 +336,21 @@ class DecoderShardingStrategy(DDPStrategy):
         syncs (candidate counts) and the gather none.
         """
         from lightning_opt.models.clt import CLTOutput
-        from lightning_opt.ops.global_topk import shard_candidates, top_positions
+        from lightning_opt.ops.global_topk import shard_candidates, shard_candidates_padded, top_positions
 
         n_layers, n_tokens, width = pre.shape
         n_features, k = clt.config.n_features, clt.config.k
         group, world = self._model_group, self.mp_size
-        idx, counts = shard_candidates(pre, k, group, n_tokens)
+        padded = shard_candidates_padded(pre, k, group, n_tokens) if _PADDED_POOL else None
+        if padded is not None:
+            # No host sync until the decode's layer bounds: candidates in fixed-size buffers (-1 past the count)
+            idx, _, ok = padded
+            valid = idx >= 0
+            idx = idx.clamp(min=0)
+            values, counts = take_masked(pre.reshape(-1), idx, valid), [idx.numel()] * world
+        else:
+            idx, counts = shard_candidates(pre, k, group, n_tokens)
+            values, ok = take_unique(pre.reshape(-1), idx), None
         mark("select")
         # Local flat index in [L, N, F / M] -> global flat index in [L, N, F] (int32 when it fits: fewer
         # bytes to gather and a 4-byte sort).
@@ -335,17 +358,27 @@ class DecoderShardingStrategy(DDPStrategy):
         global_idx = idx + layer_token * (n_features - width) + self.model_rank * width
         if n_layers * n_tokens * n_features < 2**31:
             global_idx = global_idx.to(torch.int32)
-        pool_idx, pool_vals, valid = gather_padded(
-            global_idx, take_unique(pre.reshape(-1), idx), group, world, counts
-        )
-        big_k = min(k * n_tokens, sum(counts))
-        pos = top_positions(pool_vals.detach(), valid, big_k)
+        if ok is not None:
+            global_idx = torch.where(valid, global_idx, -1)  # padding: the receivers' valid mask
+        pool_idx, pool_vals, pool_valid = gather_padded(global_idx, values, group, world, counts)
+        big_k = k * n_tokens if ok is not None else min(k * n_tokens, sum(counts))
+        pos = top_positions(pool_vals.detach(), pool_valid, big_k)
         # rank-major pool -> ascending global indices (grouped by layer, then token: the decode's layout)
         all_idx, order = torch.sort(pool_idx[pos])
         all_vals = torch.relu(take_unique(pool_vals, pos[order]))
         all_idx = all_idx.long()
+        layer_bounds = None
+        if ok is not None:
+            # the one host sync of the forward: the decode's layer bounds, and whether the padded pool held the
+            # exact top-K (else, rarely, redo with the synced path)
+            edges = torch.arange(n_layers + 1, device=all_idx.device) * (n_tokens * n_features)
+            host = torch.cat([torch.searchsorted(all_idx, edges), ok.long().view(1)]).tolist()
+            if not host[-1]:
+                with _padded_pool(False):
+                    return self._select_in_group(clt, pre, decode_sparse, mark)
+            layer_bounds = host[:-1]
         mark("gather")
-        recon = decode_sparse(all_idx, all_vals, n_tokens)
+        recon = decode_sparse(all_idx, all_vals, n_tokens, layer_bounds=layer_bounds)
         mark("decode")
         return CLTOutput(recon, pre, None, all_idx, all_vals)
 

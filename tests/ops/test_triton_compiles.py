@@ -43,9 +43,10 @@ def _selection_cases():
         meta = {"BLOCK": block, "BLOCK_IN_ONE_ROW": one_row}
         yield ("_count_ge_kernel", {"x_ptr": f"*{dt}", "lo_ptr": f"*{dt}", "cnt_ptr": "*i32", "n": n,
                                     "row_len": "i32"}, meta, warps)
-        yield ("_compact_ordered_kernel", {"x_ptr": f"*{dt}", "lo_ptr": f"*{dt}", "pre_ptr": "*i64",
-                                           "idx_ptr": "*i64", "val_ptr": f"*{dt}", "n": n, "row_len": "i32"},
-               meta, warps)
+        for capped in (False, True):
+            yield ("_compact_ordered_kernel", {"x_ptr": f"*{dt}", "lo_ptr": f"*{dt}", "pre_ptr": "*i64",
+                                               "idx_ptr": "*i64", "val_ptr": f"*{dt}", "n": n, "row_len": "i32",
+                                               "cap": "i32"}, {**meta, "CAPPED": capped}, warps)
 
 
 def _decode_cases():
@@ -105,7 +106,7 @@ def test_every_kernel_of_the_package_is_covered():
     assert {case[0] for case in _CASES} == _KERNELS
     for name, sig, *_ in _CASES:  # signatures name every runtime argument, in order
         module = T if hasattr(T, name) else D
-        params = [p for p in getattr(module, name).arg_names if p not in ("BLOCK", "BLOCK_IN_ONE_ROW", "BLOCK_D",
+        params = [p for p in getattr(module, name).arg_names if p not in ("BLOCK", "BLOCK_IN_ONE_ROW", "CAPPED", "BLOCK_D",
                                                                           "BLOCK_E")]
         assert list(sig) == params, name
 

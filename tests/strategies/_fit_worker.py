@@ -106,6 +106,28 @@ def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
             "val_shapes": m.val_shapes,
         }
 
+    def sharded_encoder_fallback() -> dict[str, Any]:
+        # the padded pool's capacity forced below the candidate count: every step detects it at the decode's
+        # bounds sync and redoes the selection on the synced path (whose sampled bound then admits too few
+        # candidates: its own exact fallback runs too); the result must not change
+        from lightning_opt.ops import global_topk
+
+        calls = {"n": 0}
+        original = global_topk.shard_candidates
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            return original(*args, **kwargs)
+
+        saved = global_topk._sample_rank, global_topk.shard_candidates
+        global_topk._sample_rank, global_topk.shard_candidates = (lambda s, frac: 1), counted
+        try:
+            m = _adam_module()
+            _fit(m, DecoderShardingStrategy(shard_encoder=True), root)
+        finally:
+            global_topk._sample_rank, global_topk.shard_candidates = saved
+        return {"state": _state(m), "synced_selections": calls["n"]}
+
     def sharded_fvu() -> dict[str, Any]:
         m = TinyCLTModule(loss="fvu", batch_size=8)
         _fit(m, DecoderShardingStrategy(), root, gradient_clip_val=CLIP)
@@ -156,6 +178,7 @@ def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
         "clt_module_sharded": clt_module("sharded"),
         "clt_module_sharded_encoder": clt_module("encoder"),
         "sharded_encoder": sharded_encoder,
+        "sharded_encoder_fallback": sharded_encoder_fallback,
         "global_mse": global_mse,
         "global_fvu": global_fvu,
         "sharded_mse_consolidated": sharded_mse_consolidated,

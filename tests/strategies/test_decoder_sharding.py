@@ -91,6 +91,12 @@ def test_feature_sharded_encoders_match_single_process(strategy_runs: dict, tmp_
     assert_states_close(dict(module.state_dict()), fit_single(_adam_module(), tmp_path / "b", max_steps=2))
 
 
+def test_feature_sharded_encoders_fall_back_when_the_padded_pool_is_too_small(strategy_runs: dict, tmp_path) -> None:
+    result = strategy_runs["sharded_encoder_fallback"]
+    assert result["synced_selections"] > 0  # the check fired and the synced path ran
+    assert_states_close(result["state"], fit_single(_adam_module(), tmp_path / "a"))
+
+
 def test_project_clt_module_with_feature_sharded_encoders(strategy_runs: dict, tmp_path) -> None:
     import lightning.pytorch as pl
     from _clt_helpers import loader, make_clt_module, params_of, trainer_kwargs
