@@ -312,7 +312,7 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
     def with_backend(backend: str, fn: Callable[[], Any]) -> Callable[[], Any]:
         return with_setting("CANDIDATES_BACKEND", backend, fn)
 
-    lo = topk_mod._row_lower_bounds(pre.view(1, -1), n_keep)[0].to(pre.dtype)
+    lo = topk_mod._row_lower_bounds(pre.view(1, -1), n_keep).to(pre.dtype)
     out["select_candidates_backend"] = "triton" if _triton_ok(pre) else "torch"
     # which path select_ours takes: the two-pass Triton selection or candidates + threshold step
     with warnings.catch_warnings(record=True) as caught:  # a failed Triton self-check warns: keep its message

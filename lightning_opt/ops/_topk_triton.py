@@ -5,7 +5,7 @@ memory speed). The exclusive prefix sum of the block counts gives each block its
 program numbers its hits with a block-local scan and writes ``(flat index, value)`` straight to its slots. No
 atomics, no sort: the result is ``nonzero(x >= lo)`` and ``x[...]`` of it, and does not depend on scheduling.
 One host sync, between the passes (the total sizes the buffers). Replaces an earlier single pass that reserved
-room with one ``atomic_add`` per block and then sorted the hits (slower on an H200: docs/clt.md).
+room with one ``atomic_add`` per block and then sorted the hits (docs/clt.md has both candidate phases' timings).
 
 :func:`compact_ge` is that candidate step. :func:`select_16bit` is the whole BatchTopK selection for bf16/fp16
 scores: the same two passes, then a sort of only the candidates' 16-bit order keys gives each row's exact
@@ -88,8 +88,8 @@ if triton is not None:
     def _compact_ordered_kernel(x_ptr, lo_ptr, pre_ptr, idx_ptr, val_ptr, n, row_len, cap, BLOCK: tl.constexpr,
                                 BLOCK_IN_ONE_ROW: tl.constexpr, CAPPED: tl.constexpr):
         # pass 2: every entry at or above its bound to its slot in flat order (the block's exclusive prefix from
-        # pass 1 plus a block-local scan; no atomics, no sort): its flat index and value. (int64 slots: on an H200
-        # an int32 scan-and-add here ran at half the speed.)
+        # pass 1 plus a block-local scan; no atomics, no sort): its flat index and value. (int64 slots: an int32
+        # scan-and-add here was slower in a probe on an H200.)
         offs, inb, row, x = _block(x_ptr, n, row_len, BLOCK, BLOCK_IN_ONE_ROW)
         lo = _per_row(lo_ptr, row, inb, BLOCK_IN_ONE_ROW)
         hit = (x.to(tl.float32) >= lo.to(tl.float32)) & inb

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_opt.ops.topk import _order_keys16, candidates_ge
+from lightning_opt.ops.topk import _order_keys16, candidates_ge, triton_candidates
 
 __all__ = [
     "global_batch_topk", "batch_topk_threshold_sparse", "shard_candidates", "shard_candidates_padded", "top_positions"
@@ -352,10 +352,8 @@ def shard_candidates_padded(
     cap = min(n, int(1.3 * _sample_rank(s, frac) / s * n) + 1024)
     lo_x = lo.to(x.dtype).view(1)
     from lightning_opt.ops import _topk_triton
-    from lightning_opt.ops import topk as topk_mod
 
-    if topk_mod.CANDIDATES_BACKEND != "torch" and (topk_mod.CANDIDATES_BACKEND == "triton"
-                                                   or _topk_triton.available(flat)):
+    if triton_candidates(flat):
         pre, count = _topk_triton.count_ge(flat, lo_x, n)
         idx, _ = _topk_triton.compact_counted(flat, lo_x, n, pre, cap, capped=True)
         idx = torch.where(torch.arange(cap, device=flat.device) < count, idx, -1)
@@ -376,11 +374,9 @@ def _candidates_exchanged(flat: torch.Tensor, lo: torch.Tensor, group: dist.Proc
     the compaction, so the one host sync reads every rank's count. The torch path syncs for the local count
     (``nonzero``) and again for the exchanged counts."""
     from lightning_opt.ops import _topk_triton
-    from lightning_opt.ops import topk as topk_mod
 
     n = flat.numel()
-    if topk_mod.CANDIDATES_BACKEND != "torch" and (topk_mod.CANDIDATES_BACKEND == "triton"
-                                                   or _topk_triton.available(flat)):
+    if triton_candidates(flat):
         pre, count = _topk_triton.count_ge(flat, lo, n)
         counts = (_all_gather(count, group, world).view(-1) if world > 1 else count).tolist()  # host sync
         rank = dist.get_rank(group) if world > 1 else 0
@@ -403,9 +399,8 @@ def top_positions(values: torch.Tensor, valid: torch.Tensor | None, n_keep: int)
         key = _order_keys16(values)
         if valid is not None:
             key = torch.where(valid, key, -1)  # padding sorts below every real key
-        # the n_keep-th largest key from one sort of the int32 keys, not a 2**16-bin histogram: atomics crowd
-        # the few bins the top values share (on an H200, ~1.6M such atomic adds cost ~0.8 ms in a selection
-        # pass; a sort of ~1M int32 keys took ~0.06 ms)
+        # the n_keep-th largest key from one sort of the int32 keys, not a 2**16-bin histogram: its atomics
+        # crowd the few bins the top values share
         sorted_keys = torch.sort(key).values
         cut = sorted_keys[n - n_keep]
         above = n - torch.searchsorted(sorted_keys, cut.view(1), right=True)

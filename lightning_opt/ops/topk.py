@@ -81,20 +81,19 @@ def _sample_columns(m: int, device: torch.device) -> torch.Tensor:
     return _COLUMN_CACHE[key]
 
 
-def _row_lower_bounds(x2d: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, float]:
-    """Per-row value that at least ``n_keep`` entries reach with high probability, and the fraction of a
-    row expected to reach it (sizes the candidate buffers)."""
+def _row_lower_bounds(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
+    """Per-row value that at least ``n_keep`` entries reach with high probability."""
     rows, m = x2d.shape
     if m <= _SAMPLE_COLS:
         # The whole row is the sample: the n-th largest is exact.
-        return torch.topk(x2d.float(), n_keep, dim=1, sorted=False).values.amin(dim=1), n_keep / m
+        return torch.topk(x2d.float(), n_keep, dim=1, sorted=False).values.amin(dim=1)
     cols = _sample_columns(m, x2d.device)
     sample = x2d[:, cols].float()
     mean = _SAMPLE_COLS * n_keep / m
     # 10% plus four binomial standard deviations plus a constant: a fallback is rare. (2**18 columns: at
-    # 4096 x 12 x 8192 with k=200 the bound lets ~1.3x the kept count through, vs ~2x with 2**15.)
+    # 4096 x 12 x 8192 with k=200 about 1.3x the kept count is expected to pass, by this formula; ~2x with 2**15.)
     j = min(_SAMPLE_COLS, int(math.ceil(1.1 * mean + 4.0 * math.sqrt(mean) + 16)))
-    return torch.topk(sample, j, dim=1, sorted=False).values.amin(dim=1), j / _SAMPLE_COLS
+    return torch.topk(sample, j, dim=1, sorted=False).values.amin(dim=1)
 
 
 def _use_select_16bit(x2d: torch.Tensor) -> bool:
@@ -144,6 +143,16 @@ def _select_16bit_works(device: torch.device) -> bool:
     return _SELECT_CHECKED[device]
 
 
+def triton_candidates(flat: torch.Tensor) -> bool:
+    """Whether the candidate step on ``flat`` runs the Triton passes (``CANDIDATES_BACKEND``: ``auto`` = when
+    ``ops._topk_triton`` can run on ``flat``'s device)."""
+    if CANDIDATES_BACKEND == "torch":
+        return False
+    from lightning_opt.ops import _topk_triton
+
+    return CANDIDATES_BACKEND == "triton" or _topk_triton.available(flat)
+
+
 def candidates_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Ascending flat indices and values of the entries with ``flat[i] >= lo_rows[i // row_len]``.
 
@@ -155,12 +164,10 @@ def candidates_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int) -> tu
         lo_rows: per-row bounds (``flat``'s dtype).
         row_len: entries per row.
     """
-    backend = CANDIDATES_BACKEND
-    if backend != "torch":
+    if triton_candidates(flat):
         from lightning_opt.ops import _topk_triton
 
-        if backend == "triton" or _topk_triton.available(flat):
-            return _topk_triton.compact_ge(flat, lo_rows, row_len)
+        return _topk_triton.compact_ge(flat, lo_rows, row_len)
     lo = lo_rows.to(flat.dtype)
     mask = (flat.view(-1, row_len) >= lo[:, None]).view(-1) if lo.numel() > 1 else flat >= lo.view(())
     idx = torch.nonzero(mask).squeeze(1)  # host sync: the count sizes the result
@@ -176,7 +183,7 @@ def _select_rows(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.long, device=device)
     if n_keep == m:
         return torch.arange(rows * m, device=device)
-    lo = _row_lower_bounds(x2d, n_keep)[0].to(x2d.dtype)
+    lo = _row_lower_bounds(x2d, n_keep).to(x2d.dtype)
     if _use_select_16bit(x2d):
         from lightning_opt.ops import _topk_triton
 

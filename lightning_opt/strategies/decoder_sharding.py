@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +43,6 @@ _POOL_SELECT = True
 # the pool selection without a host sync before the gather (fixed-size candidate buffers, checked at the
 # decode's bounds sync); False: the synced candidate step (benchmarks/clt_scaling.py's A/B)
 _PADDED_POOL = True
-
-
-@contextmanager
-def _padded_pool(on: bool) -> Iterator[None]:
-    global _PADDED_POOL
-    old, _PADDED_POOL = _PADDED_POOL, on
-    try:
-        yield
-    finally:
-        _PADDED_POOL = old
 
 
 def _shard_file(model_rank: int, model_size: int) -> str:
@@ -327,13 +317,15 @@ class DecoderShardingStrategy(DDPStrategy):
         pre: torch.Tensor,
         decode_sparse: Callable[..., Any],
         mark: Callable[[str], None],
+        padded: bool | None = None,
     ) -> Any:
         """BatchTopK over one decoder group (same tokens, features split): gather candidates, select on every rank.
 
-        One gather of every rank's candidates (about ``1.25 K`` entries over the group) replaces the
+        One gather of every rank's candidates (about ``1.1 K`` entries over the group) replaces the
         value gather, tie-count gather and kept-entry gather of the general path; each rank then finds the
-        same ``K`` entries in the pool (histogram cut-off, fixed output size), so the selection has two host
-        syncs (candidate counts) and the gather none.
+        same ``K`` entries in the pool (sort cut-off, fixed output size). ``padded`` (default ``_PADDED_POOL``):
+        fixed-size candidate buffers and no host sync before the decode's layer bounds, read together with
+        the pool's exactness flag (false: this method reruns with ``padded=False``, the synced candidate step).
         """
         from lightning_opt.models.clt import CLTOutput
         from lightning_opt.ops.global_topk import shard_candidates, shard_candidates_padded, top_positions
@@ -341,10 +333,12 @@ class DecoderShardingStrategy(DDPStrategy):
         n_layers, n_tokens, width = pre.shape
         n_features, k = clt.config.n_features, clt.config.k
         group, world = self._model_group, self.mp_size
-        padded = shard_candidates_padded(pre, k, group, n_tokens) if _PADDED_POOL else None
-        if padded is not None:
+        if padded is None:
+            padded = _PADDED_POOL
+        padded_out = shard_candidates_padded(pre, k, group, n_tokens) if padded else None
+        if padded_out is not None:
             # No host sync until the decode's layer bounds: candidates in fixed-size buffers (-1 past the count)
-            idx, _, ok = padded
+            idx, _, ok = padded_out
             valid = idx >= 0
             idx = idx.clamp(min=0)
             values, counts = take_masked(pre.reshape(-1), idx, valid), [idx.numel()] * world
@@ -374,8 +368,7 @@ class DecoderShardingStrategy(DDPStrategy):
             edges = torch.arange(n_layers + 1, device=all_idx.device) * (n_tokens * n_features)
             host = torch.cat([torch.searchsorted(all_idx, edges), ok.long().view(1)]).tolist()
             if not host[-1]:
-                with _padded_pool(False):
-                    return self._select_in_group(clt, pre, decode_sparse, mark)
+                return self._select_in_group(clt, pre, decode_sparse, mark, padded=False)
             layer_bounds = host[:-1]
         mark("gather")
         recon = decode_sparse(all_idx, all_vals, n_tokens, layer_bounds=layer_bounds)
