@@ -156,7 +156,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--ours-runner", default="lightning", choices=["lightning", "bare"])
     p.add_argument("--ours-min-s", type=float, default=150.0,
                    help="seconds the record script's run leaves for ours (its timeout is the rest)")
-    p.add_argument("--ours-loss-impl", default=None, choices=["torch", "chunked", "chunked_fp8"],
+    p.add_argument("--ours-accum", type=int, default=16,
+                   help="our micro-batches (32 x 1024) per step; fewer = smaller batches, proportionally more "
+                        "steps for the same token budget (the schedule follows)")
+    p.add_argument("--ours-loss-impl", default=None, choices=["torch", "chunked", "chunked_fp8", "fused"],
                    help="override the config's loss_impl for our run")
     p.add_argument("--target", type=float, default=None, help="use this target (skips the record run)")
     args = p.parse_args(argv)
@@ -183,15 +186,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # 2. ours, same budget, until it reaches the target or the call's time is up. Deciding the goal
     # (<= 0.75x the record's time) needs at most 0.75x the record's training time, plus compile.
     sp_model, sp_optim, sp_sched, _ = load_yaml_config("gpt2-124m-speedrun")
-    spec = RunSpec(sp_model, sp_optim, sp_sched, steps=args.steps, micro_batch=32, accum=16, seq_len=1024,
-                   compile=True, amp="bf16", warm=3, val_every=args.ours_val_every, stop_at_loss=target)
+    if 16 % args.ours_accum:
+        raise ValueError(f"--ours-accum={args.ours_accum} must divide 16 (the record's 524,288 tokens per step)")
+    per = 16 // args.ours_accum  # same token budget in `per` times as many steps
+    spec = RunSpec(sp_model, sp_optim, sp_sched, steps=args.steps * per, micro_batch=32, accum=args.ours_accum,
+                   seq_len=1024, compile=True, amp="bf16", warm=3 * per, val_every=args.ours_val_every * per,
+                   stop_at_loss=target)
     vocab_mod = None
     if args.smoke:
         vocab_mod = 512
         spec = with_model(replace(spec, steps=6, micro_batch=4, accum=2, seq_len=64, compile=False, amp="fp32",
                                   warm=1, val_every=2),
                           n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=512, vocab_multiple=1,
-                          n_value_embeds=1)
+                          n_value_embeds=1, skip_attn_layers=(1,))
     if args.ours_loss_impl:
         spec = with_model(spec, loss_impl=args.ours_loss_impl)
     data = Tokens(train_path, val_path, dev, val_tokens=4096 if args.smoke else args.val_tokens,

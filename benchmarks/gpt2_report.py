@@ -21,6 +21,22 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "benchmarks" / "gpt2.md"
 
 
+# what the page shows, newest first per section (the first speedrun/record run is the headline one);
+# a kind missing here falls back to its newest result file
+SHOWN = {
+    "speedrun": ["gpt2_speedrun_s4_fusedce_nvidia-h200_20261126.json", "gpt2_speedrun_s4_recipe_nvidia-h200_20261126.json",
+                 "gpt2_speedrun_nvidia-h200_20261126.json", "gpt2_speedrun_nvidia-h100-80gb-hbm3_20261126.json"],
+    "record": ["gpt2_record_s4_nvidia-h200_20261126.json", "gpt2_record_s4_halfbatch_nvidia-h200_20261126.json",
+               "gpt2_record_nvidia-h100-80gb-hbm3_20261126.json"],
+    "ablation": ["gpt2_ablation_s4_nvidia-h200_20261126.json", "gpt2_ablation_nvidia-h100-80gb-hbm3_20261126.json"],
+}
+
+
+def shown(kind: str) -> list[Path | None]:
+    files = [RESULTS / f for f in SHOWN.get(kind, []) if (RESULTS / f).exists()]
+    return files or [newest(kind)]
+
+
 def newest(kind: str) -> Path | None:
     files = [f for f in RESULTS.glob(f"gpt2_{kind}_*.json") if "_smoke" not in f.name]
     return max(files, key=lambda f: (f.stem.rsplit("_", 1)[-1], f.stat().st_mtime)) if files else None
@@ -90,17 +106,24 @@ def speedrun_section(d: dict[str, Any] | None, path: Path | None, doc: Path,
     return out + [""]
 
 
-def record_section(d: dict[str, Any] | None, path: Path | None, doc: Path) -> list[str]:
-    out = ["## Time to target: the 2025-01-04 record script vs ours", ""]
+def record_section(d: dict[str, Any] | None, path: Path | None, doc: Path,
+                   title: str = "## Time to target: the 2025-01-04 record script vs ours") -> list[str]:
+    out = [title, ""]
     if d is None:
         return out + ["GPU figures: pending (run `python benchmarks/gpt2_record.py` on an H100).", ""]
     rec, ours = d["results"].get("record", {}), d["results"].get("ours", {})
-    out += [env_line(d, path, doc), "",
+    out += [env_line(d, path, doc), ""]
+    if d.get("note"):
+        out += [f"Note: {d['note']}", ""]
+    out += [
             f"Budget: {d['settings']['steps']} steps of 524,288 tokens. Target: the record script's final val "
             "loss. Compile and validation excluded for both; the record's own clock leaves its first 10 steps "
             "out, the adjusted time adds them back at its steady step time.", "",
             "| run | tokens/s | ms/step | compile s | peak GB | final val loss | train s |", "|---|---:|---:|---:|---:|---:|---:|"]
     for name, r in (("record 2025-01-04 (1 GPU)", rec), ("ours (gpt2-124m-speedrun, Lightning)", ours)):
+        if r.get("skipped"):
+            out.append(f"| {name} | not run in this call ({r['skipped']}) | | | | | |")
+            continue
         if r.get("error") and "tokens_per_s" not in r:
             out.append(f"| {name} | {r['error'][:150]} | | | | | |")
             continue
@@ -113,11 +136,13 @@ def record_section(d: dict[str, Any] | None, path: Path | None, doc: Path) -> li
     return out + [""]
 
 
-def ablation_section(d: dict[str, Any] | None, path: Path | None, doc: Path) -> list[str]:
-    out = ["## Ablation table", ""]
+def ablation_section(d: dict[str, Any] | None, path: Path | None, doc: Path,
+                     title: str = "## Ablation table") -> list[str]:
+    out = [title, ""]
     if d is None:
         return out + ["GPU figures: pending (run `python benchmarks/gpt2_ablation.py` on an H100).", ""]
-    out += [env_line(d, path, doc), ""] + [f"- {n}" for n in d.get("notes", [])] + [
+    out += [env_line(d, path, doc), ""] + ([f"Note: {d['note']}", ""] if d.get("note") else []) + [
+        f"- {n}" for n in d.get("notes", [])] + [
         "", "| row | toggle | tokens/s | d tokens/s | peak GB | val loss | d val loss | verdict |",
         "|---|---|---:|---:|---:|---:|---:|---|"]
     for name, r in d["rows"].items():
@@ -173,15 +198,17 @@ def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--speedrun", nargs="*", default=None,
                    help="speedrun result JSONs, newest first (the first one also feeds the plot)")
-    p.add_argument("--record", default=None)
-    p.add_argument("--ablation", default=None)
+    p.add_argument("--record", nargs="*", default=None, help="record result JSONs, newest first")
+    p.add_argument("--ablation", nargs="*", default=None, help="ablation result JSONs, newest first")
     p.add_argument("--doc", default=str(DOC))
     a = p.parse_args(argv)
     doc = Path(a.doc)
-    runs = [load(x) for x in (a.speedrun or [newest("speedrun")])]
+    runs = [load(x) for x in (a.speedrun or shown("speedrun"))]
     sp, sp_path = runs[0]
-    rc, rc_path = load(a.record or newest("record"))
-    ab, ab_path = load(a.ablation or newest("ablation"))
+    records = [load(x) for x in (a.record or shown("record"))]
+    rc, rc_path = records[0]
+    ablations = [load(x) for x in (a.ablation or shown("ablation"))]
+    ab, ab_path = ablations[0]
     img = doc.parent / "img" / "gpt2_val_vs_time.png"
     # one device per plot: the speedrun run measured on the record's machine, else the newest
     same = [r for r in runs if r[0] and rc and r[0]["env"]["device"] == rc["env"]["device"]]
@@ -199,10 +226,14 @@ def main(argv: list[str] | None = None) -> Path:
     for i, (older, older_path) in enumerate(runs[1:], start=1):
         lines += speedrun_section(older, older_path, doc, f"### Earlier run {i}: {older['env']['device']}")
     lines += record_section(rc, rc_path, doc)
+    for i, (older, older_path) in enumerate(records[1:], start=1):
+        lines += record_section(older, older_path, doc, f"### Time to target, run {i + 1}: {older['env']['device']}")
     lines += ["## Val loss vs training time", ""]
     lines += ([f"![val loss vs training seconds](img/{img.name})", ""] if has_plot
               else ["GPU figures: pending (the plot is drawn from the speedrun and record results).", ""])
     lines += ablation_section(ab, ab_path, doc)
+    for i, (older, older_path) in enumerate(ablations[1:], start=1):
+        lines += ablation_section(older, older_path, doc, f"### Ablation, earlier run {i}: {older['env']['device']}")
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(lines))
     return doc

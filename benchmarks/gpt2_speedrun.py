@@ -7,6 +7,12 @@ tokens per step = 32 x 1024 x 16 = 524,288, like nanoGPT's train.py and the spee
   RMSNorm, QK-norm, ReLU^2, value embeddings, U-net, soft-cap, Muon + Adam) in a bare loop (our model and
   optimizer factory, ``torch.compile``, bf16 autocast) and through ``GPT2SpeedrunModule`` +
   ``TokenShardDataModule`` + ``Trainer(precision="bf16-mixed")`` with compile;
+- ``ours-speedrun-fusedce-bare`` / ``-lightning``: the recipe with ``loss_impl="fused"`` (head matmul, then
+  one Triton kernel for the soft-capped loss and its logit gradient, :mod:`lightning_opt.ops.softcap_ce`);
+- ``ours-speedrun-prev-bare``: the recipe as it was before session 4 (RoPE base 10000, soft-cap 30, no x0
+  mixing, no embedding norm, attention in every layer, Muon one matrix at a time with q/k/v as one matrix
+  and no momentum warmup); ``ours-speedrun-unbatchedmuon-bare``: today's recipe with Muon one matrix at a
+  time (isolates the batched Newton-Schulz);
 - ``ours-classic-bare`` / ``ours-classic-lightning``: ``gpt2-124m-classic`` (fused AdamW, clip 1.0);
 - ``nanogpt``: Karpathy's nanoGPT ``model.py`` trained as its ``bench.py`` does (see
   ``benchmarks/peers/nanogpt_runner.py``), imported from the git-ignored ``.peers/nanoGPT/``;
@@ -77,9 +83,16 @@ def make_specs(args: argparse.Namespace) -> dict[str, RunSpec]:
     classic = RunSpec(cl_model, cl_optim, cl_sched, clip=1.0, **common)
     if args.smoke:
         small = dict(SMOKE_SHAPE, block_size=args.seq_len, vocab_size=SMOKE_VOCAB, vocab_multiple=1)
-        speedrun = with_model(speedrun, **small, n_value_embeds=1)
+        speedrun = with_model(speedrun, **small, n_value_embeds=1,
+                              skip_attn_layers=(1,))
         classic = with_model(classic, **small)
-    return {"speedrun": speedrun, "classic": classic}
+    # the recipe as it was before session 4 (for a same-run attribution of what changed)
+    prev = with_model(speedrun, rope_base=10000.0, rope_truncate=False, logit_softcap=30.0, x0_mix=False,
+                      embed_norm=False, skip_attn_layers=())
+    prev = replace(prev, optim=replace(prev.optim, muon_momentum_start=None, muon_momentum_warmup_steps=0,
+                                       muon_split_fused=False, muon_batched=False))
+    unbatched = replace(speedrun, optim=replace(speedrun.optim, muon_batched=False))
+    return {"speedrun": speedrun, "classic": classic, "prev": prev, "unbatched": unbatched}
 
 
 def ratio(a: dict, b: dict, key: str = "tokens_per_s") -> float | None:
@@ -135,6 +148,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "nanogpt": lambda: oom_retry(lambda s: train_nanogpt(s, data, nano_shape, vocab_size=nano_vocab), cl),
         "ours-classic-bare": lambda: oom_retry(lambda s: train_bare(s, data), cl),
         "ours-classic-lightning": lambda: oom_retry(lightning, cl),
+        "ours-speedrun-fusedce-bare": lambda: oom_retry(lambda s: train_bare(s, data), with_model(sp, loss_impl="fused")),
+        "ours-speedrun-fusedce-lightning": lambda: oom_retry(lightning, with_model(sp, loss_impl="fused")),
+        "ours-speedrun-prev-bare": lambda: oom_retry(lambda s: train_bare(s, data), specs["prev"]),
+        "ours-speedrun-unbatchedmuon-bare": lambda: oom_retry(lambda s: train_bare(s, data), specs["unbatched"]),
         "ours-speedrun-fp8head-bare": lambda: oom_retry(lambda s: train_bare(s, data), with_model(sp, head_fp8=True)),
         "ours-speedrun-fp8head-lightning": lambda: oom_retry(lightning, with_model(sp, head_fp8=True)),
         "ours-speedrun-chunkedfp8-lightning": lambda: oom_retry(lightning, with_model(sp, loss_impl="chunked_fp8")),

@@ -19,11 +19,12 @@ from torch.utils.checkpoint import checkpoint
 from lightning_opt.ops.attention import BACKENDS, attention, resolve_backend
 from lightning_opt.ops.cross_entropy import linear_cross_entropy
 from lightning_opt.ops.fp8 import fp8_linear
+from lightning_opt.ops.softcap_ce import linear_softcap_cross_entropy
 
 _MLPS = ("gelu", "relu2", "swiglu")
 _NORMS = ("layernorm", "rmsnorm")
 _POS = ("learned", "rope")
-_LOSS_IMPLS = ("torch", "chunked", "chunked_fp8")
+_LOSS_IMPLS = ("torch", "chunked", "chunked_fp8", "fused")
 
 
 @dataclass
@@ -36,6 +37,9 @@ class GPTConfig:
         n_layer, n_head, n_embd, block_size: the usual shape; ``block_size`` is the longest sequence.
         n_kv_head: key/value heads for grouped-query attention (``None`` = ``n_head``).
         pos_emb: ``learned`` (GPT-2) or ``rope`` (rotary, ``rope_base``).
+        rope_truncate: rotate only the first half of each head's frequency pairs, with frequencies from 1 down
+            to ``1 / rope_base`` (the other half of the dimensions carries no position; the speedrun's
+            "half-truncated" RoPE, used there with ``rope_base=1024``).
         norm: ``layernorm`` (GPT-2) or ``rmsnorm``.
         bias: biases in linear layers and LayerNorm (GPT-2 has them).
         qk_norm: RMS-normalise queries and keys per head.
@@ -46,6 +50,10 @@ class GPTConfig:
         logit_softcap: ``cap * tanh(logits / cap)`` when set.
         n_value_embeds: value-embedding tables mixed into the values of the first and last layers.
         unet_skips: skip connections from the first half of the layers to the mirrored second half.
+        x0_mix: every block starts with ``x = a * x + b * x0`` (learned ``a = 1, b = 0`` at init), ``x0``
+            being the block stack's input (the embedding).
+        embed_norm: RMS-normalise the token embedding before the first block (no learned weight).
+        skip_attn_layers: layers that have no attention, only the MLP (the speedrun drops layer 7's).
         window_size: sliding-window attention span in tokens (``None`` = full causal).
         doc_causal: attend only within documents delimited by ``eot_token``.
         eot_token: the document separator for ``doc_causal``.
@@ -59,7 +67,9 @@ class GPTConfig:
         loss_impl: ``torch`` (logits, then ``F.cross_entropy``) or ``chunked``
             (:func:`~lightning_opt.ops.cross_entropy.linear_cross_entropy`: never holds all float32 logits)
             or ``chunked_fp8`` (the same with the head matmuls in FP8 via ``torch._scaled_mm``; H100-class
-            GPUs, training loss only: ``model(idx)`` logits stay in the autocast dtype).
+            GPUs, training loss only: ``model(idx)`` logits stay in the autocast dtype) or ``fused`` (the head
+            matmul, then one Triton kernel for the soft-capped loss and its logit gradient,
+            :func:`~lightning_opt.ops.softcap_ce.linear_softcap_cross_entropy`; outside the compiled graph).
         loss_chunk_size: tokens per chunk for ``chunked``.
         grad_checkpoint: recompute each block in the backward pass (activation checkpointing) to save memory.
         head_fp8: in training, run the output head's matmul (forward and both backward matmuls) in FP8 with
@@ -76,6 +86,7 @@ class GPTConfig:
     n_kv_head: int | None = None
     pos_emb: str = "learned"
     rope_base: float = 10000.0
+    rope_truncate: bool = False
     norm: str = "layernorm"
     norm_eps: float = 1e-5
     bias: bool = True
@@ -87,6 +98,9 @@ class GPTConfig:
     logit_softcap: float | None = None
     n_value_embeds: int = 0
     unet_skips: bool = False
+    x0_mix: bool = False
+    embed_norm: bool = False
+    skip_attn_layers: tuple[int, ...] = ()
     window_size: int | None = None
     doc_causal: bool = False
     eot_token: int = 50256
@@ -144,6 +158,12 @@ class GPTConfig:
                       f"(got {self.n_embd} and {self.padded_vocab_size}; set vocab_multiple to 128)")
         if self.loss_chunk_size <= 0:
             raise bad("loss_chunk_size", self.loss_chunk_size, "must be a positive integer")
+        self.skip_attn_layers = tuple(int(i) for i in self.skip_attn_layers)  # YAML gives lists
+        bad_layers = [i for i in self.skip_attn_layers if not 0 <= i < self.n_layer]
+        if bad_layers:
+            raise bad("skip_attn_layers", self.skip_attn_layers, f"layers must be in [0, n_layer={self.n_layer})")
+        if self.rope_truncate and self.head_dim % 4:
+            raise bad("rope_truncate", self.rope_truncate, f"needs a head dimension divisible by 4, got {self.head_dim}")
         if self.doc_causal and not 0 <= self.eot_token < self.vocab_size:
             raise bad("eot_token", self.eot_token, f"must be a token id below vocab_size={self.vocab_size}")
 
@@ -182,9 +202,13 @@ def make_norm(cfg: GPTConfig, dim: int) -> nn.Module:
 class Rotary(nn.Module):
     """Rotary position embedding; the tables are buffers so they follow ``.to(device)``."""
 
-    def __init__(self, head_dim: int, max_len: int, base: float) -> None:
+    def __init__(self, head_dim: int, max_len: int, base: float, truncate: bool = False) -> None:
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        if truncate:  # half the pairs rotate (frequencies 1 .. 1/base), the other half are position-free
+            quarter = head_dim // 4
+            inv_freq = torch.cat([(1.0 / base) ** torch.linspace(0, 1, quarter), torch.zeros(quarter)])
+        else:
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
@@ -204,7 +228,10 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_kv, self.hd = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.c_attn = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.hd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.rotary = Rotary(self.hd, cfg.block_size, cfg.rope_base) if cfg.pos_emb == "rope" else None
+        # Muon orthogonalises the query, key and value rows of the fused projection separately
+        self.c_attn.weight.muon_row_splits = (self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd)
+        self.rotary = (Rotary(self.hd, cfg.block_size, cfg.rope_base, cfg.rope_truncate)
+                       if cfg.pos_emb == "rope" else None)
         self.q_norm = RMSNorm(self.hd) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd) if cfg.qk_norm else None
         # learned mix of the value embedding into the values (modded-nanogpt style)
@@ -288,15 +315,24 @@ class MoE(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int) -> None:
         super().__init__()
-        self.ln_1 = make_norm(cfg, cfg.n_embd)
-        self.attn = CausalSelfAttention(cfg, layer)
+        has_attn = layer not in cfg.skip_attn_layers
+        self.ln_1 = make_norm(cfg, cfg.n_embd) if has_attn else None
+        self.attn = CausalSelfAttention(cfg, layer) if has_attn else None
         self.ln_2 = make_norm(cfg, cfg.n_embd)
         self.mlp = MoE(cfg) if cfg.moe_experts else MLP(cfg)
+        self.x0_lambdas = nn.Parameter(torch.tensor([1.0, 0.0])) if cfg.x0_mix else None
 
     def forward(
-        self, x: torch.Tensor, ve: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        ve: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        x0: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), ve, doc_ids)
+        if self.x0_lambdas is not None and x0 is not None:
+            x = self.x0_lambdas[0] * x + self.x0_lambdas[1] * x0
+        if self.attn is not None:
+            x = x + self.attn(self.ln_1(x), ve, doc_ids)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -379,7 +415,7 @@ class GPT(nn.Module):
             per_expert = sum(p.numel() for p in self.blocks[0].mlp.experts[0].parameters())
             n -= cfg.n_layer * per_expert * (cfg.moe_experts - cfg.moe_top_k)
         # causal attention touches on average about half the span; keep the standard (PaLM) count
-        return 6.0 * n + 12.0 * cfg.n_layer * cfg.n_embd * span
+        return 6.0 * n + 12.0 * (cfg.n_layer - len(cfg.skip_attn_layers)) * cfg.n_embd * span
 
     def hidden_matrices(self) -> list[nn.Parameter]:
         """2-D weights inside the blocks: what Muon optimises in the speedrun split."""
@@ -396,6 +432,9 @@ class GPT(nn.Module):
         x = self.wte(idx)
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(t, device=idx.device))
+        if cfg.embed_norm:
+            x = F.rms_norm(x, (x.shape[-1],))
+        x0 = x if cfg.x0_mix else None
         doc_ids = (idx == cfg.eot_token).cumsum(dim=1) if cfg.doc_causal else None
 
         ves: list[torch.Tensor | None] = [None] * cfg.n_layer
@@ -410,9 +449,9 @@ class GPT(nn.Module):
             if self.skip_weights is not None and i >= cfg.n_layer - half:
                 x = x + self.skip_weights[cfg.n_layer - 1 - i] * skips.pop()
             if cfg.grad_checkpoint and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, ves[i], doc_ids, use_reentrant=False)
+                x = checkpoint(block, x, ves[i], doc_ids, x0, use_reentrant=False)
             else:
-                x = block(x, ves[i], doc_ids)
+                x = block(x, ves[i], doc_ids, x0)
             if self.skip_weights is not None and i < half:
                 skips.append(x)
         h = self.ln_f(x)
@@ -444,6 +483,8 @@ class GPT(nn.Module):
 
     def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         cfg = self.config
+        if cfg.loss_impl == "fused":
+            return linear_softcap_cross_entropy(h, self.lm_head.weight, targets, cfg.logit_softcap)
         if cfg.loss_impl != "torch":
             return linear_cross_entropy(h, self.lm_head.weight, targets, cfg.logit_softcap, cfg.loss_chunk_size,
                                         fp8=cfg.loss_impl == "chunked_fp8")

@@ -26,6 +26,11 @@ class OptimConfig:
         betas, eps: AdamW moments.
         weight_decay: decoupled weight decay on matrices (never on vectors, norms or biases).
         muon_lr, muon_momentum, muon_weight_decay: Muon settings for the hidden matrices.
+        muon_momentum_start, muon_momentum_warmup_steps: Muon's momentum rises linearly from
+            ``muon_momentum_start`` to ``muon_momentum`` over this many steps (``None`` = no warmup).
+        muon_split_fused: Muon orthogonalises the query, key and value blocks of a fused projection
+            separately (parameters with ``muon_row_splits``), as if they were three matrices.
+        muon_batched: orthogonalise same-shape matrices in one batched iteration (``False``: one at a time).
         embed_lr, head_lr, scalar_lr: per-group Adam learning rates for ``muon`` (``None`` = ``lr``).
         fused: use the fused AdamW kernel (``None`` = when every parameter is on CUDA).
     """
@@ -38,6 +43,10 @@ class OptimConfig:
     muon_lr: float = 0.05
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
+    muon_momentum_start: float | None = None
+    muon_momentum_warmup_steps: int = 0
+    muon_split_fused: bool = True
+    muon_batched: bool = True
     embed_lr: float | None = None
     head_lr: float | None = None
     scalar_lr: float | None = None
@@ -123,7 +132,9 @@ def build_optimizer(
     optimizers: list[Optimizer] = []
     if hidden:
         optimizers.append(Muon(hidden, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
-                               weight_decay=cfg.muon_weight_decay))
+                               weight_decay=cfg.muon_weight_decay, momentum_start=cfg.muon_momentum_start,
+                               momentum_warmup_steps=cfg.muon_momentum_warmup_steps,
+                               split_fused=cfg.muon_split_fused, batched=cfg.muon_batched))
     adam_groups = [g for g in adam_groups if g["params"]]
     if adam_groups:
         optimizers.append(_adamw(adam_groups, cfg))

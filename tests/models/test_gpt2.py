@@ -22,6 +22,8 @@ OPTIONS = {
     "mtp": dict(mtp_heads=2),
     "moe": dict(moe_experts=2, moe_top_k=1),
     "vocab_pad": dict(vocab_multiple=128),
+    "record_parity": dict(pos_emb="rope", rope_base=1024.0, rope_truncate=True, x0_mix=True, embed_norm=True,
+                          skip_attn_layers=(2,), n_value_embeds=1),
 }
 
 
@@ -98,8 +100,10 @@ def test_doc_causal_isolates_documents():
         (dict(moe_experts=1), "moe_experts"),
         (dict(n_layer=0), "positive"),
         (dict(attn_backend="xformers"), "attn_backend"),
-        (dict(loss_impl="fused"), "loss_impl"),
+        (dict(loss_impl="liger"), "loss_impl"),
         (dict(loss_chunk_size=0), "loss_chunk_size"),
+        (dict(skip_attn_layers=(4,)), "skip_attn_layers"),
+        (dict(n_head=16, pos_emb="rope", rope_truncate=True), "rope_truncate"),
     ],
 )
 def test_config_errors(kwargs, match):
@@ -187,7 +191,8 @@ def test_speedrun_model_traces_without_graph_breaks(loss_impl):
 
     cfg = GPTConfig(**{**BASE, "n_layer": 2}, vocab_multiple=128, pos_emb="rope", norm="rmsnorm", bias=False,
                     qk_norm=True, mlp="relu2", tie_embeddings=False, zero_init_proj=True, logit_softcap=30.0,
-                    n_value_embeds=1, unet_skips=True, loss_impl=loss_impl, loss_chunk_size=16)
+                    n_value_embeds=1, unet_skips=True, loss_impl=loss_impl, loss_chunk_size=16,
+                    x0_mix=True, embed_norm=True, rope_truncate=True, skip_attn_layers=(1,))
     model = GPT(cfg)
     x = torch.randint(0, 300, (2, 16))
     try:
@@ -202,11 +207,58 @@ def test_every_parameter_gets_a_gradient_in_the_speedrun_config():
     """DDP (without find_unused_parameters) needs a gradient for every trainable parameter after backward."""
     cfg = GPTConfig(**{**BASE, "n_layer": 6}, vocab_multiple=128, pos_emb="rope", norm="rmsnorm", bias=False,
                     qk_norm=True, mlp="relu2", tie_embeddings=False, zero_init_proj=True, logit_softcap=30.0,
-                    n_value_embeds=2, unet_skips=True)
+                    n_value_embeds=2, unet_skips=True, x0_mix=True, embed_norm=True, skip_attn_layers=(3,))
     model = GPT(cfg)
     x = torch.randint(0, 300, (2, 16))
     model(x, x.roll(-1, 1)).backward()
     missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     assert not missing, missing
     # value-embedding mixes exist exactly in the layers that get a value embedding (first 2, last 2)
-    assert [b.attn.ve_lambda is not None for b in model.blocks] == [True, True, False, False, True, True]
+    assert [b.attn is not None and b.attn.ve_lambda is not None for b in model.blocks] == [
+        True, True, False, False, True, True]
+    assert model.blocks[3].attn is None and model.blocks[3].ln_1 is None
+
+
+def test_x0_mix_starts_as_the_plain_residual_stream():
+    """At init (a=1, b=0) the x0 mix changes nothing; the gradient still reaches b."""
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(**BASE, norm="rmsnorm", bias=False))
+    mixed = GPT(GPTConfig(**BASE, norm="rmsnorm", bias=False, x0_mix=True))
+    missing, unexpected = mixed.load_state_dict(plain.state_dict(), strict=False)
+    assert not unexpected and all("x0_lambdas" in k for k in missing)
+    x = torch.randint(0, 300, (2, 16))
+    torch.testing.assert_close(mixed(x), plain(x))
+    mixed(x, x.roll(-1, 1)).backward()
+    assert all(b.x0_lambdas.grad[1].abs() > 0 for b in mixed.blocks)
+
+
+def test_embed_norm_and_skipped_attention():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**BASE, norm="rmsnorm", bias=False, embed_norm=True, skip_attn_layers=(0, 2)))
+    seen = {}
+    model.blocks[0].register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
+    model(torch.randint(0, 300, (2, 16)))
+    rms = seen["x"].pow(2).mean(-1).sqrt()
+    torch.testing.assert_close(rms, torch.ones_like(rms), atol=1e-3, rtol=1e-3)
+    assert [b.attn is None for b in model.blocks] == [True, False, True, False]
+    full = GPT(GPTConfig(**BASE, norm="rmsnorm", bias=False))
+    per_attn = sum(p.numel() for p in full.blocks[0].attn.parameters()) + full.config.n_embd
+    assert full.num_params() - model.num_params() == 2 * per_attn
+
+
+def test_truncated_rope_leaves_half_the_pairs_unrotated():
+    from lightning_opt.models.gpt2 import Rotary
+
+    rot = Rotary(head_dim=16, max_len=8, base=1024.0, truncate=True)
+    q = torch.randn(1, 1, 8, 16)
+    out = rot(q)
+    # pairs (i, i + 8) for i in 4..7 have frequency 0: unchanged; pair 0 has frequency 1: rotated
+    torch.testing.assert_close(out[..., 4:8], q[..., 4:8])
+    torch.testing.assert_close(out[..., 12:16], q[..., 12:16])
+    assert not torch.allclose(out[..., 1:, 0], q[..., 1:, 0])
+
+
+def test_fused_qkv_carries_muon_row_splits():
+    model = GPT(GPTConfig(**BASE, n_kv_head=2))
+    w = model.blocks[0].attn.c_attn.weight
+    assert w.muon_row_splits == (32, 16, 16) and sum(w.muon_row_splits) == w.shape[0]

@@ -105,3 +105,85 @@ def test_schedule_config_errors():
         ScheduleConfig(name="linear")
     with pytest.raises(ValueError, match="warmup_steps"):
         ScheduleConfig(warmup_steps=20, total_steps=10)
+
+
+def _reference_muon_step(params, grads, bufs, lr, momentum, splits):
+    """Muon written per matrix, the plain way: the batched, split implementation must match it."""
+    out = []
+    for p, g, buf, sp in zip(params, grads, bufs, splits):
+        buf.lerp_(g, 1 - momentum)
+        u = g.lerp(buf, momentum).reshape(g.shape[0], -1)
+        parts = u.split(list(sp)) if sp else [u]
+        ortho = [newton_schulz(b) * max(1.0, b.shape[0] / b.shape[1]) ** 0.5 for b in parts]
+        out.append(p - lr * torch.cat(ortho).view(p.shape))
+    return out
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_muon_batched_split_matches_per_matrix_reference(batched):
+    torch.manual_seed(0)
+    shapes = [(12, 4), (4, 12), (12, 4), (4, 4), (6, 4)]
+    params = [nn.Parameter(torch.randn(*s)) for s in shapes]
+    params[4].muon_row_splits = (2, 2, 2)  # a fused q/k/v of three 2x4 blocks
+    splits = [None, None, None, None, (2, 2, 2)]
+    ref_params = [p.detach().clone() for p in params]
+    ref_bufs = [torch.zeros_like(p) for p in params]
+    opt = Muon(params, lr=0.1, momentum=0.9, batched=batched)
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        ref_params = _reference_muon_step(ref_params, grads, ref_bufs, 0.1, 0.9, splits)
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p.detach(), r, atol=1e-5, rtol=1e-5)
+
+
+def test_muon_split_changes_the_update_of_a_fused_matrix():
+    torch.manual_seed(0)
+    a, b = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(6, 4))
+    b.data.copy_(a.data)
+    a.muon_row_splits = b.muon_row_splits = (2, 2, 2)
+    g = torch.randn(6, 4)
+    a.grad, b.grad = g.clone(), g.clone()
+    Muon([a], lr=0.1, split_fused=True).step()
+    Muon([b], lr=0.1, split_fused=False).step()
+    assert not torch.allclose(a, b)
+    bad = nn.Parameter(torch.randn(6, 4))
+    bad.muon_row_splits = (2, 2)
+    bad.grad = torch.randn(6, 4)
+    with pytest.raises(ValueError, match="muon_row_splits"):
+        Muon([bad]).step()
+
+
+def test_muon_momentum_warmup_and_its_checkpoint():
+    from lightning_opt.optim.muon import momentum_at
+
+    assert momentum_at(0, 0.95, 0.85, 300) == pytest.approx(0.85)
+    assert momentum_at(150, 0.95, 0.85, 300) == pytest.approx(0.90)
+    assert momentum_at(1000, 0.95, 0.85, 300) == pytest.approx(0.95)
+    assert momentum_at(5, 0.95, None, 300) == 0.95
+    # the first step uses 0.85: buf = 0.15 g, update direction from g + 0.85 * (0.15 g - g) ...
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    opt = Muon([w], lr=0.1, momentum=0.95, momentum_start=0.85, momentum_warmup_steps=2)
+    for _ in range(3):
+        w.grad = torch.randn(4, 4)
+        opt.step()
+    assert opt.param_groups[0]["steps_done"] == 3
+    opt2 = Muon([nn.Parameter(w.detach().clone())], lr=0.1, momentum=0.95, momentum_start=0.85,
+                momentum_warmup_steps=2)
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.param_groups[0]["steps_done"] == 3
+    with pytest.raises(ValueError, match="momentum_start"):
+        Muon([nn.Parameter(torch.randn(2, 2))], momentum_start=1.5)
+
+
+def test_muon_first_step_uses_the_warmup_start_momentum():
+    torch.manual_seed(0)
+    g = torch.randn(4, 4)
+    w1, w2 = nn.Parameter(torch.zeros(4, 4)), nn.Parameter(torch.zeros(4, 4))
+    w1.grad, w2.grad = g.clone(), g.clone()
+    Muon([w1], lr=0.1, momentum=0.95, momentum_start=0.5, momentum_warmup_steps=10).step()
+    Muon([w2], lr=0.1, momentum=0.5).step()
+    torch.testing.assert_close(w1.detach(), w2.detach())

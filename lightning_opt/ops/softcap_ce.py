@@ -1,0 +1,162 @@
+"""Output head + soft-capped cross-entropy with the loss and the logit gradient from one Triton kernel.
+
+``linear_softcap_cross_entropy(h, W, y, cap)`` equals ``F.cross_entropy(cap * tanh((h @ W.T) / cap), y)``
+(mean over the targets that are not ``ignore_index``). What torch.compile makes of that expression is two
+reductions over the ``[tokens, vocab]`` logits, one in the forward pass and one in the backward pass, each
+evaluating ``tanh`` and ``exp`` for every logit. Here one kernel (one program per token) reads a row of
+logits twice: the first sweep keeps a running maximum and sum of ``exp`` (the log-sum-exp), the second
+writes the row's gradient ``(softmax - onehot) * (1 - tanh^2)`` over the logits it read, in place, in
+bfloat16. The row is still in L2 for the second sweep. The backward pass is then the two head matmuls,
+with the ``grad_output / count`` factor applied to their small outputs instead of the big gradient.
+
+The kernel runs on CUDA (or anywhere under ``TRITON_INTERPRET=1``); elsewhere the same function computes
+the same thing with torch ops. The call is kept out of ``torch.compile`` graphs (a graph break at the
+loss): the compiled model produces the final hidden states, this function does the rest eagerly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # optional dependency (the CUDA wheels of torch ship it)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+
+BLOCK_V = 4096
+NUM_WARPS = 8
+
+
+def kernel_available(x: torch.Tensor) -> bool:
+    """Whether the Triton kernel can run on ``x``'s device."""
+    if triton is None:
+        return False
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _softcap_ce_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride, cap, ignore_index,
+                           HAS_CAP: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = logits_ptr + row * stride
+        target = tl.load(targets_ptr + row)
+        offs = tl.arange(0, BLOCK)
+        # sweep 1: running max and sum of exp of the capped logits, per lane, combined at the end
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, V, BLOCK):
+            cols = start + offs
+            x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            if HAS_CAP:
+                # cap * tanh(x / cap) with tanh(u) = 1 - 2 / (exp(2u) + 1): exact limits +-1 for large |u|
+                z = cap * (1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0))
+                z = tl.where(cols < V, z, float("-inf"))
+            else:
+                z = x
+            m_new = tl.maximum(m, z)
+            s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
+            s = tl.where(m_new == float("-inf"), 0.0, s)
+            m = m_new
+        m_all = tl.max(m, axis=0)
+        s_all = tl.sum(s * tl.exp(m - m_all), axis=0)
+        lse = m_all + tl.log(s_all)
+        valid = target != ignore_index
+        t = tl.where(valid, target, 0)
+        xt = tl.load(base + t).to(tl.float32)
+        if HAS_CAP:
+            zt = cap * (1.0 - 2.0 / (tl.exp(2.0 * xt / cap) + 1.0))
+        else:
+            zt = xt
+        tl.store(loss_ptr + row, tl.where(valid, lse - zt, 0.0))
+        # sweep 2: the gradient of this row's loss w.r.t. the raw logits, written over them
+        for start in range(0, V, BLOCK):
+            cols = start + offs
+            x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
+            if HAS_CAP:
+                th = 1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0)
+                z = cap * th
+                dz = 1.0 - th * th
+            else:
+                z = x
+                dz = 1.0
+            p = tl.exp(z - lse)
+            g = (p - tl.where(cols == t, 1.0, 0.0)) * dz
+            g = tl.where(valid, g, 0.0)
+            tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
+
+
+def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | None,
+                     ignore_index: int = -100) -> torch.Tensor:
+    """Per-row losses; overwrites ``logits`` ``[N, V]`` with the per-row gradient (not divided by a count)."""
+    n, v = logits.shape
+    if logits.stride(1) != 1:
+        raise ValueError("softcap_ce_rows_: logits must be contiguous along the vocabulary")
+    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+    if kernel_available(logits):
+        _softcap_ce_kernel[(n,)](logits, targets, loss, v, logits.stride(0), float(cap or 1.0), ignore_index,
+                                 HAS_CAP=cap is not None, BLOCK=BLOCK_V, num_warps=NUM_WARPS)
+        return loss
+    # torch reference of the same computation (CPU, or no Triton)
+    x = logits.float()
+    z = cap * torch.tanh(x / cap) if cap is not None else x
+    lse = torch.logsumexp(z, dim=-1)
+    valid = targets != ignore_index
+    t = torch.where(valid, targets, torch.zeros_like(targets))
+    loss = torch.where(valid, lse - z.gather(1, t[:, None]).squeeze(1), torch.zeros_like(lse))
+    g = torch.exp(z - lse[:, None])
+    g[torch.arange(n, device=logits.device), t] -= 1.0
+    if cap is not None:
+        g = g * (1.0 - (z / cap) ** 2)
+    logits.copy_(g * valid[:, None])
+    return loss
+
+
+class _LinearSoftcapCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, targets, cap, ignore_index):  # type: ignore[override]
+        dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+        with torch.autocast(h.device.type, enabled=False):
+            hc, wc = h.to(dtype), weight.to(dtype)
+            logits = hc @ wc.t()  # [N, V] in the compute dtype; becomes the gradient below
+            rows = softcap_ce_rows_(logits, targets, cap, ignore_index)
+            count = (targets != ignore_index).sum().clamp(min=1).to(torch.float32)  # a tensor: no sync
+            loss = rows.sum() / count
+        ctx.save_for_backward(hc, wc, logits, count)
+        ctx.dtypes = (h.dtype, weight.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        hc, wc, grad_logits, count = ctx.saved_tensors
+        scale = grad_out.float() / count
+        with torch.autocast(hc.device.type, enabled=False):
+            grad_h = (grad_logits @ wc).float() * scale
+            grad_w = (grad_logits.t() @ hc).float() * scale
+        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
+
+
+@torch.compiler.disable
+def linear_softcap_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                                 softcap: float | None = None, ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of ``softcap * tanh((h @ weight.T) / softcap)`` against ``targets``.
+
+    Args:
+        h: ``[..., d]`` final hidden states.
+        weight: ``[V, d]`` output head.
+        targets: ``[...]`` token ids; ``ignore_index`` entries do not count.
+        softcap: the cap, or ``None`` for plain logits.
+
+    The matmuls run in the autocast dtype when autocast is on (bfloat16 in training), else in ``h``'s dtype.
+    """
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap={softcap} must be positive or None")
+    d = h.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != d:
+        raise ValueError(f"weight must be [vocab, {d}], got {tuple(weight.shape)}")
+    return _LinearSoftcapCE.apply(h.reshape(-1, d), weight, targets.reshape(-1), softcap, ignore_index)
