@@ -370,6 +370,8 @@ def run_loop(spec: RunSpec, data: Tokens, model: torch.nn.Module, loss_fn: Calla
     for step in range(spec.steps):
         t = spec.seq_at(step)
         b = spec.micro_batch * spec.seq_len // t
+        if hasattr(model, "set_train_progress"):  # a scheduled attention window follows the step, as in the module
+            model.set_train_progress(step / spec.steps)
         for _ in range(spec.accum):
             x, y = data.train_batch(position, b, t)
             position += 1

@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--ours-accum", type=int, default=16,
                    help="our micro-batches (32 x 1024) per step; fewer = smaller batches, proportionally more "
                         "steps for the same token budget (the schedule follows)")
+    p.add_argument("--ours-long", action="store_true",
+                   help="ours on the record's geometry: 65,536-token sequences, document-causal FlexAttention with "
+                        "a window growing 128 -> 1792 (recipes/configs/gpt2/gpt2-124m-speedrun-long.yaml); "
+                        "tokens per step as --ours-accum says")
     p.add_argument("--ours-loss-impl", default=None, choices=["torch", "chunked", "chunked_fp8", "fused"],
                    help="override the config's loss_impl for our run")
     p.add_argument("--target", type=float, default=None, help="use this target (skips the record run)")
@@ -199,6 +203,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                   warm=1, val_every=2),
                           n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=512, vocab_multiple=1,
                           n_value_embeds=1, skip_attn_layers=(1,))
+    if args.ours_long:
+        # the same tokens per step in sequences of `long_t` tokens, one per micro-batch
+        long_t = 256 if args.smoke else 65536
+        tokens_per_step = spec.micro_batch * spec.seq_len * spec.accum
+        spec = with_model(replace(spec, seq_len=long_t, micro_batch=1, accum=max(1, tokens_per_step // long_t),
+                                  val_batch=1),
+                          block_size=long_t, attn_backend="flex", doc_causal=True,
+                          window_schedule=(32, 128) if args.smoke else (128, 1856),
+                          eot_token=50256 % spec.model.vocab_size)  # smoke vocabularies are tokens mod 512
     if args.ours_loss_impl:
         spec = with_model(spec, loss_impl=args.ours_loss_impl)
     data = Tokens(train_path, val_path, dev, val_tokens=4096 if args.smoke else args.val_tokens,

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lightning_opt.ops.attention import BACKENDS, attention, resolve_backend
+from lightning_opt.ops.attention import BACKENDS, FLEX_BLOCK, attention, resolve_backend
 from lightning_opt.ops.cross_entropy import linear_cross_entropy
 from lightning_opt.ops.fp8 import fp8_linear
 from lightning_opt.ops.softcap_ce import linear_softcap_cross_entropy
@@ -55,6 +55,10 @@ class GPTConfig:
         embed_norm: RMS-normalise the token embedding before the first block (no learned weight).
         skip_attn_layers: layers that have no attention, only the MLP (the speedrun drops layer 7's).
         window_size: sliding-window attention span in tokens (``None`` = full causal).
+        window_schedule: ``(start, end)``: a sliding window that grows linearly with training progress from
+            ``start`` to ``end`` tokens in steps of 128 (the speedrun: 128 -> 1856, i.e. up to 1792); the
+            LightningModule (or a loop calling :meth:`GPT.set_train_progress`) moves it. Takes precedence over
+            ``window_size``; use it with ``attn_backend="flex"`` for long sequences.
         doc_causal: attend only within documents delimited by ``eot_token``.
         eot_token: the document separator for ``doc_causal``.
         mtp_heads: extra multi-token-prediction heads (head j predicts token t+1+j).
@@ -102,6 +106,7 @@ class GPTConfig:
     embed_norm: bool = False
     skip_attn_layers: tuple[int, ...] = ()
     window_size: int | None = None
+    window_schedule: tuple[int, int] | None = None
     doc_causal: bool = False
     eot_token: int = 50256
     mtp_heads: int = 0
@@ -141,6 +146,13 @@ class GPTConfig:
             raise bad("logit_softcap", self.logit_softcap, "must be positive or None")
         if self.window_size is not None and self.window_size <= 0:
             raise bad("window_size", self.window_size, "must be positive or None")
+        if self.window_schedule is not None:
+            self.window_schedule = tuple(int(w) for w in self.window_schedule)  # YAML gives lists
+            if len(self.window_schedule) != 2 or not 0 < self.window_schedule[0] <= self.window_schedule[1]:
+                raise bad("window_schedule", self.window_schedule, "must be (start, end) with 0 < start <= end")
+            if self.attn_backend == "flash":
+                raise bad("window_schedule", self.window_schedule,
+                          "needs attn_backend 'flex', 'sdpa', 'math' or 'auto' (flash-attn takes a fixed window)")
         if not 0 <= self.n_value_embeds <= self.n_layer // 2:
             raise bad("n_value_embeds", self.n_value_embeds, f"must be in [0, n_layer // 2 = {self.n_layer // 2}]")
         if self.mtp_heads < 0:
@@ -243,7 +255,11 @@ class CausalSelfAttention(nn.Module):
         resolve_backend(cfg.attn_backend)
 
     def forward(
-        self, x: torch.Tensor, ve: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        ve: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        window: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.c_attn(x).split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
@@ -257,7 +273,8 @@ class CausalSelfAttention(nn.Module):
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         y = attention(
-            q, k, v, window=self.cfg.window_size, doc_ids=doc_ids, backend=self.cfg.attn_backend
+            q, k, v, window=self.cfg.window_size if window is None else window, doc_ids=doc_ids,
+            backend=self.cfg.attn_backend
         )
         return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -328,11 +345,12 @@ class Block(nn.Module):
         ve: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
         x0: torch.Tensor | None = None,
+        window: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.x0_lambdas is not None and x0 is not None:
             x = self.x0_lambdas[0] * x + self.x0_lambdas[1] * x0
         if self.attn is not None:
-            x = x + self.attn(self.ln_1(x), ve, doc_ids)
+            x = x + self.attn(self.ln_1(x), ve, doc_ids, window)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -379,6 +397,10 @@ class GPT(nn.Module):
                     nn.init.zeros_(p)
                 else:  # GPT-2: scale residual projections by 1/sqrt(2 * n_layer)
                     nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
+        if cfg.window_schedule is not None:  # a device scalar: moving the window recompiles nothing
+            self.register_buffer("attn_window", torch.tensor(cfg.window_schedule[0]), persistent=False)
+        else:
+            self.attn_window = None
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         elif cfg.zero_init_proj:
@@ -409,13 +431,28 @@ class GPT(nn.Module):
         """Training FLOPs per token: 6 x matmul parameters + 12 x layers x width x attended length."""
         cfg = self.config
         t = seq_len or cfg.block_size
-        span = min(t, cfg.window_size) if cfg.window_size else t
+        window = cfg.window_schedule[1] if cfg.window_schedule else cfg.window_size
+        span = min(t, window) if window else t
         n = self.num_params(non_embedding=True)
         if cfg.moe_experts:  # only top_k experts are "used" per token in the FLOP convention
             per_expert = sum(p.numel() for p in self.blocks[0].mlp.experts[0].parameters())
             n -= cfg.n_layer * per_expert * (cfg.moe_experts - cfg.moe_top_k)
         # causal attention touches on average about half the span; keep the standard (PaLM) count
         return 6.0 * n + 12.0 * (cfg.n_layer - len(cfg.skip_attn_layers)) * cfg.n_embd * span
+
+    def window_at(self, progress: float) -> int | None:
+        """The scheduled attention window (tokens) at ``progress`` in [0, 1] of training, or ``None``."""
+        if self.config.window_schedule is None:
+            return None
+        start, end = self.config.window_schedule
+        p = min(max(progress, 0.0), 1.0)
+        step = min(FLEX_BLOCK, start)
+        return max(step, int(((1 - p) * start + p * end) // step) * step)
+
+    def set_train_progress(self, progress: float) -> None:
+        """Move the scheduled attention window (a device-side fill: no host sync, no recompile)."""
+        if self.attn_window is not None:
+            self.attn_window.fill_(self.window_at(progress))
 
     def hidden_matrices(self) -> list[nn.Parameter]:
         """2-D weights inside the blocks: what Muon optimises in the speedrun split."""
@@ -449,9 +486,9 @@ class GPT(nn.Module):
             if self.skip_weights is not None and i >= cfg.n_layer - half:
                 x = x + self.skip_weights[cfg.n_layer - 1 - i] * skips.pop()
             if cfg.grad_checkpoint and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, ves[i], doc_ids, x0, use_reentrant=False)
+                x = checkpoint(block, x, ves[i], doc_ids, x0, self.attn_window, use_reentrant=False)
             else:
-                x = block(x, ves[i], doc_ids, x0)
+                x = block(x, ves[i], doc_ids, x0, self.attn_window)
             if self.skip_weights is not None and i < half:
                 skips.append(x)
         h = self.ln_f(x)

@@ -92,6 +92,11 @@ class GPT2SpeedrunModule(TrainingModule):
     def compute_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.model(x, y)
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.model_config.window_schedule is not None:  # the attention window follows training progress
+            total = max(1, int(self.trainer.estimated_stepping_batches))
+            self.model.set_train_progress(self.trainer.global_step / total)
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         if self.flops_per_batch is None:

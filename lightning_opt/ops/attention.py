@@ -1,9 +1,15 @@
-"""Attention dispatch: flash-attn when installed and on CUDA, else PyTorch SDPA, else plain math.
+"""Attention dispatch: flash-attn when installed and on CUDA, else PyTorch SDPA, else plain math; and
+FlexAttention for long sequences with document and sliding-window masks.
 
 All backends take ``q [B, H, T, D]`` and ``k, v [B, H_kv, T, D]`` (grouped-query attention when
 ``H_kv < H``) and return ``[B, H, T, D]``. Masks that a backend cannot express (a document mask for
 flash-attn) send the call to the next backend, so the result never depends on what is installed beyond
 numerical tolerance.
+
+``backend="flex"`` (CUDA) builds a block-sparse mask at 128-token granularity from the document ids and the
+window, so a 64k-token sequence of many documents costs only the blocks that attend anything; the window
+may be a device tensor (a schedule changes it without recompiling). On a CPU, which has no FlexAttention
+backward pass, the same mask goes to SDPA as a dense mask.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import torch.nn.functional as F
 
 from lightning_opt._optional import is_available
 
-BACKENDS = ("auto", "flash", "sdpa", "math")
+BACKENDS = ("auto", "flash", "sdpa", "math", "flex")
+FLEX_BLOCK = 128
 
 
 _UNRESOLVED = object()
@@ -56,7 +63,7 @@ def resolve_backend(backend: str = "auto") -> str:
 def build_mask(
     t: int,
     device: torch.device,
-    window: int | None = None,
+    window: int | torch.Tensor | None = None,
     doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Boolean mask (True = attend), ``[T, T]`` or ``[B, 1, T, T]`` with document ids ``[B, T]``."""
@@ -69,6 +76,79 @@ def build_mask(
         mask = mask[None] & same_doc
         mask = mask[:, None]
     return mask
+
+
+def _ordered(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense block mask ``[B, Q, K]`` -> (count per query block, key block indices with the set ones first)."""
+    num = mask.sum(dim=-1, dtype=torch.int32)
+    idx = mask.to(torch.int8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+    return num[:, None].contiguous(), idx[:, None].contiguous()
+
+
+def doc_window_block_mask(t: int, device: torch.device, window: int | torch.Tensor | None = None,
+                          doc_ids: torch.Tensor | None = None):
+    """FlexAttention ``BlockMask``: causal, inside a document, at most ``window`` positions back (itself included).
+
+    Built at block level without evaluating the mask per token: a (query block, key block) pair is skipped
+    when no position in it may attend, marked full when every position may (no per-token mask there), and
+    partial otherwise. ``doc_ids`` ``[B, T]`` must be non-decreasing along T (a running count of separators).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if t % FLEX_BLOCK:
+        raise ValueError(f"flex attention needs a sequence length divisible by {FLEX_BLOCK}, got {t}")
+    bs = FLEX_BLOCK
+    n = t // bs
+    blk = torch.arange(n, device=device)
+    dist = blk[:, None] - blk[None, :]  # query block - key block
+    any_ = dist >= 0
+    full = dist > 0
+    if window is not None:
+        any_ = any_ & ((dist - 1) * bs + 1 < window)  # the closest pair of positions is within the window
+        full = full & ((dist + 1) * bs - 1 < window)  # the farthest pair is too
+    any_, full = any_[None], full[None]
+    if doc_ids is not None:
+        lo, hi = doc_ids[:, ::bs], doc_ids[:, bs - 1 :: bs]  # first and last document of each block
+        any_ = any_ & (hi[:, None, :] >= lo[:, :, None])  # key block ends in or after the query's first doc
+        single = lo == hi
+        full = full & single[:, :, None] & single[:, None, :] & (lo[:, :, None] == lo[:, None, :])
+    num, idx = _ordered(any_ & ~full)
+    fnum, fidx = _ordered(full)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = q_idx >= kv_idx
+        if window is not None:
+            keep = keep & (q_idx - kv_idx < window)
+        if doc_ids is not None:
+            keep = keep & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+        return keep
+
+    return BlockMask.from_kv_blocks(num, idx, fnum, fidx, BLOCK_SIZE=bs, mask_mod=mask_mod)
+
+
+_FLEX_COMPILED = None
+
+
+def _flex_attention():
+    """FlexAttention compiled once: called eagerly it would materialise the full score matrix."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.compiler.is_compiling():
+        return flex_attention
+    global _FLEX_COMPILED
+    if _FLEX_COMPILED is None:
+        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
+    return _FLEX_COMPILED
+
+
+def flex_doc_window_attention(q, k, v, window=None, doc_ids=None, scale=None):
+    """Causal attention within documents and a window, via FlexAttention on CUDA (dense-mask SDPA elsewhere)."""
+    gqa = q.shape[1] != k.shape[1]
+    if not q.is_cuda:
+        mask = build_mask(q.shape[2], q.device, window, doc_ids)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    bm = doc_window_block_mask(q.shape[2], q.device, window, doc_ids)
+    return _flex_attention()(q, k, v, block_mask=bm, scale=scale, enable_gqa=gqa)
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -105,10 +185,12 @@ def attention(
         k: ``[B, H_kv, T, D]``; ``H`` must be a multiple of ``H_kv``.
         v: like ``k``.
         causal: only causal attention is supported by the models here; ``False`` means full attention.
-        window: attend to at most this many most recent positions (itself included).
+        window: attend to at most this many most recent positions (itself included); a device tensor
+            with ``flex`` (or ``sdpa`` / ``math``), so a schedule can change it without recompiling.
         doc_ids: ``[B, T]`` integer document ids; positions attend only inside their document.
         scale: softmax scale, default ``1/sqrt(D)``.
-        backend: ``auto`` (flash-attn > SDPA), ``flash``, ``sdpa`` or ``math``.
+        backend: ``auto`` (flash-attn > SDPA), ``flash``, ``sdpa``, ``math`` or ``flex`` (long sequences with
+            document / window masks, see :func:`flex_doc_window_attention`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is unknown; choose one of {BACKENDS}")
@@ -116,6 +198,12 @@ def attention(
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     t = q.shape[2]
     plain = window is None and doc_ids is None
+    if backend == "flex":
+        if not causal:
+            raise ValueError("attention backend 'flex' here is causal only")
+        return flex_doc_window_attention(q, k, v, window, doc_ids, scale)
+    if isinstance(window, torch.Tensor) and backend in ("auto", "flash"):
+        backend = "sdpa"  # flash-attn takes the window as a Python int
 
     use_flash = backend == "flash" or (
         backend == "auto" and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and doc_ids is None

@@ -262,3 +262,47 @@ def test_fused_qkv_carries_muon_row_splits():
     model = GPT(GPTConfig(**BASE, n_kv_head=2))
     w = model.blocks[0].attn.c_attn.weight
     assert w.muon_row_splits == (32, 16, 16) and sum(w.muon_row_splits) == w.shape[0]
+
+
+def test_window_schedule_grows_the_window_without_new_parameters():
+    torch.manual_seed(0)
+    cfg = GPTConfig(**{**BASE, "block_size": 32}, pos_emb="rope", window_schedule=(4, 16), attn_backend="sdpa")
+    model = GPT(cfg)
+    assert [model.window_at(p) for p in (0.0, 0.25, 0.5, 1.0)] == [4, 4, 8, 16]
+    record = GPT(GPTConfig(**BASE, pos_emb="rope", window_schedule=(128, 1856)))
+    assert record.window_at(0.0) == 128 and record.window_at(1.0) == 1792  # the speedrun's 1 -> 14 blocks
+    x = torch.randint(0, 300, (2, 24))
+    model.eval()
+    model.set_train_progress(0.0)
+    early = model(x)
+    model.set_train_progress(1.0)
+    assert int(model.attn_window) == 16
+    late = model(x)
+    # positions within the first window see the same keys either way; later ones see more
+    torch.testing.assert_close(early[:, :4], late[:, :4])
+    assert not torch.allclose(early[:, 20:], late[:, 20:])
+    # the same as a fixed window of that size
+    fixed = GPT(GPTConfig(**{**BASE, "block_size": 32}, pos_emb="rope", window_size=16, attn_backend="sdpa"))
+    fixed.load_state_dict(model.state_dict())
+    fixed.eval()
+    torch.testing.assert_close(fixed(x), late)
+    with pytest.raises(ValueError, match="window_schedule"):
+        GPTConfig(**BASE, window_schedule=(16, 4))
+    with pytest.raises(ValueError, match="window_schedule"):
+        GPTConfig(**BASE, window_schedule=(4, 16), attn_backend="flash")
+
+
+def test_flex_backend_model_trains_on_cpu_with_documents():
+    torch.manual_seed(0)
+    cfg = GPTConfig(**{**BASE, "block_size": 256}, pos_emb="rope", norm="rmsnorm", bias=False, attn_backend="flex",
+                    doc_causal=True, eot_token=0, window_schedule=(32, 128))
+    model = GPT(cfg)
+    ref = GPT(GPTConfig(**{**BASE, "block_size": 256}, pos_emb="rope", norm="rmsnorm", bias=False,
+                        attn_backend="math", doc_causal=True, eot_token=0, window_size=32))
+    ref.load_state_dict(model.state_dict())
+    x = torch.randint(1, 300, (1, 256))
+    x[0, 100] = 0
+    loss = model(x, x.roll(-1, 1))
+    torch.testing.assert_close(loss, ref(x, x.roll(-1, 1)), atol=1e-5, rtol=1e-5)
+    loss.backward()
+    assert model.blocks[0].attn.c_attn.weight.grad is not None

@@ -114,3 +114,24 @@ def test_gradient_clipping_with_fused_adamw(tmp_path):
     trainer.fit(module, _loader())
     assert trainer.global_step == 3
     assert any(not torch.equal(a, b) for a, b in zip(before, module.parameters()))
+
+
+def test_window_schedule_follows_the_trainer_steps(tmp_path):
+    """The module moves a scheduled attention window with global_step / total steps (accumulation included)."""
+    from dataclasses import replace
+
+    seen = []
+
+    class Recording(GPT2SpeedrunModule):
+        def training_step(self, batch, batch_idx):
+            seen.append((self.trainer.global_step, int(self.model.attn_window)))
+            return super().training_step(batch, batch_idx)
+
+    cfg = replace(CFG, window_schedule=(4, 16), attn_backend="sdpa")
+    module = Recording(cfg, OptimConfig(name="muon", lr=3e-3, muon_lr=0.02))
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
+                        default_root_dir=tmp_path)
+    trainer.fit(module, _loader())
+    assert seen == [(s, module.model.window_at(s / 4)) for s in (0, 0, 1, 1, 2, 2, 3, 3)]
+    assert [w for _, w in seen] == [4, 4, 4, 4, 8, 8, 12, 12]

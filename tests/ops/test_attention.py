@@ -51,3 +51,71 @@ def test_unknown_backend():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="unknown"):
         attention(q, k, v, backend="nope")
+
+
+def _docs(t, cuts, batch=2):
+    ids = torch.zeros(batch, t, dtype=torch.long)
+    for c in cuts:
+        ids[0, c:] += 1  # the first row: several documents; the second: one
+    return ids
+
+
+@pytest.mark.parametrize("window", [None, 200, torch.tensor(300)])
+def test_flex_block_mask_classifies_blocks_like_the_dense_mask(window):
+    """Skipped blocks attend nothing, full blocks everything; the per-token mask decides the rest."""
+    from lightning_opt.ops.attention import FLEX_BLOCK, doc_window_block_mask
+
+    t = 8 * FLEX_BLOCK
+    doc = _docs(t, [100, 300, 301, 700])
+    bm = doc_window_block_mask(t, doc.device, window, doc)
+    dense = build_mask(t, doc.device, window, doc)[:, 0]  # [B, T, T]
+    n = t // FLEX_BLOCK
+    blocks = dense.view(2, n, FLEX_BLOCK, n, FLEX_BLOCK)
+    anyb, allb = blocks.any(dim=(2, 4)), blocks.all(dim=(2, 4))
+    for b in range(2):
+        for qb in range(n):
+            part = set(bm.kv_indices[b, 0, qb, : bm.kv_num_blocks[b, 0, qb]].tolist())
+            full = set(bm.full_kv_indices[b, 0, qb, : bm.full_kv_num_blocks[b, 0, qb]].tolist())
+            assert not part & full
+            for kb in range(n):
+                if kb in full:
+                    assert allb[b, qb, kb], (b, qb, kb)
+                elif kb not in part:
+                    assert not anyb[b, qb, kb], (b, qb, kb)
+            # every block that attends is listed (partial or full)
+            assert {kb for kb in range(n) if anyb[b, qb, kb]} == part | full
+    # the one-document row has full blocks below the diagonal when no window cuts them
+    if window is None:
+        assert bm.full_kv_num_blocks[1, 0, n - 1] == n - 1
+
+
+@pytest.mark.parametrize("window", [None, 200])
+def test_flex_attention_forward_matches_math(window):
+    """FlexAttention itself (CPU forward, no gradient there) against the dense reference."""
+    from lightning_opt.ops.attention import FLEX_BLOCK, doc_window_block_mask
+
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from torch.nn.attention.flex_attention import flex_attention
+
+    t = 4 * FLEX_BLOCK
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, t, 16, generator=g) for _ in range(3))
+    doc = _docs(t, [70, 260])
+    ref = math_attention(q, k, v, build_mask(t, q.device, window, doc))
+    out = flex_attention(q, k, v, block_mask=doc_window_block_mask(t, q.device, window, doc))
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_flex_backend_on_cpu_trains_and_equals_sdpa():
+    q, k, v = (x.requires_grad_() for x in _qkv(t=256))
+    doc = _docs(256, [50])
+    window = torch.tensor(64)
+    out = attention(q, k, v, window=window, doc_ids=doc, backend="flex")
+    ref = attention(q, k, v, window=64, doc_ids=doc, backend="math")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    with pytest.raises(ValueError, match="divisible by 128"):
+        from lightning_opt.ops.attention import doc_window_block_mask
+
+        doc_window_block_mask(100, q.device)

@@ -56,3 +56,20 @@ def test_full_size_configs_parse_and_run_shrunk(name, tmp_path, monkeypatch):
         *(["--model.model_config.skip_attn_layers", "[3]"] if name == "gpt2-124m-speedrun" else []),
     ])
     assert metrics["steps"] == 2 and metrics["final_val_loss"] is not None
+
+
+def test_long_sequence_overlay_parses_and_runs_shrunk(tmp_path, monkeypatch):
+    """gpt2-124m-speedrun-long.yaml layers on the speedrun config (FlexAttention's dense CPU fallback here)."""
+    monkeypatch.chdir(tmp_path)
+    metrics = _recipe().main([
+        "--config", str(ROOT / "recipes/configs/gpt2/gpt2-124m-speedrun.yaml"),
+        "--config", str(ROOT / "recipes/configs/gpt2/gpt2-124m-speedrun-long.yaml"),
+        "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.accumulate_grad_batches", "2",
+        "--model.model_config.n_layer", "6", "--model.model_config.n_embd", "64", "--model.model_config.n_head", "2",
+        "--model.model_config.skip_attn_layers", "[3]", "--model.model_config.block_size", "256",
+        "--model.compile", "false", "--data.seq_len", "256", "--data.val_tokens", "1024",
+    ])
+    assert metrics["steps"] == 2 and metrics["final_val_loss"] is not None
+    saved = "\n".join(p.read_text() for p in tmp_path.rglob("config.yaml"))
+    for line in ("attn_backend: flex", "doc_causal: true", "batch_size: 1", "- 128", "- 1856"):
+        assert line in saved, line
