@@ -19,6 +19,8 @@ windows, so equal numbers mean comparable, not identical, models.
     python benchmarks/gpt2_record.py                  # GPU, about 8 minutes on an H100
     python benchmarks/gpt2_record.py --steps 64       # half the budget if the call must be shorter
     python benchmarks/gpt2_record.py --smoke          # CPU: patch + log parsing + our side on a tiny model
+    python benchmarks/gpt2_record.py --ours half-batch --ours half-batch-long   # the record once, then each
+                                                      # variant of ours (OURS_VARIANTS) until the target
 
 Writes ``benchmarks/results/gpt2_record_<device>_<date>.json`` (or ``--out``).
 """
@@ -147,6 +149,44 @@ def run_record(train: Path, val: Path, steps: int, val_tokens: int, timeout_s: f
     return out
 
 
+# named variants of ours for one call with several runs after the record: (micro-batches per step, long)
+OURS_VARIANTS = {
+    "default": (16, False),  # the record's batch: 16 x 32 x 1024 tokens per step
+    "half-batch": (8, False),  # 262,144 tokens per step, twice the steps
+    "long": (16, True),  # 65,536-token document-causal sequences, windows 128 -> 1792
+    "half-batch-long": (8, True),
+}
+
+
+def ours_spec(args: argparse.Namespace, target: float | None, accum: int, long: bool) -> RunSpec:
+    """Our run for the same token budget: ``accum`` micro-batches of 32 x 1024 per step (or the same
+    tokens in 65,536-token sequences with ``long``)."""
+    sp_model, sp_optim, sp_sched, _ = load_yaml_config("gpt2-124m-speedrun")
+    if 16 % accum:
+        raise ValueError(f"accum={accum} must divide 16 (the record's 524,288 tokens per step)")
+    per = 16 // accum  # same token budget in `per` times as many steps
+    spec = RunSpec(sp_model, sp_optim, sp_sched, steps=args.steps * per, micro_batch=32, accum=accum,
+                   seq_len=1024, compile=True, amp="bf16", warm=3 * per, val_every=args.ours_val_every * per,
+                   stop_at_loss=target)
+    if args.smoke:
+        spec = with_model(replace(spec, steps=6, micro_batch=4, accum=2, seq_len=64, compile=False, amp="fp32",
+                                  warm=1, val_every=2),
+                          n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=512, vocab_multiple=1,
+                          n_value_embeds=1, skip_attn_layers=(1,))
+    if long:
+        # the same tokens per step in sequences of `long_t` tokens, one per micro-batch
+        long_t = 256 if args.smoke else 65536
+        tokens_per_step = spec.micro_batch * spec.seq_len * spec.accum
+        spec = with_model(replace(spec, seq_len=long_t, micro_batch=1, accum=max(1, tokens_per_step // long_t),
+                                  val_batch=1),
+                          block_size=long_t, attn_backend="flex", doc_causal=True,
+                          window_schedule=(32, 128) if args.smoke else (128, 1856),
+                          eot_token=50256 % spec.model.vocab_size)  # smoke vocabularies are tokens mod 512
+    if args.ours_loss_impl:
+        spec = with_model(spec, loss_impl=args.ours_loss_impl)
+    return spec
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, 530.0)
@@ -166,6 +206,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--ours-loss-impl", default=None, choices=["torch", "chunked", "chunked_fp8", "fused"],
                    help="override the config's loss_impl for our run")
     p.add_argument("--target", type=float, default=None, help="use this target (skips the record run)")
+    p.add_argument("--ours", action="append", choices=sorted(OURS_VARIANTS), default=None,
+                   help="run this variant of ours after the record (repeat for several, each until the target "
+                        "or the call's deadline); default: one run as --ours-accum / --ours-long say")
     args = p.parse_args(argv)
     deadline = deadline_from(args)
     dev = device()
@@ -189,43 +232,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # 2. ours, same budget, until it reaches the target or the call's time is up. Deciding the goal
     # (<= 0.75x the record's time) needs at most 0.75x the record's training time, plus compile.
-    sp_model, sp_optim, sp_sched, _ = load_yaml_config("gpt2-124m-speedrun")
-    if 16 % args.ours_accum:
-        raise ValueError(f"--ours-accum={args.ours_accum} must divide 16 (the record's 524,288 tokens per step)")
-    per = 16 // args.ours_accum  # same token budget in `per` times as many steps
-    spec = RunSpec(sp_model, sp_optim, sp_sched, steps=args.steps * per, micro_batch=32, accum=args.ours_accum,
-                   seq_len=1024, compile=True, amp="bf16", warm=3 * per, val_every=args.ours_val_every * per,
-                   stop_at_loss=target)
-    vocab_mod = None
-    if args.smoke:
-        vocab_mod = 512
-        spec = with_model(replace(spec, steps=6, micro_batch=4, accum=2, seq_len=64, compile=False, amp="fp32",
-                                  warm=1, val_every=2),
-                          n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=512, vocab_multiple=1,
-                          n_value_embeds=1, skip_attn_layers=(1,))
-    if args.ours_long:
-        # the same tokens per step in sequences of `long_t` tokens, one per micro-batch
-        long_t = 256 if args.smoke else 65536
-        tokens_per_step = spec.micro_batch * spec.seq_len * spec.accum
-        spec = with_model(replace(spec, seq_len=long_t, micro_batch=1, accum=max(1, tokens_per_step // long_t),
-                                  val_batch=1),
-                          block_size=long_t, attn_backend="flex", doc_causal=True,
-                          window_schedule=(32, 128) if args.smoke else (128, 1856),
-                          eot_token=50256 % spec.model.vocab_size)  # smoke vocabularies are tokens mod 512
-    if args.ours_loss_impl:
-        spec = with_model(spec, loss_impl=args.ours_loss_impl)
     data = Tokens(train_path, val_path, dev, val_tokens=4096 if args.smoke else args.val_tokens,
-                  train_tokens=1_000_000 if args.smoke else None, vocab_mod=vocab_mod)
+                  train_tokens=1_000_000 if args.smoke else None, vocab_mod=512 if args.smoke else None)
     lightning_train = smoke_shard(data) if args.smoke else train_path
-    # the run's clock leaves validation out: keep a margin for it and for teardown
-    spec = replace(spec, deadline_s=max(20.0, deadline.left() - 25))
-    if args.ours_runner == "lightning":
-        ours = guarded("ours-speedrun-lightning", lambda: train_lightning(spec, data, lightning_train, "none"))
-    else:
-        ours = guarded("ours-speedrun-bare", lambda: train_bare(spec, data))
-    payload["results"]["ours"] = ours
-    payload["summary"] = summarize(record, ours, target)
-    write_json(out_path, payload)
+    variants = args.ours or [None]  # None: --ours-accum / --ours-long as given
+    payload["summaries"] = {}
+    for i, name in enumerate(variants):
+        accum, long = (args.ours_accum, args.ours_long) if name is None else OURS_VARIANTS[name]
+        spec = ours_spec(args, target, accum, long)
+        # the run's clock leaves validation out: keep a margin for it and for teardown; later variants in
+        # the call get what is left
+        spec = replace(spec, deadline_s=max(20.0, deadline.left() - 25))
+        key = "ours" if i == 0 else f"ours-{name}"
+        label = f"ours-speedrun-{args.ours_runner}" + (f"-{name}" if name else "")
+        if args.ours_runner == "lightning":
+            ours = guarded(label, lambda spec=spec: train_lightning(spec, data, lightning_train, "none"), deadline, 30)
+        else:
+            ours = guarded(label, lambda spec=spec: train_bare(spec, data), deadline, 30)
+        ours["variant"] = {"name": name or "as given", "accum": accum, "long": long}
+        payload["results"][key] = ours
+        payload["summaries"][key] = summarize(record, ours, target)
+        if i == 0:
+            payload["summary"] = payload["summaries"][key]
+        write_json(out_path, payload)
     print_table(payload)
     print(f"wrote {out_path}")
     return payload
@@ -293,8 +322,10 @@ def print_table(payload: dict[str, Any]) -> None:
         ts = r.get("record_train_s_adjusted") or r.get("train_s")
         print(f"{name:28} {tps:>10} {step:>8} {r.get('compile_s') or 0:>9.1f} {peak:>8} {val:>9} "
               f"{(ts or 0):>8.1f}")
-    for k, v in payload.get("summary", {}).items():
-        print(f"  {k}: {v}")
+    for name, summary in (payload.get("summaries") or {"ours": payload.get("summary", {})}).items():
+        print(f"  [{name}]")
+        for k, v in summary.items():
+            print(f"    {k}: {v}")
 
 
 if __name__ == "__main__":

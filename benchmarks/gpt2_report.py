@@ -120,7 +120,11 @@ def record_section(d: dict[str, Any] | None, path: Path | None, doc: Path,
             "loss. Compile and validation excluded for both; the record's own clock leaves its first 10 steps "
             "out, the adjusted time adds them back at its steady step time.", "",
             "| run | tokens/s | ms/step | compile s | peak GB | final val loss | train s |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for name, r in (("record 2025-01-04 (1 GPU)", rec), ("ours (gpt2-124m-speedrun, Lightning)", ours)):
+    ours_runs = [(k, r) for k, r in d["results"].items() if k.startswith("ours")]
+    named = [("record 2025-01-04 (1 GPU)", rec)] + [
+        (f"{k} (gpt2-124m-speedrun{', ' + r['variant']['name'] if r.get('variant') else ''}, Lightning)", r)
+        for k, r in ours_runs]
+    for name, r in named:
         if r.get("skipped"):
             out.append(f"| {name} | not run in this call ({r['skipped']}) | | | | | |")
             continue
@@ -131,8 +135,11 @@ def record_section(d: dict[str, Any] | None, path: Path | None, doc: Path,
         out.append(f"| {name} | {fmt(r.get('tokens_per_s'), ',.0f')} | {fmt(r.get('step_ms'), '.1f')} | "
                    f"{fmt(r.get('compile_s'), '.1f')} | {fmt(r.get('peak_mem_gb'), '.1f')} | "
                    f"{fmt(r.get('final_val_loss'), '.4f')} | {fmt(t, '.1f')} |")
-    out += ["", "| ratio / goal | value |", "|---|---|"]
-    out += [f"| {k} | {v} |" for k, v in d.get("summary", {}).items()]
+    summaries = d.get("summaries") or {"ours": d.get("summary", {})}
+    for key, sm in summaries.items():
+        out += ["", f"| ratio / goal ({key}) | value |" if len(summaries) > 1 else "| ratio / goal | value |",
+                "|---|---|"]
+        out += [f"| {k} | {v} |" for k, v in sm.items()]
     return out + [""]
 
 
@@ -168,7 +175,9 @@ def plot(speedrun: dict | None, record: dict | None, img: Path) -> bool:
             if r.get("val_curve"):
                 series.append((f"{name} (throughput run)", r["val_curve"], "-"))
     if record:
-        for key, label in (("record", "record 2025-01-04"), ("ours", "ours (time-to-target run)")):
+        keys = [("record", "record 2025-01-04")] + [
+            (k, f"{k} (time-to-target run)") for k in record["results"] if k.startswith("ours")]
+        for key, label in keys:
             r = record["results"].get(key, {})
             if r.get("val_curve"):
                 series.append((label, [row for row in r["val_curve"] if row.get("step", 1) > 0], "--"))
