@@ -125,8 +125,8 @@ def rows(steps: int, classic_heads: int = 12) -> list[Row]:
          lambda s: replace(s, optim=replace(s.optim, muon_momentum_start=None)), "the record warms it up"),
         ("muon_unbatched", "Muon one matrix at a time (not batched by shape)",
          lambda s: replace(s, optim=replace(s.optim, muon_batched=False)), "same update, more kernel launches"),
-        ("fused_ce", "fused head + soft-capped cross-entropy (Triton; eager here)",
-         lambda s: with_model(s, loss_impl="fused"), "one kernel for loss and logit gradient"),
+        ("torch_ce", "fused soft-capped loss (Triton) -> torch soft-cap + cross-entropy (eager here)",
+         lambda s: with_model(s, loss_impl="torch"), "the fused kernel is one pass for loss and logit gradient"),
         ("half_batch", "half the tokens per step, twice the steps (same tokens)",
          lambda s: replace(s, micro_batch=max(1, s.micro_batch // 2), steps=2 * s.steps, warm=2 * s.warm),
          "more updates per token (here by halving the micro-batch, which costs tokens/s; a recipe halves the "

@@ -177,7 +177,10 @@ def ours_spec(args: argparse.Namespace, target: float | None, accum: int, long: 
         # the same tokens per step in sequences of `long_t` tokens, one per micro-batch
         long_t = 256 if args.smoke else 65536
         tokens_per_step = spec.micro_batch * spec.seq_len * spec.accum
-        spec = with_model(replace(spec, seq_len=long_t, micro_batch=1, accum=max(1, tokens_per_step // long_t),
+        if tokens_per_step % long_t:
+            raise ValueError(f"{tokens_per_step} tokens per step is not a whole number of {long_t}-token sequences; "
+                             "use more micro-batches per step (--ours-accum) with --ours-long")
+        spec = with_model(replace(spec, seq_len=long_t, micro_batch=1, accum=tokens_per_step // long_t,
                                   val_batch=1),
                           block_size=long_t, attn_backend="flex", doc_causal=True,
                           window_schedule=(32, 128) if args.smoke else (128, 1856),

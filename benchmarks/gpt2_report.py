@@ -111,7 +111,7 @@ def record_section(d: dict[str, Any] | None, path: Path | None, doc: Path,
     out = [title, ""]
     if d is None:
         return out + ["GPU figures: pending (run `python benchmarks/gpt2_record.py` on an H100).", ""]
-    rec, ours = d["results"].get("record", {}), d["results"].get("ours", {})
+    rec = d["results"].get("record", {})
     out += [env_line(d, path, doc), ""]
     if d.get("note"):
         out += [f"Note: {d['note']}", ""]

@@ -7,8 +7,9 @@ tokens per step = 32 x 1024 x 16 = 524,288, like nanoGPT's train.py and the spee
   RMSNorm, QK-norm, ReLU^2, value embeddings, U-net, soft-cap, Muon + Adam) in a bare loop (our model and
   optimizer factory, ``torch.compile``, bf16 autocast) and through ``GPT2SpeedrunModule`` +
   ``TokenShardDataModule`` + ``Trainer(precision="bf16-mixed")`` with compile;
-- ``ours-speedrun-fusedce-bare`` / ``-lightning``: the recipe with ``loss_impl="fused"`` (head matmul, then
-  one Triton kernel for the soft-capped loss and its logit gradient, :mod:`lightning_opt.ops.softcap_ce`);
+- ``ours-speedrun-torchce-bare`` / ``-lightning``: the recipe with ``loss_impl="torch"`` instead of its
+  ``fused`` loss (head matmul, then one Triton kernel for the soft-capped loss and its logit gradient,
+  :mod:`lightning_opt.ops.softcap_ce`): the soft-cap and cross-entropy inside the compiled graph;
 - ``ours-speedrun-prev-bare``: the recipe as it was before session 4 (RoPE base 10000, soft-cap 30, no x0
   mixing, no embedding norm, attention in every layer, Muon one matrix at a time with q/k/v as one matrix
   and no momentum warmup); ``ours-speedrun-unbatchedmuon-bare``: today's recipe with Muon one matrix at a
@@ -88,7 +89,7 @@ def make_specs(args: argparse.Namespace) -> dict[str, RunSpec]:
         classic = with_model(classic, **small)
     # the recipe as it was before session 4 (for a same-run attribution of what changed)
     prev = with_model(speedrun, rope_base=10000.0, rope_truncate=False, logit_softcap=30.0, x0_mix=False,
-                      embed_norm=False, skip_attn_layers=())
+                      embed_norm=False, skip_attn_layers=(), loss_impl="torch")
     prev = replace(prev, optim=replace(prev.optim, muon_momentum_start=None, muon_momentum_warmup_steps=0,
                                        muon_split_fused=False, muon_batched=False))
     unbatched = replace(speedrun, optim=replace(speedrun.optim, muon_batched=False))
@@ -148,8 +149,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "nanogpt": lambda: oom_retry(lambda s: train_nanogpt(s, data, nano_shape, vocab_size=nano_vocab), cl),
         "ours-classic-bare": lambda: oom_retry(lambda s: train_bare(s, data), cl),
         "ours-classic-lightning": lambda: oom_retry(lightning, cl),
-        "ours-speedrun-fusedce-bare": lambda: oom_retry(lambda s: train_bare(s, data), with_model(sp, loss_impl="fused")),
-        "ours-speedrun-fusedce-lightning": lambda: oom_retry(lightning, with_model(sp, loss_impl="fused")),
+        "ours-speedrun-torchce-bare": lambda: oom_retry(lambda s: train_bare(s, data), with_model(sp, loss_impl="torch")),
+        "ours-speedrun-torchce-lightning": lambda: oom_retry(lightning, with_model(sp, loss_impl="torch")),
         "ours-speedrun-prev-bare": lambda: oom_retry(lambda s: train_bare(s, data), specs["prev"]),
         "ours-speedrun-unbatchedmuon-bare": lambda: oom_retry(lambda s: train_bare(s, data), specs["unbatched"]),
         "ours-speedrun-fp8head-bare": lambda: oom_retry(lambda s: train_bare(s, data), with_model(sp, head_fp8=True)),

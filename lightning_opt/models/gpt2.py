@@ -174,6 +174,12 @@ class GPTConfig:
         bad_layers = [i for i in self.skip_attn_layers if not 0 <= i < self.n_layer]
         if bad_layers:
             raise bad("skip_attn_layers", self.skip_attn_layers, f"layers must be in [0, n_layer={self.n_layer})")
+        for i in range(self.n_value_embeds):  # value embedding i feeds layers i and n_layer - n_value_embeds + i
+            pair = {i, self.n_layer - self.n_value_embeds + i}
+            if pair <= set(self.skip_attn_layers):
+                raise bad("skip_attn_layers", self.skip_attn_layers,
+                          f"drops the attention of both layers {sorted(pair)} that value embedding {i} feeds; the "
+                          "table would get no gradient (plain DDP fails): keep one of them or lower n_value_embeds")
         if self.rope_truncate and self.head_dim % 4:
             raise bad("rope_truncate", self.rope_truncate, f"needs a head dimension divisible by 4, got {self.head_dim}")
         if self.doc_causal and not 0 <= self.eot_token < self.vocab_size:
@@ -398,7 +404,8 @@ class GPT(nn.Module):
                 else:  # GPT-2: scale residual projections by 1/sqrt(2 * n_layer)
                     nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
         if cfg.window_schedule is not None:  # a device scalar: moving the window recompiles nothing
-            self.register_buffer("attn_window", torch.tensor(cfg.window_schedule[0]), persistent=False)
+            # persistent: a model restored from a checkpoint evaluates with the window it was trained to
+            self.register_buffer("attn_window", torch.tensor(cfg.window_schedule[0]))
         else:
             self.attn_window = None
         if cfg.tie_embeddings:
@@ -431,7 +438,7 @@ class GPT(nn.Module):
         """Training FLOPs per token: 6 x matmul parameters + 12 x layers x width x attended length."""
         cfg = self.config
         t = seq_len or cfg.block_size
-        window = cfg.window_schedule[1] if cfg.window_schedule else cfg.window_size
+        window = self.window_at(1.0) if cfg.window_schedule else cfg.window_size
         span = min(t, window) if window else t
         n = self.num_params(non_embedding=True)
         if cfg.moe_experts:  # only top_k experts are "used" per token in the FLOP convention

@@ -92,6 +92,12 @@ class TrainingModule(L.LightningModule):
     def optimizer_roles(self) -> dict[str, list[nn.Parameter] | None]:
         return {"hidden": None, "embeddings": None, "head": None}
 
+    def schedule_total_steps(self) -> int:
+        """Optimizer steps the schedules span: ``Trainer(max_steps)`` when set, else the schedule config's."""
+        if self._trainer is not None and self.trainer.max_steps and self.trainer.max_steps > 0:
+            return int(self.trainer.max_steps)
+        return int(self.schedule_config.total_steps)
+
     def configure_optimizers(self) -> dict[str, Any]:
         schedule = self.schedule_config
         if self.trainer is not None and self.trainer.max_steps and self.trainer.max_steps > 0:

@@ -93,9 +93,9 @@ class GPT2SpeedrunModule(TrainingModule):
         return self.model(x, y)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self.model_config.window_schedule is not None:  # the attention window follows training progress
-            total = max(1, int(self.trainer.estimated_stepping_batches))
-            self.model.set_train_progress(self.trainer.global_step / total)
+        if self.model_config.window_schedule is not None:  # the attention window follows training progress,
+            # over the steps the learning-rate schedule spans (max_steps, else the schedule's total_steps)
+            self.model.set_train_progress(self.trainer.global_step / max(1, self.schedule_total_steps()))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -24,6 +24,7 @@ from lightning_opt._optional import is_available
 
 BACKENDS = ("auto", "flash", "sdpa", "math", "flex")
 FLEX_BLOCK = 128
+_DENSE_MASK_LIMIT = 1 << 28  # booleans (256 MiB): beyond this the SDPA/math paths refuse a dense mask
 
 
 _UNRESOLVED = object()
@@ -76,6 +77,12 @@ def build_mask(
         mask = mask[None] & same_doc
         mask = mask[:, None]
     return mask
+
+
+def _check_dense_mask(t: int, doc_ids: torch.Tensor | None, advice: str) -> None:
+    if t * t * (1 if doc_ids is None else doc_ids.shape[0]) > _DENSE_MASK_LIMIT:
+        raise ValueError(f"a dense {t} x {t} attention mask (a window or documents at sequence length {t}) would "
+                         f"take over {_DENSE_MASK_LIMIT >> 20} MiB; {advice}")
 
 
 def _ordered(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +151,11 @@ def _flex_attention():
 def flex_doc_window_attention(q, k, v, window=None, doc_ids=None, scale=None):
     """Causal attention within documents and a window, via FlexAttention on CUDA (dense-mask SDPA elsewhere)."""
     gqa = q.shape[1] != k.shape[1]
+    if q.shape[2] % FLEX_BLOCK:  # checked on every device, so CPU tests catch what CUDA would refuse
+        raise ValueError(f"flex attention needs a sequence length divisible by {FLEX_BLOCK}, got {q.shape[2]}")
     if not q.is_cuda:
+        _check_dense_mask(q.shape[2], doc_ids, "FlexAttention has no backward pass on a CPU, where the mask is "
+                          "dense: train long sequences on a GPU, or shorten them")
         mask = build_mask(q.shape[2], q.device, window, doc_ids)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     bm = doc_window_block_mask(q.shape[2], q.device, window, doc_ids)
@@ -230,5 +241,6 @@ def attention(
     gqa = q.shape[1] != k.shape[1]
     if plain:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+    _check_dense_mask(t, doc_ids, "use attn_backend='flex' for long sequences with masks")
     mask = build_mask(t, q.device, window, doc_ids)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

@@ -42,7 +42,7 @@ if triton is not None:
 
     @triton.jit
     def _softcap_ce_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride, cap, ignore_index,
-                           HAS_CAP: tl.constexpr, BLOCK: tl.constexpr):
+                           HAS_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
         target = tl.load(targets_ptr + row)
@@ -67,64 +67,78 @@ if triton is not None:
         s_all = tl.sum(s * tl.exp(m - m_all), axis=0)
         lse = m_all + tl.log(s_all)
         valid = target != ignore_index
-        t = tl.where(valid, target, 0)
+        in_range = (target >= 0) & (target < V)
+        t = tl.where(valid & in_range, target, 0)  # never read outside the row
         xt = tl.load(base + t).to(tl.float32)
         if HAS_CAP:
             zt = cap * (1.0 - 2.0 / (tl.exp(2.0 * xt / cap) + 1.0))
         else:
             zt = xt
-        tl.store(loss_ptr + row, tl.where(valid, lse - zt, 0.0))
+        # a target outside [0, V) that is not ignore_index gives NaN (visible, no sync), not a wrong number
+        loss = tl.where(valid, tl.where(in_range, lse - zt, float("nan")), 0.0)
+        tl.store(loss_ptr + row, loss)
         # sweep 2: the gradient of this row's loss w.r.t. the raw logits, written over them
-        for start in range(0, V, BLOCK):
-            cols = start + offs
-            x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
-            if HAS_CAP:
-                th = 1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0)
-                z = cap * th
-                dz = 1.0 - th * th
-            else:
-                z = x
-                dz = 1.0
-            p = tl.exp(z - lse)
-            g = (p - tl.where(cols == t, 1.0, 0.0)) * dz
-            g = tl.where(valid, g, 0.0)
-            tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
+        if WRITE_GRAD:
+            for start in range(0, V, BLOCK):
+                cols = start + offs
+                x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
+                if HAS_CAP:
+                    th = 1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0)
+                    z = cap * th
+                    dz = 1.0 - th * th
+                else:
+                    z = x
+                    dz = 1.0
+                p = tl.exp(z - lse)
+                g = (p - tl.where(cols == t, 1.0, 0.0)) * dz
+                g = tl.where(valid, tl.where(in_range, g, float("nan")), 0.0)
+                tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
 
 
 def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | None,
-                     ignore_index: int = -100) -> torch.Tensor:
-    """Per-row losses; overwrites ``logits`` ``[N, V]`` with the per-row gradient (not divided by a count)."""
+                     ignore_index: int = -100, write_grad: bool = True) -> torch.Tensor:
+    """Per-row losses; with ``write_grad`` overwrites ``logits`` ``[N, V]`` with the per-row gradient (not
+    divided by a count). A target outside ``[0, V)`` other than ``ignore_index`` gives a NaN loss (and NaN
+    gradient row) rather than an error: checking on the host would synchronise."""
     n, v = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("softcap_ce_rows_: logits must be contiguous along the vocabulary")
+    targets = targets.contiguous()
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     if kernel_available(logits):
         _softcap_ce_kernel[(n,)](logits, targets, loss, v, logits.stride(0), float(cap or 1.0), ignore_index,
-                                 HAS_CAP=cap is not None, BLOCK=BLOCK_V, num_warps=NUM_WARPS)
+                                 HAS_CAP=cap is not None, WRITE_GRAD=write_grad, BLOCK=BLOCK_V,
+                                 num_warps=NUM_WARPS)
         return loss
     # torch reference of the same computation (CPU, or no Triton)
     x = logits.float()
     z = cap * torch.tanh(x / cap) if cap is not None else x
     lse = torch.logsumexp(z, dim=-1)
     valid = targets != ignore_index
-    t = torch.where(valid, targets, torch.zeros_like(targets))
-    loss = torch.where(valid, lse - z.gather(1, t[:, None]).squeeze(1), torch.zeros_like(lse))
+    in_range = (targets >= 0) & (targets < v)
+    t = torch.where(valid & in_range, targets, torch.zeros_like(targets))
+    nan = torch.full_like(lse, float("nan"))
+    loss = torch.where(valid, torch.where(in_range, lse - z.gather(1, t[:, None]).squeeze(1), nan),
+                       torch.zeros_like(lse))
+    if not write_grad:
+        return loss
     g = torch.exp(z - lse[:, None])
     g[torch.arange(n, device=logits.device), t] -= 1.0
     if cap is not None:
         g = g * (1.0 - (z / cap) ** 2)
-    logits.copy_(g * valid[:, None])
+    g = torch.where((valid & ~in_range)[:, None], float("nan"), g)
+    logits.copy_(torch.where(valid[:, None], g, 0.0))
     return loss
 
 
 class _LinearSoftcapCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, cap, ignore_index):  # type: ignore[override]
+    def forward(ctx, h, weight, targets, cap, ignore_index, need_grad):  # type: ignore[override]
         dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(dtype), weight.to(dtype)
             logits = hc @ wc.t()  # [N, V] in the compute dtype; becomes the gradient below
-            rows = softcap_ce_rows_(logits, targets, cap, ignore_index)
+            rows = softcap_ce_rows_(logits, targets, cap, ignore_index, write_grad=need_grad)
             count = (targets != ignore_index).sum().clamp(min=1).to(torch.float32)  # a tensor: no sync
             loss = rows.sum() / count
         ctx.save_for_backward(hc, wc, logits, count)
@@ -138,7 +152,7 @@ class _LinearSoftcapCE(torch.autograd.Function):
         with torch.autocast(hc.device.type, enabled=False):
             grad_h = (grad_logits @ wc).float() * scale
             grad_w = (grad_logits.t() @ hc).float() * scale
-        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
+        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None
 
 
 @torch.compiler.disable
@@ -159,4 +173,7 @@ def linear_softcap_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets:
     d = h.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != d:
         raise ValueError(f"weight must be [vocab, {d}], got {tuple(weight.shape)}")
-    return _LinearSoftcapCE.apply(h.reshape(-1, d), weight, targets.reshape(-1), softcap, ignore_index)
+    # without autograd (evaluation) the kernel skips its gradient sweep
+    need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return _LinearSoftcapCE.apply(h.reshape(-1, d), weight, targets.reshape(-1).contiguous(), softcap,
+                                  ignore_index, need_grad)

@@ -113,6 +113,18 @@ class Muon(Optimizer):
                     raise ValueError(f"Muon takes matrices only; got a parameter of shape {tuple(p.shape)}. "
                                      "Give vectors and scalars to AdamW (see lightning_opt.optim.build_optimizer).")
 
+    def load_state_dict(self, state_dict) -> None:
+        """Load, then fill the options a checkpoint from an older version lacks from this optimizer's own
+        (torch keeps only the saved group keys). Such a checkpoint trained with its full momentum: a configured
+        warmup counts as done, it does not restart mid-run."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            had_steps = "steps_done" in group
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            if not had_steps:
+                group["steps_done"] = group["momentum_warmup_steps"]
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -145,7 +157,7 @@ class Muon(Optimizer):
                 blocks.append(bl)
                 for j, b in enumerate(bl):
                     tall = b.shape[0] > b.shape[1]
-                    key = (b.shape[1], b.shape[0]) if tall else tuple(b.shape)
+                    key = ((b.shape[1], b.shape[0]) if tall else tuple(b.shape)) + (b.device, b.dtype)
                     buckets[key if self.batched else (i, j)].append((i, j, tall))
             ortho: list[list[torch.Tensor | None]] = [[None] * len(bl) for bl in blocks]
             for members in buckets.values():

@@ -104,6 +104,7 @@ def test_doc_causal_isolates_documents():
         (dict(loss_chunk_size=0), "loss_chunk_size"),
         (dict(skip_attn_layers=(4,)), "skip_attn_layers"),
         (dict(n_head=16, pos_emb="rope", rope_truncate=True), "rope_truncate"),
+        (dict(n_value_embeds=1, skip_attn_layers=(0, 3)), "value embedding 0"),
     ],
 )
 def test_config_errors(kwargs, match):
@@ -283,9 +284,16 @@ def test_window_schedule_grows_the_window_without_new_parameters():
     assert not torch.allclose(early[:, 20:], late[:, 20:])
     # the same as a fixed window of that size
     fixed = GPT(GPTConfig(**{**BASE, "block_size": 32}, pos_emb="rope", window_size=16, attn_backend="sdpa"))
-    fixed.load_state_dict(model.state_dict())
+    weights = {k: v for k, v in model.state_dict().items() if k != "attn_window"}
+    fixed.load_state_dict(weights)
     fixed.eval()
     torch.testing.assert_close(fixed(x), late)
+    # the window is part of the state: a restored model evaluates with the window it was trained to
+    restored = GPT(cfg)
+    restored.load_state_dict(model.state_dict())
+    assert int(restored.attn_window) == 16
+    restored.eval()
+    torch.testing.assert_close(restored(x), late)
     with pytest.raises(ValueError, match="window_schedule"):
         GPTConfig(**BASE, window_schedule=(16, 4))
     with pytest.raises(ValueError, match="window_schedule"):
@@ -299,7 +307,7 @@ def test_flex_backend_model_trains_on_cpu_with_documents():
     model = GPT(cfg)
     ref = GPT(GPTConfig(**{**BASE, "block_size": 256}, pos_emb="rope", norm="rmsnorm", bias=False,
                         attn_backend="math", doc_causal=True, eot_token=0, window_size=32))
-    ref.load_state_dict(model.state_dict())
+    ref.load_state_dict({k: v for k, v in model.state_dict().items() if k != "attn_window"})
     x = torch.randint(1, 300, (1, 256))
     x[0, 100] = 0
     loss = model(x, x.roll(-1, 1))

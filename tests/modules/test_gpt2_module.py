@@ -135,3 +135,16 @@ def test_window_schedule_follows_the_trainer_steps(tmp_path):
     trainer.fit(module, _loader())
     assert seen == [(s, module.model.window_at(s / 4)) for s in (0, 0, 1, 1, 2, 2, 3, 3)]
     assert [w for _, w in seen] == [4, 4, 4, 4, 8, 8, 12, 12]
+
+
+def test_window_schedule_without_max_steps_uses_the_schedule_length(tmp_path):
+    """With max_steps unset (epochs), the window follows the schedule config's total_steps, like the lr."""
+    from dataclasses import replace
+
+    cfg = replace(CFG, window_schedule=(4, 16), attn_backend="sdpa")
+    module = GPT2SpeedrunModule(cfg, OptimConfig(lr=3e-3), ScheduleConfig(name="constant", total_steps=8))
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(module, _loader())  # 8 batches: the last one starts at step 7 of 8
+    assert trainer.global_step == 8
+    assert int(module.model.attn_window) == module.model.window_at(7 / 8) == 12

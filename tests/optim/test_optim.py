@@ -187,3 +187,23 @@ def test_muon_first_step_uses_the_warmup_start_momentum():
     Muon([w1], lr=0.1, momentum=0.95, momentum_start=0.5, momentum_warmup_steps=10).step()
     Muon([w2], lr=0.1, momentum=0.5).step()
     torch.testing.assert_close(w1.detach(), w2.detach())
+
+
+def test_muon_loads_a_checkpoint_without_the_new_group_options():
+    """A state dict saved before momentum warmup existed: the configured options come back, the warmup counts
+    as done (the run trained with its full momentum), and the step count goes on from there."""
+    w = nn.Parameter(torch.randn(4, 4))
+    old = Muon([w], lr=0.1)
+    w.grad = torch.randn(4, 4)
+    old.step()
+    sd = old.state_dict()
+    for g in sd["param_groups"]:
+        for k in ("momentum_start", "momentum_warmup_steps", "split_fused", "steps_done"):
+            g.pop(k)
+    new = Muon([w], lr=0.1, momentum_start=0.85, momentum_warmup_steps=300)
+    new.load_state_dict(sd)
+    group = new.param_groups[0]
+    assert group["momentum_start"] == 0.85 and group["split_fused"] is True and group["steps_done"] == 300
+    w.grad = torch.randn(4, 4)
+    new.step()
+    assert group["steps_done"] == 301
