@@ -119,3 +119,39 @@ def test_flex_backend_on_cpu_trains_and_equals_sdpa():
         from lightning_opt.ops.attention import doc_window_block_mask
 
         doc_window_block_mask(100, q.device)
+
+
+def test_flex_block_mask_compiles_in_one_graph_and_a_new_window_recompiles_nothing():
+    """What the model does on a GPU, compiled on the CPU (forward: CPU FlexAttention has no backward): the
+    block mask is built inside the graph, and moving the window tensor reuses the compiled graph."""
+    import torch._dynamo
+
+    from lightning_opt.ops.attention import FLEX_BLOCK, doc_window_block_mask
+
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from torch.nn.attention.flex_attention import flex_attention
+
+    t = 4 * FLEX_BLOCK
+    doc = _docs(t, [200], batch=1)
+    win = torch.tensor(160)
+
+    def f(q, k, v, doc, win):
+        return flex_attention(q, k, v, block_mask=doc_window_block_mask(t, q.device, win, doc))
+
+    torch._dynamo.reset()
+    try:
+        cf = torch.compile(f, dynamic=False, fullgraph=True)
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 2, t, 32, generator=g) for _ in range(3))
+        with torch.no_grad():
+            out = cf(q, k, v, doc, win)
+            torch.testing.assert_close(out, math_attention(q, k, v, build_mask(t, q.device, 160, doc)),
+                                       atol=1e-4, rtol=1e-4)
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            win.fill_(320)
+            out = cf(q, k, v, doc, win)
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+            torch.testing.assert_close(out, math_attention(q, k, v, build_mask(t, q.device, 320, doc)),
+                                       atol=1e-4, rtol=1e-4)
+    finally:
+        torch._dynamo.reset()
