@@ -160,6 +160,18 @@ def _rel(target: Path, page: Path) -> str:
     return os.path.relpath(target, page.parent)
 
 
+def _file_heading(path: Path, data: dict[str, Any], page: Path, versions: dict[str, Any],
+                  suffix: str = "") -> list[str]:
+    """A result file's heading: device, link, versions (``versions`` holds ``torch`` / ``lightning``), command."""
+    return [
+        f"### {path.name}: {_device(data)}{suffix}",
+        "",
+        f"[{path.name}]({_rel(path, page)}), torch {versions.get('torch', '?')}, lightning "
+        f"{versions.get('lightning', '?')}; command: `{_command(data)}`",
+        "",
+    ]
+
+
 def _failed(rows: list[dict[str, Any]]) -> list[str]:
     lines = []
     for r in rows:
@@ -192,12 +204,7 @@ def clt_section(runs: list[tuple[Path, dict[str, Any]]], page: Path) -> list[str
         worlds = sorted({r["world"] for r in rows})
         max_world = max([max_world, *worlds])
         k = (data.get("config") or {}).get("k")
-        lines += [
-            f"### {path.name}: {_device(data)}, {', '.join(map(str, worlds))} GPUs",
-            "",
-            f"[{path.name}]({_rel(path, page)}), torch {data.get('torch', '?')}, lightning "
-            f"{data.get('lightning', '?')}; command: `{_command(data)}`",
-            "",
+        lines += _file_heading(path, data, page, data, f", {', '.join(map(str, worlds))} GPUs") + [
             "| strategy | features/layer | GPUs | mesh (data x model) | tokens/s | x 1 GPU | efficiency | "
             "MB/step | L0 | L0 = k |",
             "|---|---|---|---|---|---|---|---|---|---|",
@@ -268,13 +275,7 @@ def gpt2_section(runs: list[tuple[Path, dict[str, Any]]], page: Path) -> list[st
         rows = gpt2_efficiency(data["rows"])
         summary = data.get("summary") or {}
         estimated = summary.get("estimated_time_to_target_s") or {}
-        env = data.get("env") or {}
-        lines += [
-            f"### {path.name}: {_device(data)}",
-            "",
-            f"[{path.name}]({_rel(path, page)}), torch {env.get('torch', '?')}, lightning "
-            f"{env.get('lightning', '?')}; command: `{_command(data)}`",
-            "",
+        lines += _file_heading(path, data, page, data.get("env") or {}) + [
             "| GPUs | accumulation | tokens/s | x 1 GPU | efficiency | step ms | compile s | val loss at end | "
             "time to target s (estimate) |",
             "|---|---|---|---|---|---|---|---|---|",

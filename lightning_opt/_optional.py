@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from types import ModuleType
 
 _EXTRA_OF = {
@@ -22,6 +23,11 @@ def is_available(module_name: str) -> bool:
         return importlib.util.find_spec(module_name) is not None
     except (ImportError, ValueError):
         return False
+
+
+def triton_runs_on(device_tensor) -> bool:
+    """Where an imported Triton kernel can run: CUDA tensors, or any tensor under ``TRITON_INTERPRET=1``."""
+    return device_tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def require(module_name: str, extra: str | None = None, purpose: str = "", fallback: str = "") -> ModuleType:

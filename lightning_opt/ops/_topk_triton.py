@@ -18,9 +18,9 @@ device under ``TRITON_INTERPRET=1``); callers fall back to torch otherwise.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from lightning_opt._optional import triton_runs_on
 
 try:  # optional dependency (the "triton" extra / the CUDA wheels of torch)
     import triton
@@ -39,9 +39,7 @@ _BINS = 1 << 16
 
 def available(x: torch.Tensor) -> bool:
     """Whether :func:`compact_ge` can run on ``x``'s device."""
-    if triton is None:
-        return False
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return triton is not None and triton_runs_on(x)
 
 
 if triton is not None:

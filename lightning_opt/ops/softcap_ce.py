@@ -16,9 +16,9 @@ loss): the compiled model produces the final hidden states, this function does t
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from lightning_opt._optional import triton_runs_on
 
 try:  # optional dependency (the CUDA wheels of torch ship it)
     import triton
@@ -33,9 +33,7 @@ NUM_WARPS = 8
 
 def kernel_available(x: torch.Tensor) -> bool:
     """Whether the Triton kernel can run on ``x``'s device."""
-    if triton is None:
-        return False
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return triton is not None and triton_runs_on(x)
 
 
 if triton is not None:

@@ -135,8 +135,9 @@ class Muon(Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            mom = momentum_at(group.setdefault("steps_done", 0), group["momentum"],
-                              group.get("momentum_start"), group.get("momentum_warmup_steps", 0))
+            # every group has these keys: the defaults at construction, load_state_dict fills older checkpoints
+            mom = momentum_at(group["steps_done"], group["momentum"], group["momentum_start"],
+                              group["momentum_warmup_steps"])
             group["steps_done"] += 1
             grads = [p.grad for p in params]
             bufs = []
@@ -153,7 +154,7 @@ class Muon(Optimizer):
             blocks: list[list[torch.Tensor]] = []
             for i, (p, u) in enumerate(zip(params, updates)):
                 u2d = u.reshape(u.shape[0], -1)
-                bl = _blocks(p, u2d) if group.get("split_fused", True) else [u2d]
+                bl = _blocks(p, u2d) if group["split_fused"] else [u2d]
                 blocks.append(bl)
                 for j, b in enumerate(bl):
                     tall = b.shape[0] > b.shape[1]
