@@ -24,9 +24,12 @@ DOC = ROOT / "docs" / "benchmarks" / "gpt2.md"
 # what the page shows, newest first per section (the first speedrun/record run is the headline one);
 # a kind missing here falls back to its newest result file
 SHOWN = {
-    "speedrun": ["gpt2_speedrun_s4_fusedce_nvidia-h200_20261126.json", "gpt2_speedrun_s4_recipe_nvidia-h200_20261126.json",
+    "speedrun": ["gpt2_speedrun_s5_nvidia-h100-80gb-hbm3_20261126.json",
+                 "gpt2_speedrun_s4_fusedce_nvidia-h200_20261126.json", "gpt2_speedrun_s4_recipe_nvidia-h200_20261126.json",
                  "gpt2_speedrun_nvidia-h200_20261126.json", "gpt2_speedrun_nvidia-h100-80gb-hbm3_20261126.json"],
-    "record": ["gpt2_record_s4_nvidia-h200_20261126.json", "gpt2_record_s4_halfbatch_nvidia-h200_20261126.json",
+    "record": ["gpt2_record_s5_nvidia-h100-80gb-hbm3_20261126.json",
+               "gpt2_record_s5_longprobe_nvidia-h200_20261126.json", "gpt2_record_s4_nvidia-h200_20261126.json",
+               "gpt2_record_s4_halfbatch_nvidia-h200_20261126.json",
                "gpt2_record_nvidia-h100-80gb-hbm3_20261126.json"],
     "ablation": ["gpt2_ablation_s4_nvidia-h200_20261126.json", "gpt2_ablation_nvidia-h100-80gb-hbm3_20261126.json"],
 }
@@ -228,7 +231,8 @@ def main(argv: list[str] | None = None) -> Path:
         "How our GPT-2 speedrun recipe compares with a bare PyTorch loop (Lightning's overhead), with nanoGPT and "
         "with the modded-nanogpt record script of 2025-01-04, on one GPU in one call, and what each architecture "
         "or systems toggle does. Scripts: `benchmarks/gpt2_speedrun.py`, `benchmarks/gpt2_record.py`, "
-        "`benchmarks/gpt2_ablation.py` (each has `--smoke`); the peers' code is read from the git-ignored "
+        "`benchmarks/gpt2_ablation.py` (each has `--smoke`), and for where a step's time goes and the loss kernel alone "
+        "`benchmarks/gpt2_step_profile.py` and `benchmarks/softcap_ce_kernel.py`; the peers' code is read from the git-ignored "
         "`.peers/` folder and never committed. See [docs/gpt2.md](../gpt2.md) for the model and recipe.", "",
     ]
     lines += speedrun_section(sp, sp_path, doc)

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_opt.ops.attention import BACKENDS, FLEX_BLOCK, attention, resolve_backend
 from lightning_opt.ops.cross_entropy import linear_cross_entropy
-from lightning_opt.ops.fp8 import fp8_linear
+from lightning_opt.ops.fp8 import fp8_linear, fp8_supported
 from lightning_opt.ops.softcap_ce import linear_softcap_cross_entropy
 
 _MLPS = ("gelu", "relu2", "swiglu")
@@ -76,9 +76,13 @@ class GPTConfig:
             :func:`~lightning_opt.ops.softcap_ce.linear_softcap_cross_entropy`; outside the compiled graph).
         loss_chunk_size: tokens per chunk for ``chunked``.
         grad_checkpoint: recompute each block in the backward pass (activation checkpointing) to save memory.
-        head_fp8: in training, run the output head's matmul (forward and both backward matmuls) in FP8 with
-            static scales (:func:`~lightning_opt.ops.fp8.fp8_linear`; GPUs of compute capability 8.9+).
-            Evaluation and ``model(idx)`` keep the autocast dtype. Needs an untied head.
+        head_fp8: in training, run the output head's matmul in FP8 with static scales (GPUs of compute
+            capability 8.9+): with ``loss_impl="torch"`` the forward and both backward matmuls
+            (:func:`~lightning_opt.ops.fp8.fp8_linear`), with ``loss_impl="fused"`` the forward matmul (the
+            backward ones read the bfloat16 gradient the loss kernel writes). ``True`` insists (an error on
+            other devices, and it needs an untied head and one of those two losses); ``"auto"`` uses FP8
+            where the GPU has it and the model allows it, the compute dtype elsewhere (CPUs only emulate
+            FP8, slowly). Evaluation and ``model(idx)`` keep the autocast dtype.
     """
 
     vocab_size: int = 50257
@@ -119,7 +123,7 @@ class GPTConfig:
     loss_impl: str = "torch"
     loss_chunk_size: int = 4096
     grad_checkpoint: bool = False
-    head_fp8: bool = False
+    head_fp8: bool | str = False
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, want: str) -> ValueError:
@@ -163,9 +167,12 @@ class GPTConfig:
             raise bad("moe_top_k", self.moe_top_k, f"must be in [1, moe_experts={self.moe_experts}]")
         if self.loss_impl not in _LOSS_IMPLS:
             raise bad("loss_impl", self.loss_impl, f"choose one of {_LOSS_IMPLS}")
-        if self.head_fp8 and (self.tie_embeddings or self.loss_impl != "torch"):
-            raise bad("head_fp8", self.head_fp8, "needs tie_embeddings=False and loss_impl='torch'")
-        if self.head_fp8 and (self.n_embd % 16 or self.padded_vocab_size % 16):
+        if self.head_fp8 not in (False, True, "auto"):
+            raise bad("head_fp8", self.head_fp8, "choose true, false or 'auto' (FP8 where the GPU supports it)")
+        # True insists; "auto" is off wherever it cannot apply (a tied head, another loss, odd sizes)
+        if self.head_fp8 is True and (self.tie_embeddings or self.loss_impl not in ("torch", "fused")):
+            raise bad("head_fp8", self.head_fp8, "needs tie_embeddings=False and loss_impl 'torch' or 'fused'")
+        if self.head_fp8 is True and (self.n_embd % 16 or self.padded_vocab_size % 16):
             raise bad("head_fp8", self.head_fp8, "needs n_embd and the padded vocabulary divisible by 16 "
                       f"(got {self.n_embd} and {self.padded_vocab_size}; set vocab_multiple to 128)")
         if self.loss_chunk_size <= 0:
@@ -196,6 +203,12 @@ class GPTConfig:
     @property
     def padded_vocab_size(self) -> int:
         return math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple
+
+    @property
+    def fp8_head_applicable(self) -> bool:
+        """Whether this architecture can run its head in FP8 (what ``head_fp8="auto"`` checks first)."""
+        return (not self.tie_embeddings and self.loss_impl in ("torch", "fused") and self.n_embd % 16 == 0
+                and self.padded_vocab_size % 16 == 0)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -512,9 +525,18 @@ class GPT(nn.Module):
             loss = loss + cfg.moe_aux_weight * torch.stack([blk.mlp.aux_loss for blk in self.blocks]).mean()
         return loss
 
+    def _head_fp8(self, h: torch.Tensor) -> bool:
+        """Whether this training call's head matmul runs in FP8 (see ``GPTConfig.head_fp8``)."""
+        cfg = self.config
+        if not cfg.head_fp8 or not self.training or math.prod(h.shape[:-1]) % 16:
+            return False
+        if cfg.head_fp8 is True:
+            return True
+        return (cfg.fp8_head_applicable and h.is_cuda and fp8_supported(h.device))
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         rows = math.prod(h.shape[:-1])
-        if self.config.head_fp8 and self.training and rows % 16 == 0:
+        if self._head_fp8(h):
             # the gradient of a mean cross-entropy over `rows` tokens is at most 1/rows per logit: scale
             # e5m2 for that, or most of the gradient would underflow to zero
             logits = fp8_linear(h, self.lm_head.weight, grad_scale=1.0 / (448.0 * rows))
@@ -528,7 +550,8 @@ class GPT(nn.Module):
     def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         if cfg.loss_impl == "fused":
-            return linear_softcap_cross_entropy(h, self.lm_head.weight, targets, cfg.logit_softcap)
+            return linear_softcap_cross_entropy(h, self.lm_head.weight, targets, cfg.logit_softcap,
+                                                fp8=self._head_fp8(h))
         if cfg.loss_impl != "torch":
             return linear_cross_entropy(h, self.lm_head.weight, targets, cfg.logit_softcap, cfg.loss_chunk_size,
                                         fp8=cfg.loss_impl == "chunked_fp8")

@@ -68,6 +68,37 @@ class _FP8Linear(torch.autograd.Function):
         return grad_x, grad_wt.t().to(ctx.w_dtype), None, None, None
 
 
+def check_fp8_shapes(rows: int, k: int, out: int, device: torch.device) -> None:
+    """Raise a clear error where ``torch._scaled_mm`` cannot take a ``[rows, k] x [k, out]`` product."""
+    if k % 16 or out % 16 or rows % 16:
+        raise ValueError(
+            f"FP8 matmul: torch._scaled_mm needs rows ({rows}), in ({k}) and out ({out}) to be "
+            "multiples of 16; pad the vocabulary (GPTConfig.vocab_multiple) or change the batch shape."
+        )
+    if not fp8_supported(device):
+        raise RuntimeError(
+            f"FP8 matmul: FP8 matmuls need a GPU of compute capability 8.9 or newer (H100, L40S, RTX 4090); "
+            f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}. "
+            "Turn the FP8 option off (e.g. GPTConfig.head_fp8=False) or use head_fp8='auto'."
+        )
+
+
+def fp8_matmul_t(x: torch.Tensor, w: torch.Tensor, x_scale: float | None = None, w_scale: float = 24.0 / 448.0,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``x @ w.T`` for ``x [N, K]`` and ``w [M, K]`` through FP8 (``e4m3``) with static scales, no autograd.
+
+    Values beyond ``448 * scale`` saturate to the largest FP8 number instead of becoming NaN (``e4m3fn`` has
+    no infinity), so a scale that is too small costs accuracy, not a broken run. ``x_scale`` defaults to
+    ``sqrt(K) / 448``, the bound of an RMS-normalised row with unit gain.
+    """
+    k = x.shape[-1]
+    xs = _scale(x, math.sqrt(k) / 448.0 if x_scale is None else x_scale)
+    ws = _scale(x, w_scale)
+    x8 = (x / xs).clamp(-448.0, 448.0).to(_E4M3)
+    w8 = (w / ws).clamp(-448.0, 448.0).to(_E4M3)
+    return torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype, use_fast_accum=True)
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -90,17 +121,7 @@ def fp8_linear(
     if weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"fp8_linear: weight must be [out, {k}], got {tuple(weight.shape)}")
     rows = math.prod(x.shape[:-1])
-    if k % 16 or weight.shape[0] % 16 or rows % 16:
-        raise ValueError(
-            f"fp8_linear: torch._scaled_mm needs rows ({rows}), in ({k}) and out ({weight.shape[0]}) to be "
-            "multiples of 16; pad the vocabulary (GPTConfig.vocab_multiple) or change the batch shape."
-        )
-    if not fp8_supported(x.device):
-        raise RuntimeError(
-            f"fp8_linear: FP8 matmuls need a GPU of compute capability 8.9 or newer (H100, L40S, RTX 4090); "
-            f"{torch.cuda.get_device_name(x.device)} has {torch.cuda.get_device_capability(x.device)}. "
-            "Turn the FP8 option off (e.g. GPTConfig.head_fp8=False)."
-        )
+    check_fp8_shapes(rows, k, weight.shape[0], x.device)
     scale_x = math.sqrt(k) / 448.0 if x_scale is None else x_scale
     out = _FP8Linear.apply(x.reshape(rows, k), weight, scale_x, w_scale, grad_scale)
     return out.reshape(*x.shape[:-1], weight.shape[0])

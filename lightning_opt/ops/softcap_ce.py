@@ -4,10 +4,16 @@
 (mean over the targets that are not ``ignore_index``). What torch.compile makes of that expression is two
 reductions over the ``[tokens, vocab]`` logits, one in the forward pass and one in the backward pass, each
 evaluating ``tanh`` and ``exp`` for every logit. Here one kernel (one program per token) reads a row of
-logits twice: the first sweep keeps a running maximum and sum of ``exp`` (the log-sum-exp), the second
-writes the row's gradient ``(softmax - onehot) * (1 - tanh^2)`` over the logits it read, in place, in
-bfloat16. The row is still in L2 for the second sweep. The backward pass is then the two head matmuls,
-with the ``grad_output / count`` factor applied to their small outputs instead of the big gradient.
+logits twice: the first sweep sums ``exp`` for the log-sum-exp, the second writes the row's gradient
+``(softmax - onehot) * (1 - tanh^2)`` over the logits it read, in place, in bfloat16. The row is still in
+L2 for the second sweep. The backward pass is then the two head matmuls, with the ``grad_output / count``
+factor applied to their small outputs instead of the big gradient.
+
+The kernel is bound by its special-function instructions (``exp``, ``tanh``, reciprocals), so it spends
+few: with a cap up to ``FIXED_MAX_CAP`` no capped logit exceeds the cap, which then serves as the row
+maximum (one ``exp`` per logit, no running maximum); and the training sweep takes ``tanh`` from the GPU's
+``tanh.approx.f32`` (relative error below 2^-10, under the bfloat16 rounding of the logits themselves).
+Evaluation (no gradient) keeps the exact formula. With ``fp8=True`` the logits come from an FP8 matmul.
 
 The kernel runs on CUDA (or anywhere under ``TRITON_INTERPRET=1``); elsewhere the same function computes
 the same thing with torch ops. The call is kept out of ``torch.compile`` graphs (a graph break at the
@@ -16,9 +22,13 @@ loss): the compiled model produces the final hidden states, this function does t
 
 from __future__ import annotations
 
+import math
+import os
+
 import torch
 
 from lightning_opt._optional import triton_runs_on
+from lightning_opt.ops.fp8 import check_fp8_shapes, fp8_matmul_t
 
 try:  # optional dependency (the CUDA wheels of torch ship it)
     import triton
@@ -39,37 +49,58 @@ def kernel_available(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _capped(x, cap, FAST_TANH: tl.constexpr):
+        # cap * tanh(x / cap) and tanh(x / cap). FAST_TANH: the GPU's one-instruction tanh (relative error
+        # below 2^-10, under a bfloat16 logit's own rounding); else tanh(u) = 1 - 2 / (exp(2u) + 1), which
+        # has the exact limits +-1 for large |u|
+        if FAST_TANH:
+            th = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x / cap], dtype=tl.float32,
+                                           is_pure=True, pack=1)
+        else:
+            th = 1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0)
+        return cap * th, th
+
+    @triton.jit
     def _softcap_ce_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride, cap, ignore_index,
-                           HAS_CAP: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+                           HAS_CAP: tl.constexpr, FIXED_MAX: tl.constexpr, FAST_TANH: tl.constexpr,
+                           WRITE_GRAD: tl.constexpr,
+                           BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
         target = tl.load(targets_ptr + row)
         offs = tl.arange(0, BLOCK)
-        # sweep 1: running max and sum of exp of the capped logits, per lane, combined at the end
+        # sweep 1: the log-sum-exp of the capped logits. With FIXED_MAX (a cap small enough that
+        # exp(-2 cap) stays a normal float) no logit exceeds `cap`, so `cap` serves as the maximum: one exp
+        # per logit and no rescaling. Otherwise a running max and sum per lane, combined at the end.
         m = tl.full([BLOCK], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK], tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + offs
-            x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
             if HAS_CAP:
-                # cap * tanh(x / cap) with tanh(u) = 1 - 2 / (exp(2u) + 1): exact limits +-1 for large |u|
-                z = cap * (1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0))
-                z = tl.where(cols < V, z, float("-inf"))
+                z, _ = _capped(x, cap, FAST_TANH)
             else:
                 z = x
-            m_new = tl.maximum(m, z)
-            s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
-            s = tl.where(m_new == float("-inf"), 0.0, s)
-            m = m_new
-        m_all = tl.max(m, axis=0)
-        s_all = tl.sum(s * tl.exp(m - m_all), axis=0)
-        lse = m_all + tl.log(s_all)
+            z = tl.where(cols < V, z, float("-inf"))
+            if FIXED_MAX:
+                s += tl.exp(z - cap)
+            else:
+                m_new = tl.maximum(m, z)
+                s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
+                s = tl.where(m_new == float("-inf"), 0.0, s)
+                m = m_new
+        if FIXED_MAX:
+            lse = cap + tl.log(tl.sum(s, axis=0))
+        else:
+            m_all = tl.max(m, axis=0)
+            s_all = tl.sum(s * tl.exp(m - m_all), axis=0)
+            lse = m_all + tl.log(s_all)
         valid = target != ignore_index
         in_range = (target >= 0) & (target < V)
         t = tl.where(valid & in_range, target, 0)  # never read outside the row
         xt = tl.load(base + t).to(tl.float32)
         if HAS_CAP:
-            zt = cap * (1.0 - 2.0 / (tl.exp(2.0 * xt / cap) + 1.0))
+            zt, _ = _capped(xt, cap, FAST_TANH)
         else:
             zt = xt
         # a target outside [0, V) that is not ignore_index gives NaN (visible, no sync), not a wrong number
@@ -81,8 +112,7 @@ if triton is not None:
                 cols = start + offs
                 x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
                 if HAS_CAP:
-                    th = 1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0)
-                    z = cap * th
+                    z, th = _capped(x, cap, FAST_TANH)
                     dz = 1.0 - th * th
                 else:
                     z = x
@@ -91,6 +121,18 @@ if triton is not None:
                 g = (p - tl.where(cols == t, 1.0, 0.0)) * dz
                 g = tl.where(valid, tl.where(in_range, g, float("nan")), 0.0)
                 tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
+
+
+def fast_tanh_available() -> bool:
+    """The training sweep uses the GPU's approximate tanh instruction (PTX ``tanh.approx.f32``); the CPU
+    interpreter (``TRITON_INTERPRET=1``) cannot run inline PTX. Evaluation (no gradient) always takes the
+    exact formula, so reported validation losses do not depend on it."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
+
+
+# a cap up to this uses itself as the row maximum: exp(z - cap) >= exp(-2 * cap) stays a normal float32
+# (>= 1e-26 for 30), so the sum keeps its precision even when every logit sits at -cap
+FIXED_MAX_CAP = 30.0
 
 
 def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | None,
@@ -105,8 +147,9 @@ def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | N
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     if kernel_available(logits):
         _softcap_ce_kernel[(n,)](logits, targets, loss, v, logits.stride(0), float(cap or 1.0), ignore_index,
-                                 HAS_CAP=cap is not None, WRITE_GRAD=write_grad, BLOCK=BLOCK_V,
-                                 num_warps=NUM_WARPS)
+                                 HAS_CAP=cap is not None, FIXED_MAX=cap is not None and cap <= FIXED_MAX_CAP,
+                                 FAST_TANH=write_grad and fast_tanh_available(), WRITE_GRAD=write_grad,
+                                 BLOCK=BLOCK_V, num_warps=NUM_WARPS)
         return loss
     # torch reference of the same computation (CPU, or no Triton)
     x = logits.float()
@@ -131,11 +174,14 @@ def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | N
 
 class _LinearSoftcapCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, cap, ignore_index, need_grad):  # type: ignore[override]
+    def forward(ctx, h, weight, targets, cap, ignore_index, need_grad, fp8):  # type: ignore[override]
         dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(dtype), weight.to(dtype)
-            logits = hc @ wc.t()  # [N, V] in the compute dtype; becomes the gradient below
+            if fp8:
+                logits = fp8_matmul_t(hc, wc, out_dtype=dtype)
+            else:
+                logits = hc @ wc.t()  # [N, V] in the compute dtype; becomes the gradient below
             rows = softcap_ce_rows_(logits, targets, cap, ignore_index, write_grad=need_grad)
             count = (targets != ignore_index).sum().clamp(min=1).to(torch.float32)  # a tensor: no sync
             loss = rows.sum() / count
@@ -150,12 +196,13 @@ class _LinearSoftcapCE(torch.autograd.Function):
         with torch.autocast(hc.device.type, enabled=False):
             grad_h = (grad_logits @ wc).float() * scale
             grad_w = (grad_logits.t() @ hc).float() * scale
-        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None
+        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None, None
 
 
 @torch.compiler.disable
 def linear_softcap_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                                 softcap: float | None = None, ignore_index: int = -100) -> torch.Tensor:
+                                 softcap: float | None = None, ignore_index: int = -100,
+                                 fp8: bool = False) -> torch.Tensor:
     """Mean cross-entropy of ``softcap * tanh((h @ weight.T) / softcap)`` against ``targets``.
 
     Args:
@@ -163,6 +210,9 @@ def linear_softcap_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets:
         weight: ``[V, d]`` output head.
         targets: ``[...]`` token ids; ``ignore_index`` entries do not count.
         softcap: the cap, or ``None`` for plain logits.
+        fp8: compute the logits with an FP8 matmul (:func:`~lightning_opt.ops.fp8.fp8_matmul_t`, static
+            scales; GPUs of compute capability 8.9+); the two backward matmuls stay in the compute dtype.
+            Needs the row count, the width and the vocabulary to be multiples of 16.
 
     The matmuls run in the autocast dtype when autocast is on (bfloat16 in training), else in ``h``'s dtype.
     """
@@ -173,5 +223,7 @@ def linear_softcap_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets:
         raise ValueError(f"weight must be [vocab, {d}], got {tuple(weight.shape)}")
     # without autograd (evaluation) the kernel skips its gradient sweep
     need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    if fp8:
+        check_fp8_shapes(math.prod(h.shape[:-1]), d, weight.shape[0], h.device)
     return _LinearSoftcapCE.apply(h.reshape(-1, d), weight, targets.reshape(-1).contiguous(), softcap,
-                                  ignore_index, need_grad)
+                                  ignore_index, need_grad, fp8)

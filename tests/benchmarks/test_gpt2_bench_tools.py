@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from benchmarks.gpt2_record import parse_record_log, time_to_target
+from benchmarks.gpt2_record import OURS_VARIANTS, ours_spec, parse_record_log, summarize, time_to_target
 from benchmarks.peers.patch_record import SEPARATOR, patch, record_code
 
 # a stand-in for a record log: code with the four hyperparameters, the separator, then log lines
@@ -63,6 +65,32 @@ def test_time_to_target_interpolates():
     assert row["step"] == 24 and t == pytest.approx(20.0)
     assert time_to_target(curve, 3.0) == (None, None)
     assert time_to_target(curve, 6.5)[1] == 8.0
+
+
+def test_summarize_ratios_under_both_clock_rules():
+    record = {"record_train_s": 90.0, "record_train_s_adjusted": 100.0, "tokens_per_s": 400.0}
+    curve = [{"step": 8, "val_loss": 5.0, "train_s": 60.0}, {"step": 16, "val_loss": 4.0, "train_s": 80.0}]
+    ours = {"val_curve": curve, "step_ms": 500.0, "tokens_per_s": 500.0, "final_val_loss": 4.0}
+    s = summarize(record, ours, 4.5)
+    assert s["ours_time_to_target_s_interpolated"] == pytest.approx(70.0)
+    # every step counted on both sides: 70 / 100
+    assert s["time_ratio_ours_over_record"] == pytest.approx(0.7) and s["goal_le_0p75"] is True
+    # the record's own clock (first 10 steps left out) against ours without its first 10 steps: 65 / 90
+    assert s["time_ratio_both_without_first_10_steps"] == pytest.approx(65 / 90, abs=1e-4)
+    assert s["tokens_per_s_ratio_ours_over_record"] == pytest.approx(1.25)
+    assert summarize(record, {"val_curve": curve}, 3.0)["ours_reached_target"] is False
+
+
+def test_ours_spec_budget_and_micro_batch_keep_tokens_per_step():
+    args = argparse.Namespace(steps=127, ours_val_every=4, smoke=False, ours_loss_impl=None, ours_micro_batch=64)
+    accum, long, budget = OURS_VARIANTS["half-batch-85"]
+    spec = ours_spec(args, 4.3, accum, long, budget)
+    assert spec.steps == round(127 * 2 * 0.85) and spec.stop_at_loss == 4.3
+    assert spec.micro_batch * spec.accum * spec.seq_len == 262_144  # half the record's 524,288 tokens per step
+    with pytest.raises(ValueError, match="budget"):
+        ours_spec(args, 4.3, 8, False, 1.5)
+    with pytest.raises(ValueError, match="micro-batch"):
+        ours_spec(argparse.Namespace(**{**vars(args), "ours_micro_batch": 48}), 4.3, 8, False, 1.0)
 
 
 def test_parse_record_log_of_an_unfinished_run_sets_no_target():

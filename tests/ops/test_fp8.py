@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_opt.models.gpt2 import GPT, GPTConfig
-from lightning_opt.ops.fp8 import fp8_linear
+from lightning_opt.ops.fp8 import fp8_linear, fp8_matmul_t
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -109,3 +109,61 @@ def test_grad_scale_must_follow_a_mean_loss():
     # error is visible; the sum scale's is an order of magnitude worse (the gradient is wrong)
     assert errs["mean_scale"] < 0.4, errs
     assert errs["sum_scale"] > 10 * errs["mean_scale"], errs
+
+
+def test_fp8_matmul_t_matches_and_saturates_instead_of_nan():
+    torch.manual_seed(0)
+    x = torch.nn.functional.rms_norm(torch.randn(32, 64), (64,)).to(torch.bfloat16)
+    w = (0.05 * torch.randn(48, 64)).to(torch.bfloat16)
+    out = fp8_matmul_t(x, w)
+    assert out.dtype == torch.bfloat16 and out.shape == (32, 48)
+    assert _rel(out, x.float() @ w.float().t()) < 0.08
+    # an input far beyond its scale's range (a large RMSNorm gain) saturates: finite, not NaN
+    big = x * 1000
+    assert torch.isfinite(fp8_matmul_t(big, w).float()).all()
+
+
+def test_head_fp8_values_and_auto_mode():
+    with pytest.raises(ValueError, match="head_fp8.*'auto'"):
+        GPTConfig(head_fp8="yes", tie_embeddings=False)
+    with pytest.raises(ValueError, match="loss_impl 'torch' or 'fused'"):
+        GPTConfig(head_fp8=True, tie_embeddings=False, loss_impl="chunked")
+    # "auto" is off where it cannot apply instead of an error: a recipe with it can still tie its head or
+    # take another loss
+    assert not GPTConfig(head_fp8="auto", tie_embeddings=True).fp8_head_applicable
+    assert not GPTConfig(head_fp8="auto", tie_embeddings=False, loss_impl="chunked").fp8_head_applicable
+    assert GPTConfig(head_fp8="auto", tie_embeddings=False, vocab_multiple=128).fp8_head_applicable
+    cfg = dict(vocab_size=256, vocab_multiple=16, n_layer=2, n_head=2, n_embd=64, block_size=32,
+               tie_embeddings=False, norm="rmsnorm", bias=False, logit_softcap=15.0)
+    x = torch.randint(0, 256, (2, 32))
+    y = torch.roll(x, -1, dims=1)
+    for loss_impl in ("torch", "fused"):
+        torch.manual_seed(0)
+        auto = GPT(GPTConfig(**cfg, head_fp8="auto", loss_impl=loss_impl))
+        plain = GPT(GPTConfig(**cfg, loss_impl=loss_impl))
+        plain.load_state_dict(auto.state_dict())
+        # a CPU has no FP8 matmul of its own: "auto" keeps the compute dtype there, bit for bit
+        torch.testing.assert_close(auto(x, y), plain(x, y), atol=0, rtol=0)
+
+
+def test_fused_loss_with_fp8_forward_matches_bf16_path():
+    """loss_impl='fused' + head_fp8=True: FP8 logits, the loss kernel's gradient, bfloat16 backward matmuls."""
+    from lightning_opt.ops.softcap_ce import linear_softcap_cross_entropy
+
+    torch.manual_seed(0)
+    n, k, v = 64, 64, 256
+    h = torch.nn.functional.rms_norm(torch.randn(n, k), (k,)).requires_grad_()
+    w = (0.05 * torch.randn(v, k)).requires_grad_()
+    y = torch.randint(0, v, (n,))
+    with torch.autocast("cpu", torch.bfloat16):
+        got = linear_softcap_cross_entropy(h, w, y, 15.0, fp8=True)
+    got.backward()
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    z = 15.0 * torch.tanh((h2 @ w2.t()) / 15.0)
+    ref = torch.nn.functional.cross_entropy(z, y)
+    ref.backward()
+    assert abs(float(got) - float(ref)) < 0.02 * float(ref)
+    assert _rel(h.grad, h2.grad) < 0.1
+    assert _rel(w.grad, w2.grad) < 0.1
+    with pytest.raises(ValueError, match="multiples of 16"):
+        linear_softcap_cross_entropy(h[:10], w, y[:10], 15.0, fp8=True)

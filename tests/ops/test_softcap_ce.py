@@ -11,6 +11,12 @@ import torch.nn.functional as F
 
 from lightning_opt.ops import softcap_ce
 
+# Triton decides at import time whether a kernel is interpreted: the CPU interpreter tests need
+# TRITON_INTERPRET=1 set before the module was imported (on a GPU machine the kernel is compiled for CUDA
+# and these tests would hand it CPU tensors; the CUDA test below covers it there)
+INTERPRETED = getattr(softcap_ce, "_softcap_ce_kernel", None).__class__.__name__ == "InterpretedFunction"
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="needs triton with TRITON_INTERPRET=1 at import")
+
 
 def _reference(h, w, y, cap):
     z = (h @ w.t()).float()
@@ -63,14 +69,15 @@ def test_rejects_bad_input():
         softcap_ce.linear_softcap_cross_entropy(torch.randn(2, 4), torch.randn(5, 3), torch.zeros(2, dtype=torch.long))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreter mode on CPU)")
-@pytest.mark.parametrize("cap", [15.0, None])
+@needs_interpreter
+@pytest.mark.parametrize("cap", [15.0, 50.0, None])  # the cap as the row maximum (<= 30), a running max above
 def test_triton_kernel_matches_torch_path(cap, monkeypatch):
     """The kernel itself, in Triton's interpreter: per-row losses and the in-place gradient rows."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(softcap_ce, "BLOCK_V", 64)  # several sweeps per row, the last one masked
     torch.manual_seed(0)
     logits = torch.randn(6, 150) * 20
+    logits[4] = -1e4  # every capped logit at -cap: the fixed-maximum sum must not lose precision
     y = torch.randint(0, 150, (6,))
     y[2] = -100
     ref_logits = logits.clone()
@@ -89,8 +96,8 @@ def test_strided_targets_out_of_range_targets_and_no_grad(interpret, monkeypatch
     """Strided targets read right; a target outside the vocabulary gives NaN (no silent wrong loss); evaluation
     without autograd leaves the logits unwritten by the gradient sweep and gives the same loss."""
     if interpret:
-        if importlib.util.find_spec("triton") is None:
-            pytest.skip("needs triton (interpreter mode on CPU)")
+        if not INTERPRETED:
+            pytest.skip("needs triton with TRITON_INTERPRET=1 at import")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         monkeypatch.setattr(softcap_ce, "BLOCK_V", 32)
     torch.manual_seed(0)
@@ -108,3 +115,26 @@ def test_strided_targets_out_of_range_targets_and_no_grad(interpret, monkeypatch
     torch.testing.assert_close(logits, before)
     with torch.no_grad():
         torch.testing.assert_close(softcap_ce.linear_softcap_cross_entropy(h, w, y, 15.0), rows.mean())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="needs a CUDA GPU (the compiled kernel and its fast tanh)")
+@pytest.mark.parametrize("cap", [15.0, 50.0])
+def test_cuda_kernel_matches_torch_path(cap):
+    """On the GPU the training sweep uses the approximate tanh instruction: still within bfloat16 rounding of
+    the exact computation; the evaluation sweep (no gradient) is exact."""
+    torch.manual_seed(0)
+    logits = (torch.randn(512, 50304, device="cuda") * 8).to(torch.bfloat16)
+    y = torch.randint(0, 50304, (512,), device="cuda")
+    y[7] = -100
+    x = logits.float()
+    z = cap * torch.tanh(x / cap)
+    ref_loss = torch.nn.functional.cross_entropy(z, y, reduction="none", ignore_index=-100)
+    xg = x.clone().requires_grad_()
+    torch.nn.functional.cross_entropy(cap * torch.tanh(xg / cap), y, reduction="sum", ignore_index=-100).backward()
+    got = logits.clone()
+    loss = softcap_ce.softcap_ce_rows_(got, y, cap)
+    torch.testing.assert_close(loss, ref_loss, atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(got.float(), xg.grad, atol=2e-3, rtol=2e-2)
+    exact = softcap_ce.softcap_ce_rows_(logits.clone(), y, cap, write_grad=False)
+    torch.testing.assert_close(exact, ref_loss, atol=1e-4, rtol=1e-5)
