@@ -125,6 +125,8 @@ def rows(steps: int, classic_heads: int = 12) -> list[Row]:
          lambda s: replace(s, optim=replace(s.optim, muon_momentum_start=None)), "the record warms it up"),
         ("muon_unbatched", "Muon one matrix at a time (not batched by shape)",
          lambda s: replace(s, optim=replace(s.optim, muon_batched=False)), "same update, more kernel launches"),
+        ("fp8_head", "the fused loss's head forward matmul in FP8 (the recipe's head_fp8: auto on H100-class GPUs)",
+         lambda s: with_model(s, head_fp8="auto"), "on H100-class GPUs; a no-op elsewhere"),
         ("torch_ce", "fused soft-capped loss (Triton) -> torch soft-cap + cross-entropy (eager here)",
          lambda s: with_model(s, loss_impl="torch"), "the fused kernel is one pass for loss and logit gradient"),
         ("half_batch", "half the tokens per step, twice the steps (same tokens)",
@@ -196,6 +198,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dev = device()
     train_path, val_path = find_shards(args.data_dir)
     model, optim, sched, _ = load_yaml_config("gpt2-124m-speedrun")
+    # the FP8 head is a row of its own (fp8_head): every other row toggles one thing against a bf16 head
+    model = replace(model, head_fp8=False)
     base = RunSpec(model, optim, sched, steps=args.steps, micro_batch=args.micro_batch, accum=1,
                    seq_len=args.seq_len, compile=False, amp="bf16", warm=args.warm, val_every=0,
                    val_batch=args.micro_batch, val_seq_len=args.seq_len)

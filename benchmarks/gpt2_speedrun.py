@@ -93,7 +93,7 @@ def make_specs(args: argparse.Namespace) -> dict[str, RunSpec]:
         classic = with_model(classic, **small)
     # the recipe as it was before session 4 (for a same-run attribution of what changed)
     prev = with_model(speedrun, rope_base=10000.0, rope_truncate=False, logit_softcap=30.0, x0_mix=False,
-                      embed_norm=False, skip_attn_layers=(), loss_impl="torch")
+                      embed_norm=False, skip_attn_layers=(), loss_impl="torch", head_fp8=False)
     prev = replace(prev, optim=replace(prev.optim, muon_momentum_start=None, muon_momentum_warmup_steps=0,
                                        muon_split_fused=False, muon_batched=False))
     unbatched = replace(speedrun, optim=replace(speedrun.optim, muon_batched=False))

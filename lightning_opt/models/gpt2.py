@@ -167,7 +167,7 @@ class GPTConfig:
             raise bad("moe_top_k", self.moe_top_k, f"must be in [1, moe_experts={self.moe_experts}]")
         if self.loss_impl not in _LOSS_IMPLS:
             raise bad("loss_impl", self.loss_impl, f"choose one of {_LOSS_IMPLS}")
-        if self.head_fp8 not in (False, True, "auto"):
+        if not (isinstance(self.head_fp8, bool) or self.head_fp8 == "auto"):
             raise bad("head_fp8", self.head_fp8, "choose true, false or 'auto' (FP8 where the GPU supports it)")
         # True insists; "auto" is off wherever it cannot apply (a tied head, another loss, odd sizes)
         if self.head_fp8 is True and (self.tie_embeddings or self.loss_impl not in ("torch", "fused")):
@@ -513,8 +513,8 @@ class GPT(nn.Module):
                 skips.append(x)
         h = self.ln_f(x)
 
-        if targets is None:
-            return self._logits(h)[..., : cfg.vocab_size]
+        if targets is None:  # logits for the caller: never FP8 (its gradient scale assumes a mean loss)
+            return self._logits(h, fp8=False)[..., : cfg.vocab_size]
         loss = self._loss(h, targets)
         if not self.training:  # evaluation reports the plain next-token loss, comparable across options
             return loss
@@ -534,9 +534,9 @@ class GPT(nn.Module):
             return True
         return (cfg.fp8_head_applicable and h.is_cuda and fp8_supported(h.device))
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def _logits(self, h: torch.Tensor, fp8: bool) -> torch.Tensor:
         rows = math.prod(h.shape[:-1])
-        if self._head_fp8(h):
+        if fp8:
             # the gradient of a mean cross-entropy over `rows` tokens is at most 1/rows per logit: scale
             # e5m2 for that, or most of the gradient would underflow to zero
             logits = fp8_linear(h, self.lm_head.weight, grad_scale=1.0 / (448.0 * rows))
@@ -555,7 +555,7 @@ class GPT(nn.Module):
         if cfg.loss_impl != "torch":
             return linear_cross_entropy(h, self.lm_head.weight, targets, cfg.logit_softcap, cfg.loss_chunk_size,
                                         fp8=cfg.loss_impl == "chunked_fp8")
-        logits = self._logits(h)
+        logits = self._logits(h, fp8=self._head_fp8(h))
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 
     # ----------------------------------------------------------------------------------------------

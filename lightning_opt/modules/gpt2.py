@@ -16,6 +16,9 @@ from lightning_opt.optim.schedules import ScheduleConfig
 
 register_safe_globals(GPTConfig)
 
+# GPTConfig fields that change how a model is computed, not what its weights are: a checkpoint may be resumed
+# with other values of these (say, a checkpoint from before the recipe set head_fp8: auto)
+EXECUTION_ONLY_FIELDS = frozenset({"loss_impl", "loss_chunk_size", "head_fp8", "grad_checkpoint", "attn_backend"})
 
 class GPT2SpeedrunModule(TrainingModule):
     """Train a :class:`~lightning_opt.models.gpt2.GPT` on ``(x, y)`` token batches.
@@ -78,7 +81,10 @@ class GPT2SpeedrunModule(TrainingModule):
             )
         if theirs is not None and theirs != self.model_config:
             a, b = self.model_config.to_dict(), theirs.to_dict() if hasattr(theirs, "to_dict") else dict(theirs)
-            diffs = {k: (b.get(k), a[k]) for k in a if a[k] != b.get(k)}
+            # how the same model is computed (loss kernel, FP8 head, attention kernel, recomputation) may change
+            # between runs; what the weights mean may not
+            diffs = {k: (b.get(k), a[k]) for k in a if a[k] != b.get(k) and k not in EXECUTION_ONLY_FIELDS}
+        if theirs is not None and theirs != self.model_config and diffs:
             raise ValueError(
                 "checkpoint comes from another model: (checkpoint, this run) differ in "
                 + ", ".join(f"{k}={v[0]!r} vs {v[1]!r}" for k, v in diffs.items())

@@ -12,8 +12,11 @@ factor applied to their small outputs instead of the big gradient.
 The kernel is bound by its special-function instructions (``exp``, ``tanh``, reciprocals), so it spends
 few: with a cap up to ``FIXED_MAX_CAP`` no capped logit exceeds the cap, which then serves as the row
 maximum (one ``exp`` per logit, no running maximum); and the training sweep takes ``tanh`` from the GPU's
-``tanh.approx.f32`` (relative error below 2^-10, under the bfloat16 rounding of the logits themselves).
-Evaluation (no gradient) keeps the exact formula. With ``fp8=True`` the logits come from an FP8 matmul.
+``tanh.approx.f32``: its relative error (about 2^-11) keeps a capped logit within about 1e-2 at cap 15,
+below the bfloat16 rounding of a logit that size, while the cap's derivative ``1 - tanh^2`` is off by up to
+about 1e-3 absolute - a few percent of it only for logits beyond twice the cap, where the gradient through
+the cap is small anyway. Evaluation (no gradient) keeps the exact formula. With ``fp8=True`` the logits come
+from an FP8 matmul.
 
 The kernel runs on CUDA (or anywhere under ``TRITON_INTERPRET=1``); elsewhere the same function computes
 the same thing with torch ops. The call is kept out of ``torch.compile`` graphs (a graph break at the
@@ -23,7 +26,6 @@ loss): the compiled model produces the final hidden states, this function does t
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -51,8 +53,8 @@ if triton is not None:
     @triton.jit
     def _capped(x, cap, FAST_TANH: tl.constexpr):
         # cap * tanh(x / cap) and tanh(x / cap). FAST_TANH: the GPU's one-instruction tanh (relative error
-        # below 2^-10, under a bfloat16 logit's own rounding); else tanh(u) = 1 - 2 / (exp(2u) + 1), which
-        # has the exact limits +-1 for large |u|
+        # about 2^-11; see the module docstring for what that means for the loss and its gradient); else
+        # tanh(u) = 1 - 2 / (exp(2u) + 1), which has the exact limits +-1 for large |u|
         if FAST_TANH:
             th = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x / cap], dtype=tl.float32,
                                            is_pure=True, pack=1)
@@ -123,15 +125,20 @@ if triton is not None:
                 tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
 
 
-def fast_tanh_available() -> bool:
-    """The training sweep uses the GPU's approximate tanh instruction (PTX ``tanh.approx.f32``); the CPU
-    interpreter (``TRITON_INTERPRET=1``) cannot run inline PTX. Evaluation (no gradient) always takes the
-    exact formula, so reported validation losses do not depend on it."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
+def fast_tanh_available(x: torch.Tensor) -> bool:
+    """Whether the training sweep on ``x`` may use the approximate tanh instruction (PTX ``tanh.approx.f32``,
+    NVIDIA GPUs of compute capability 7.5+): not in Triton's interpreter (decided when the kernel was
+    defined, ``TRITON_INTERPRET``), which cannot run inline PTX, nor on ROCm. Evaluation (no gradient)
+    always takes the exact formula, so reported validation losses do not depend on it."""
+    if triton is None or not x.is_cuda or torch.version.hip is not None:
+        return False
+    if type(_softcap_ce_kernel).__name__ == "InterpretedFunction":
+        return False
+    return torch.cuda.get_device_capability(x.device) >= (7, 5)
 
 
 # a cap up to this uses itself as the row maximum: exp(z - cap) >= exp(-2 * cap) stays a normal float32
-# (>= 1e-26 for 30), so the sum keeps its precision even when every logit sits at -cap
+# (about 9e-27 for 30), so the sum keeps its precision even when every logit sits at -cap
 FIXED_MAX_CAP = 30.0
 
 
@@ -148,7 +155,7 @@ def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | N
     if kernel_available(logits):
         _softcap_ce_kernel[(n,)](logits, targets, loss, v, logits.stride(0), float(cap or 1.0), ignore_index,
                                  HAS_CAP=cap is not None, FIXED_MAX=cap is not None and cap <= FIXED_MAX_CAP,
-                                 FAST_TANH=write_grad and fast_tanh_available(), WRITE_GRAD=write_grad,
+                                 FAST_TANH=write_grad and fast_tanh_available(logits), WRITE_GRAD=write_grad,
                                  BLOCK=BLOCK_V, num_warps=NUM_WARPS)
         return loss
     # torch reference of the same computation (CPU, or no Triton)

@@ -77,6 +77,10 @@ def test_summarize_ratios_under_both_clock_rules():
     assert s["time_ratio_ours_over_record"] == pytest.approx(0.7) and s["goal_le_0p75"] is True
     # the record's own clock (first 10 steps left out) against ours without its first 10 steps: 65 / 90
     assert s["time_ratio_both_without_first_10_steps"] == pytest.approx(65 / 90, abs=1e-4)
+    # a half-batch variant: the record's first 10 steps of tokens are 20 of ours: (70 - 10) / 90
+    half = summarize(record, {**ours, "variant": {"accum": 8}}, 4.5)
+    assert half["time_ratio_both_without_first_10_record_steps_of_tokens"] == pytest.approx(60 / 90, abs=1e-4)
+    assert s["time_ratio_both_without_first_10_record_steps_of_tokens"] == pytest.approx(65 / 90, abs=1e-4)
     assert s["tokens_per_s_ratio_ours_over_record"] == pytest.approx(1.25)
     assert summarize(record, {"val_curve": curve}, 3.0)["ours_reached_target"] is False
 

@@ -84,6 +84,24 @@ def test_checkpoint_from_other_model_is_rejected(tmp_path):
         trainer2.fit(other, _loader(), ckpt_path=ckpt)
 
 
+def test_checkpoint_resumes_with_other_execution_options(tmp_path):
+    """How the model is computed (FP8 head, recomputation, loss kernel) may change on resume; a checkpoint
+    from before a recipe turned head_fp8 to 'auto' still loads."""
+    from dataclasses import replace
+
+    module = GPT2SpeedrunModule(CFG)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False)
+    trainer.fit(module, _loader())
+    ckpt = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(ckpt)
+    again = GPT2SpeedrunModule(replace(CFG, head_fp8="auto", grad_checkpoint=True, loss_chunk_size=7))
+    trainer2 = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False)
+    trainer2.fit(again, _loader(), ckpt_path=ckpt)
+    assert trainer2.global_step == 2 and again.model_config.head_fp8 == "auto"
+
+
 def test_number_logs_only_on_logger_steps(tmp_path):
     """tokens_seen / lr are Python numbers (a device copy per self.log): logged only when the logger writes."""
     calls: list[int] = []

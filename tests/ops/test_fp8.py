@@ -126,6 +126,8 @@ def test_fp8_matmul_t_matches_and_saturates_instead_of_nan():
 def test_head_fp8_values_and_auto_mode():
     with pytest.raises(ValueError, match="head_fp8.*'auto'"):
         GPTConfig(head_fp8="yes", tie_embeddings=False)
+    with pytest.raises(ValueError, match="head_fp8.*'auto'"):
+        GPTConfig(head_fp8=1, tie_embeddings=False, vocab_multiple=128)  # not silently read as "auto"
     with pytest.raises(ValueError, match="loss_impl 'torch' or 'fused'"):
         GPTConfig(head_fp8=True, tie_embeddings=False, loss_impl="chunked")
     # "auto" is off where it cannot apply instead of an error: a recipe with it can still tie its head or
@@ -167,3 +169,16 @@ def test_fused_loss_with_fp8_forward_matches_bf16_path():
     assert _rel(w.grad, w2.grad) < 0.1
     with pytest.raises(ValueError, match="multiples of 16"):
         linear_softcap_cross_entropy(h[:10], w, y[:10], 15.0, fp8=True)
+
+
+def test_logits_for_the_caller_never_use_fp8():
+    """model(idx) in training mode returns logits in the compute dtype: the FP8 head's gradient scale is set
+    for a mean loss over the batch, which a caller's own use of the logits need not be."""
+    cfg = dict(vocab_size=256, vocab_multiple=16, n_layer=2, n_head=2, n_embd=64, block_size=32,
+               tie_embeddings=False, norm="rmsnorm", bias=False)
+    torch.manual_seed(0)
+    fp8 = GPT(GPTConfig(**cfg, head_fp8=True)).train()
+    plain = GPT(GPTConfig(**cfg)).train()
+    plain.load_state_dict(fp8.state_dict())
+    x = torch.randint(0, 256, (2, 32))
+    torch.testing.assert_close(fp8(x), plain(x), atol=0, rtol=0)

@@ -22,14 +22,22 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 from lightning_opt.ops import _sparse_decode_triton as D  # noqa: E402
 from lightning_opt.ops import _topk_triton as T  # noqa: E402
+from lightning_opt.ops import softcap_ce as S  # noqa: E402
 
-_MODULES = (T, D)
+_MODULES = (T, D, S)
 # kernels launched by a wrapper (the others are @triton.jit helpers they call)
 _KERNELS = {
     "_count_ge_kernel", "_compact_ordered_kernel",
     "_forward_kernel", "_grad_values_kernel", "_grad_weight_kernel",
+    "_softcap_ce_kernel",
 }
-_HELPERS = {"_block", "_per_row", "_key16"}
+_HELPERS = {"_block", "_per_row", "_key16", "_capped"}
+_CONSTEXPRS = {"BLOCK", "BLOCK_IN_ONE_ROW", "CAPPED", "BLOCK_D", "BLOCK_E", "HAS_CAP", "FIXED_MAX", "FAST_TANH",
+               "WRITE_GRAD"}
+
+
+def _module_of(name: str):
+    return next(m for m in _MODULES if isinstance(getattr(m, name, None), JITFunction))
 
 
 def _selection_cases():
@@ -68,11 +76,23 @@ def _decode_cases():
                                    "stride_g": "i64"}, meta, 4)
 
 
+def _softcap_cases():
+    # training (gradient written, fast tanh on the GPU) and evaluation sweeps, the cap as the row maximum or a
+    # running maximum, no cap; bf16 logits (autocast) and fp32; int64 targets (torch's default)
+    for dt in ("bf16", "fp32"):
+        for has_cap, fixed, fast, grad in ((True, True, True, True), (True, True, False, False),
+                                           (True, False, True, True), (False, False, False, True)):
+            yield ("_softcap_ce_kernel", {"logits_ptr": f"*{dt}", "targets_ptr": "*i64", "loss_ptr": "*fp32",
+                                          "V": "i32", "stride": "i32", "cap": "fp32", "ignore_index": "i32"},
+                   {"HAS_CAP": has_cap, "FIXED_MAX": fixed, "FAST_TANH": fast, "WRITE_GRAD": grad,
+                    "BLOCK": S.BLOCK_V}, S.NUM_WARPS)
+
+
 def _all_cases():
     # (kernel, signature, constexprs, num_warps, aligned); aligned: every pointer 16-byte aligned and every int
     # a multiple of 16, as Triton specialises a real launch at CLT shapes (tt.divisibility hints change codegen)
     seen = set()
-    for name, sig, consts, warps in (*_selection_cases(), *_decode_cases()):
+    for name, sig, consts, warps in (*_selection_cases(), *_decode_cases(), *_softcap_cases()):
         yield name, sig, consts, warps, False
         if name not in seen:
             seen.add(name)
@@ -90,7 +110,7 @@ def _case_id(case) -> str:
 
 
 def _compile(name: str, sig: dict[str, str], consts: dict[str, object], warps: int, aligned: bool):
-    module = T if hasattr(T, name) else D
+    module = _module_of(name)
     full = {**sig, **dict.fromkeys(consts, "constexpr")}
     names = list(full)
     constexprs = {(names.index(k),): v for k, v in consts.items()}
@@ -105,9 +125,7 @@ def test_every_kernel_of_the_package_is_covered():
     assert not missing, f"new Triton kernels {sorted(missing)}: add their signatures to this test"
     assert {case[0] for case in _CASES} == _KERNELS
     for name, sig, *_ in _CASES:  # signatures name every runtime argument, in order
-        module = T if hasattr(T, name) else D
-        params = [p for p in getattr(module, name).arg_names if p not in ("BLOCK", "BLOCK_IN_ONE_ROW", "CAPPED", "BLOCK_D",
-                                                                          "BLOCK_E")]
+        params = [p for p in getattr(_module_of(name), name).arg_names if p not in _CONSTEXPRS]
         assert list(sig) == params, name
 
 
