@@ -70,18 +70,24 @@ def test_checkpoint_resume_restores_optimizer_and_tokens(tmp_path):
     assert module2.tokens_seen == 6 * 8 * 16
 
 
-def test_checkpoint_from_other_model_is_rejected(tmp_path):
-    module = GPT2SpeedrunModule(CFG)
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False)
-    trainer.fit(module, _loader())
+def _trainer(tmp_path, steps: int) -> L.Trainer:
+    return L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False)
+
+
+def _one_step_checkpoint(tmp_path):
+    trainer = _trainer(tmp_path, 1)
+    trainer.fit(GPT2SpeedrunModule(CFG), _loader())
     ckpt = tmp_path / "a.ckpt"
     trainer.save_checkpoint(ckpt)
+    return ckpt
+
+
+def test_checkpoint_from_other_model_is_rejected(tmp_path):
+    ckpt = _one_step_checkpoint(tmp_path)
     other = GPT2SpeedrunModule(GPTConfig(vocab_size=32, n_layer=3, n_head=2, n_embd=32, block_size=16))
-    trainer2 = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False)
     with pytest.raises(ValueError, match=r"another model: .*n_layer=2 vs 3"):
-        trainer2.fit(other, _loader(), ckpt_path=ckpt)
+        _trainer(tmp_path, 2).fit(other, _loader(), ckpt_path=ckpt)
 
 
 def test_checkpoint_resumes_with_other_execution_options(tmp_path):
@@ -89,15 +95,9 @@ def test_checkpoint_resumes_with_other_execution_options(tmp_path):
     from before a recipe turned head_fp8 to 'auto' still loads."""
     from dataclasses import replace
 
-    module = GPT2SpeedrunModule(CFG)
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False)
-    trainer.fit(module, _loader())
-    ckpt = tmp_path / "a.ckpt"
-    trainer.save_checkpoint(ckpt)
+    ckpt = _one_step_checkpoint(tmp_path)
     again = GPT2SpeedrunModule(replace(CFG, head_fp8="auto", grad_checkpoint=True, loss_chunk_size=7))
-    trainer2 = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False)
+    trainer2 = _trainer(tmp_path, 2)
     trainer2.fit(again, _loader(), ckpt_path=ckpt)
     assert trainer2.global_step == 2 and again.model_config.head_fp8 == "auto"
 
