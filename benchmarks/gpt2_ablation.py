@@ -127,6 +127,8 @@ def rows(steps: int, classic_heads: int = 12) -> list[Row]:
          lambda s: replace(s, optim=replace(s.optim, muon_batched=False)), "same update, more kernel launches"),
         ("fp8_head", "the fused loss's head forward matmul in FP8 (the recipe's head_fp8: auto on H100-class GPUs)",
          lambda s: with_model(s, head_fp8="auto"), "on H100-class GPUs; a no-op elsewhere"),
+        ("fp8_mlp", "both MLP matmuls in FP8 with static scales (mlp_fp8: auto)",
+         lambda s: with_model(s, mlp_fp8="auto"), "on H100-class GPUs, if its row shows no loss penalty"),
         ("torch_ce", "fused soft-capped loss (Triton) -> torch soft-cap + cross-entropy (eager here)",
          lambda s: with_model(s, loss_impl="torch"), "the fused kernel is one pass for loss and logit gradient"),
         ("half_batch", "half the tokens per step, twice the steps (same tokens)",

@@ -168,6 +168,16 @@ OURS_VARIANTS = {
 }
 
 
+def parse_model_override(item: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` for one ``GPTConfig`` field; the value is read as YAML (``true``, ``auto``, ``15.0``)."""
+    import yaml
+
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--ours-model {item!r}: expected KEY=VALUE, e.g. mlp_fp8=auto")
+    return key.strip(), yaml.safe_load(value)
+
+
 def ours_spec(args: argparse.Namespace, target: float | None, accum: int, long: bool, budget: float = 1.0) -> RunSpec:
     """Our run for ``budget`` times the record's token budget: ``accum`` micro-batches of 32 x 1024 per step
     (or the same tokens in 65,536-token sequences with ``long``)."""
@@ -203,6 +213,9 @@ def ours_spec(args: argparse.Namespace, target: float | None, accum: int, long: 
                           eot_token=50256 % spec.model.vocab_size)  # smoke vocabularies are tokens mod 512
     if args.ours_loss_impl:
         spec = with_model(spec, loss_impl=args.ours_loss_impl)
+    for item in getattr(args, "ours_model", None) or []:
+        key, value = parse_model_override(item)
+        spec = with_model(spec, **{key: value})
     return spec
 
 
@@ -230,6 +243,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--ours-loss-impl", default=None, choices=["torch", "chunked", "chunked_fp8", "fused"],
                    help="override the config's loss_impl for our run (the recipe's head_fp8: auto then applies as "
                         "it does for that loss: all three head matmuls in FP8 with 'torch', none with 'chunked')")
+    p.add_argument("--ours-model", action="append", default=None, metavar="KEY=VALUE",
+                   help="override one GPTConfig field of our run (repeatable), e.g. mlp_fp8=auto")
     p.add_argument("--target", type=float, default=None, help="use this target (skips the record run)")
     p.add_argument("--ours", action="append", choices=sorted(OURS_VARIANTS), default=None,
                    help="run this variant of ours after the record (repeat for several, each until the target "

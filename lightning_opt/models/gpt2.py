@@ -83,6 +83,12 @@ class GPTConfig:
             other devices, and it needs an untied head and one of those two losses); ``"auto"`` uses FP8
             where the GPU has it and the model allows it, the compute dtype elsewhere (CPUs only emulate
             FP8, slowly). Evaluation and ``model(idx)`` keep the autocast dtype.
+        mlp_fp8: in training, run both MLP matmuls (forward and backward) in FP8 with static scales
+            (:func:`~lightning_opt.ops.fp8.fp8_linear`): the input of ``c_fc`` is RMS/layer-normalised
+            (scale ``sqrt(n_embd) / 448``), the input of ``c_proj`` is the activation (scale 1: values up to
+            448, larger ones saturate), output gradients are scaled for a mean loss over the rows. ``True``
+            insists, ``"auto"`` uses FP8 where the GPU has it. Widths must be multiples of 16.
+            Not yet measured on a GPU: an option to measure, off in the recipes.
     """
 
     vocab_size: int = 50257
@@ -124,6 +130,7 @@ class GPTConfig:
     loss_chunk_size: int = 4096
     grad_checkpoint: bool = False
     head_fp8: bool | str = False
+    mlp_fp8: bool | str = False
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, want: str) -> ValueError:
@@ -167,8 +174,15 @@ class GPTConfig:
             raise bad("moe_top_k", self.moe_top_k, f"must be in [1, moe_experts={self.moe_experts}]")
         if self.loss_impl not in _LOSS_IMPLS:
             raise bad("loss_impl", self.loss_impl, f"choose one of {_LOSS_IMPLS}")
-        if not (isinstance(self.head_fp8, bool) or self.head_fp8 == "auto"):
-            raise bad("head_fp8", self.head_fp8, "choose true, false or 'auto' (FP8 where the GPU supports it)")
+        for name in ("head_fp8", "mlp_fp8"):
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or value == "auto"):
+                raise bad(name, value, "choose true, false or 'auto' (FP8 where the GPU supports it)")
+        if self.mlp_fp8 and (self.n_embd % 16 or int(self.mlp_ratio * self.n_embd) % 16):
+            raise bad("mlp_fp8", self.mlp_fp8, f"needs n_embd ({self.n_embd}) and the MLP width "
+                      f"({int(self.mlp_ratio * self.n_embd)}) divisible by 16")
+        if self.mlp_fp8 and self.mlp == "swiglu":
+            raise bad("mlp_fp8", self.mlp_fp8, "is for the gelu and relu2 MLPs (not swiglu)")
         # True insists; "auto" is off wherever it cannot apply (a tied head, another loss, odd sizes)
         if self.head_fp8 is True and (self.tie_embeddings or self.loss_impl not in ("torch", "fused")):
             raise bad("head_fp8", self.head_fp8, "needs tie_embeddings=False and loss_impl 'torch' or 'fused'")
@@ -302,6 +316,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.kind = cfg.mlp
+        self.fp8 = cfg.mlp_fp8
+        self.in_scale = math.sqrt(cfg.n_embd) / 448.0  # a normalised row cannot exceed sqrt(width) (unit gain)
         hidden = int(cfg.mlp_ratio * cfg.n_embd)
         if cfg.mlp == "swiglu":
             hidden = int(2 * hidden / 3)
@@ -310,8 +326,21 @@ class MLP(nn.Module):
             self.c_fc = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
         self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
 
+    def _fp8_on(self, x: torch.Tensor) -> bool:
+        if not self.fp8 or not self.training or math.prod(x.shape[:-1]) % 16:
+            return False
+        return self.fp8 is True or (x.is_cuda and fp8_supported(x.device))
+
+    @staticmethod
+    def _fp8(lin: nn.Linear, x: torch.Tensor, x_scale: float) -> torch.Tensor:
+        rows = math.prod(x.shape[:-1])
+        # output gradients of a mean loss over `rows` tokens are small: scale e5m2 for that (see fp8.py)
+        y = fp8_linear(x, lin.weight, x_scale=x_scale, grad_scale=1.0 / (448.0 * rows))
+        return y if lin.bias is None else y + lin.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.c_fc(x)
+        fp8 = self._fp8_on(x)
+        h = self._fp8(self.c_fc, x, self.in_scale) if fp8 else self.c_fc(x)
         if self.kind == "gelu":
             h = F.gelu(h, approximate="tanh")
         elif self.kind == "relu2":
@@ -319,7 +348,7 @@ class MLP(nn.Module):
         else:
             a, g = h.chunk(2, dim=-1)
             h = F.silu(g) * a
-        return self.c_proj(h)
+        return self._fp8(self.c_proj, h, 1.0) if fp8 else self.c_proj(h)
 
 
 class MoE(nn.Module):

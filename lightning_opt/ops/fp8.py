@@ -6,7 +6,8 @@ FP32 accumulation and returned in bfloat16. Backward: the output gradient is cas
 
 Static scales cost nothing at run time (no amax reduction, no host sync) but must bound the values:
 ``e4m3fn`` holds magnitudes up to 448 and has no infinity, so a value above ``448 * scale`` would turn
-into NaN. The defaults fit the output head of a pre-norm transformer: the head's input is RMS-normalised,
+into NaN; the casts clamp first, so such a value saturates instead (a scale that is too small costs accuracy,
+never a broken run). The defaults fit the output head of a pre-norm transformer: the head's input is RMS-normalised,
 so no entry exceeds ``sqrt(width)`` (``x_scale = sqrt(width) / 448`` cannot overflow); head weights stay
 far below 24 (``w_scale = 24 / 448``). The output gradient's scale must follow the loss's reduction:
 the gradient of a cross-entropy *summed* over tokens is below 1 per logit (``grad_scale = 1 / 448``,
@@ -44,8 +45,9 @@ class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, x_scale, w_scale, grad_scale):  # type: ignore[override]
         xs, ws = _scale(x, x_scale), _scale(x, w_scale)
-        x8 = (x / xs).to(_E4M3)
-        w8 = (w / ws).to(_E4M3)
+        # saturate: e4m3fn has no infinity, an out-of-range cast would be NaN
+        x8 = (x / xs).clamp(-448.0, 448.0).to(_E4M3)
+        w8 = (w / ws).clamp(-448.0, 448.0).to(_E4M3)
         # _scaled_mm: first operand row-major, second column-major (w8.t() of a row-major w8 is)
         out = torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16, use_fast_accum=True)
         ctx.save_for_backward(x8, w8)
@@ -58,7 +60,7 @@ class _FP8Linear(torch.autograd.Function):
         x8, w8 = ctx.saved_tensors
         x_scale, w_scale, grad_scale = ctx.scales
         xs, ws, gs = _scale(x8, x_scale), _scale(x8, w_scale), _scale(x8, grad_scale)
-        g8 = (grad_out / gs).to(_E5M2)
+        g8 = (grad_out / gs).clamp(-57344.0, 57344.0).to(_E5M2)
         # grad_x [N, K] = g [N, M] @ w [M, K]; w8 must be column-major as the second operand
         grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16)
         # grad_w^T [K, M] = x^T [K, N] @ g [N, M]

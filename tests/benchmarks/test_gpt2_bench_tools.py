@@ -6,7 +6,14 @@ import argparse
 
 import pytest
 
-from benchmarks.gpt2_record import OURS_VARIANTS, ours_spec, parse_record_log, summarize, time_to_target
+from benchmarks.gpt2_record import (
+    OURS_VARIANTS,
+    ours_spec,
+    parse_model_override,
+    parse_record_log,
+    summarize,
+    time_to_target,
+)
 from benchmarks.peers.patch_record import SEPARATOR, patch, record_code
 
 # a stand-in for a record log: code with the four hyperparameters, the separator, then log lines
@@ -95,6 +102,15 @@ def test_ours_spec_budget_and_micro_batch_keep_tokens_per_step():
         ours_spec(args, 4.3, 8, False, 1.5)
     with pytest.raises(ValueError, match="micro-batch"):
         ours_spec(argparse.Namespace(**{**vars(args), "ours_micro_batch": 48}), 4.3, 8, False, 1.0)
+    # GPTConfig overrides read as YAML values, validated by GPTConfig
+    assert parse_model_override("mlp_fp8=auto") == ("mlp_fp8", "auto")
+    assert parse_model_override("logit_softcap=30") == ("logit_softcap", 30)
+    spec = ours_spec(argparse.Namespace(**{**vars(args), "ours_model": ["mlp_fp8=true"]}), 4.3, 8, False, 1.0)
+    assert spec.model.mlp_fp8 is True
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_model_override("mlp_fp8")
+    with pytest.raises(ValueError, match="mlp_fp8"):
+        ours_spec(argparse.Namespace(**{**vars(args), "ours_model": ["mlp_fp8=maybe"]}), 4.3, 8, False, 1.0)
 
 
 def test_parse_record_log_of_an_unfinished_run_sets_no_target():

@@ -182,3 +182,70 @@ def test_logits_for_the_caller_never_use_fp8():
     plain.load_state_dict(fp8.state_dict())
     x = torch.randint(0, 256, (2, 32))
     torch.testing.assert_close(fp8(x), plain(x), atol=0, rtol=0)
+
+
+def test_mlp_fp8_matches_the_float_mlp_and_trains():
+    """mlp_fp8: both MLP matmuls in FP8 (CPU: torch emulates _scaled_mm); evaluation stays in full precision."""
+    with pytest.raises(ValueError, match="mlp_fp8"):
+        GPTConfig(mlp_fp8="on")
+    with pytest.raises(ValueError, match="divisible by 16"):
+        GPTConfig(n_embd=40, n_head=2, mlp_fp8=True)
+    cfg = dict(vocab_size=256, vocab_multiple=16, n_layer=2, n_head=2, n_embd=64, block_size=32,
+               tie_embeddings=False, norm="rmsnorm", bias=False, mlp="relu2")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**cfg, mlp_fp8=True))
+    ref = GPT(GPTConfig(**cfg))
+    ref.load_state_dict(model.state_dict())
+    x = torch.randint(0, 256, (4, 32))
+    y = torch.roll(x, -1, dims=1)
+    mlp, ref_mlp = model.blocks[0].mlp, ref.blocks[0].mlp
+    h = torch.nn.functional.rms_norm(torch.randn(4, 32, 64), (64,)).requires_grad_()
+    h2 = h.detach().clone().requires_grad_()
+    out, want = mlp(h), ref_mlp(h2)
+    assert _rel(out, want) < 0.1
+    g = torch.randn_like(want) / want.numel() * 64  # a mean loss's gradient size
+    out.backward(g.to(out.dtype))
+    want.backward(g)
+    assert _rel(h.grad, h2.grad) < 0.2
+    assert _rel(mlp.c_fc.weight.grad, ref_mlp.c_fc.weight.grad) < 0.2
+    model.eval()
+    ref.eval()
+    torch.testing.assert_close(model(x, y), ref(x, y), atol=0, rtol=0)  # evaluation: no FP8
+    model.train()
+    auto = GPT(GPTConfig(**cfg, mlp_fp8="auto")).train()
+    auto.load_state_dict(ref.state_dict())
+    torch.testing.assert_close(auto(x, y), ref.train()(x, y), atol=0, rtol=0)  # "auto" on a CPU: no FP8
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(25):
+        loss = model(x, y)
+        assert torch.isfinite(loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU with FP8 matmuls (compute capability 8.9+)")
+def test_fp8_head_and_mlp_compile_and_train_on_gpu():
+    """The speedrun architecture with both FP8 options under torch.compile: finite, decreasing loss."""
+    cfg = GPTConfig(vocab_size=512, vocab_multiple=128, n_layer=2, n_head=2, n_embd=128, block_size=64,
+                    tie_embeddings=False, norm="rmsnorm", bias=False, mlp="relu2", logit_softcap=15.0,
+                    loss_impl="fused", head_fp8=True, mlp_fp8=True)
+    torch.manual_seed(0)
+    model = GPT(cfg).cuda().train()
+    step = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x = torch.randint(0, 512, (8, 64), device="cuda")
+    y = torch.roll(x, -1, dims=1)
+    losses = []
+    for _ in range(30):
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = step(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0] - 1.0
