@@ -60,31 +60,44 @@ def test_config_validation():
         GPTConfig(vocab_size=50257, vocab_multiple=1, head_fp8=True, tie_embeddings=False)
 
 
-def test_gpt_with_fp8_head_trains_and_evaluates_in_full_precision():
-    cfg = dict(vocab_size=256, vocab_multiple=16, n_layer=2, n_head=2, n_embd=64, block_size=32,
-               tie_embeddings=False, norm="rmsnorm", bias=False)
+SMALL = dict(vocab_size=256, vocab_multiple=16, n_layer=2, n_head=2, n_embd=64, block_size=32,
+             tie_embeddings=False, norm="rmsnorm", bias=False)
+
+
+def _pair(**option):
+    """A small GPT with an FP8 option, its twin without, the same weights, and a batch."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**cfg, head_fp8=True))
-    ref = GPT(GPTConfig(**cfg))
+    model = GPT(GPTConfig(**SMALL, **option))
+    ref = GPT(GPTConfig(**SMALL))
     ref.load_state_dict(model.state_dict())
     x = torch.randint(0, 256, (4, 32))
-    y = torch.roll(x, -1, dims=1)
+    return model, ref, x, torch.roll(x, -1, dims=1)
+
+
+def _assert_trains(model, x, y, steps, check=lambda m: True):
+    """AdamW steps on one batch: every loss finite, every gradient passing ``check``, the loss down by 1."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        loss = model(x, y)
+        assert torch.isfinite(loss)
+        loss.backward()
+        assert check(model)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0
+
+
+def test_gpt_with_fp8_head_trains_and_evaluates_in_full_precision():
+    model, ref, x, y = _pair(head_fp8=True)
     model.eval()
     ref.eval()
     # evaluation keeps the full-precision head: identical to the model without the option
     torch.testing.assert_close(model(x, y), ref(x, y))
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(30):
-        loss = model(x, y)
-        assert torch.isfinite(loss)
-        loss.backward()
-        assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 1.0
+    _assert_trains(model, x, y, 30, check=lambda m: m.lm_head.weight.grad is not None
+                   and m.lm_head.weight.grad.abs().sum() > 0)
 
 
 def test_grad_scale_must_follow_a_mean_loss():
@@ -190,14 +203,7 @@ def test_mlp_fp8_matches_the_float_mlp_and_trains():
         GPTConfig(mlp_fp8="on")
     with pytest.raises(ValueError, match="divisible by 16"):
         GPTConfig(n_embd=40, n_head=2, mlp_fp8=True)
-    cfg = dict(vocab_size=256, vocab_multiple=16, n_layer=2, n_head=2, n_embd=64, block_size=32,
-               tie_embeddings=False, norm="rmsnorm", bias=False, mlp="relu2")
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**cfg, mlp_fp8=True))
-    ref = GPT(GPTConfig(**cfg))
-    ref.load_state_dict(model.state_dict())
-    x = torch.randint(0, 256, (4, 32))
-    y = torch.roll(x, -1, dims=1)
+    model, ref, x, y = _pair(mlp_fp8=True)  # the GELU MLP of the small config
     mlp, ref_mlp = model.blocks[0].mlp, ref.blocks[0].mlp
     h = torch.nn.functional.rms_norm(torch.randn(4, 32, 64), (64,)).requires_grad_()
     h2 = h.detach().clone().requires_grad_()
@@ -212,19 +218,10 @@ def test_mlp_fp8_matches_the_float_mlp_and_trains():
     ref.eval()
     torch.testing.assert_close(model(x, y), ref(x, y), atol=0, rtol=0)  # evaluation: no FP8
     model.train()
-    auto = GPT(GPTConfig(**cfg, mlp_fp8="auto")).train()
+    auto = GPT(GPTConfig(**SMALL, mlp_fp8="auto")).train()
     auto.load_state_dict(ref.state_dict())
     torch.testing.assert_close(auto(x, y), ref.train()(x, y), atol=0, rtol=0)  # "auto" on a CPU: no FP8
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(25):
-        loss = model(x, y)
-        assert torch.isfinite(loss)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 1.0
+    _assert_trains(model, x, y, 25)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
