@@ -18,7 +18,9 @@ register_safe_globals(GPTConfig)
 
 # GPTConfig fields that change how a model is computed, not what its weights are: a checkpoint may be resumed
 # with other values of these (say, a checkpoint from before the recipe set head_fp8: auto)
-EXECUTION_ONLY_FIELDS = frozenset({"loss_impl", "loss_chunk_size", "head_fp8", "grad_checkpoint", "attn_backend"})
+EXECUTION_ONLY_FIELDS = frozenset({"loss_impl", "loss_chunk_size", "head_fp8", "mlp_fp8", "grad_checkpoint",
+                                   "attn_backend"})
+
 
 class GPT2SpeedrunModule(TrainingModule):
     """Train a :class:`~lightning_opt.models.gpt2.GPT` on ``(x, y)`` token batches.
