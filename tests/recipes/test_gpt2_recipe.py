@@ -58,18 +58,35 @@ def test_full_size_configs_parse_and_run_shrunk(name, tmp_path, monkeypatch):
     assert metrics["steps"] == 2 and metrics["final_val_loss"] is not None
 
 
-def test_long_sequence_overlay_parses_and_runs_shrunk(tmp_path, monkeypatch):
-    """gpt2-124m-speedrun-long.yaml layers on the speedrun config (FlexAttention's dense CPU fallback here)."""
+def _run_overlay_shrunk(tmp_path, monkeypatch, overlay: str, *extra: str) -> tuple[dict, str]:
+    """The speedrun config + an overlay, shrunk to seconds on CPU; its metrics and the saved config text."""
     monkeypatch.chdir(tmp_path)
     metrics = _recipe().main([
         "--config", str(ROOT / "recipes/configs/gpt2/gpt2-124m-speedrun.yaml"),
-        "--config", str(ROOT / "recipes/configs/gpt2/gpt2-124m-speedrun-long.yaml"),
-        "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.accumulate_grad_batches", "2",
+        "--config", str(ROOT / f"recipes/configs/gpt2/{overlay}.yaml"),
+        "--trainer.max_steps", "2",
         "--model.model_config.n_layer", "6", "--model.model_config.n_embd", "64", "--model.model_config.n_head", "2",
-        "--model.model_config.skip_attn_layers", "[3]", "--model.model_config.block_size", "256",
-        "--model.compile", "false", "--data.seq_len", "256", "--data.val_tokens", "1024",
+        "--model.model_config.skip_attn_layers", "[3]", "--model.compile", "false", "--data.val_tokens", "1024",
+        *extra,
     ])
     assert metrics["steps"] == 2 and metrics["final_val_loss"] is not None
-    saved = "\n".join(p.read_text() for p in tmp_path.rglob("config.yaml"))
+    return metrics, "\n".join(p.read_text() for p in tmp_path.rglob("config.yaml"))
+
+
+def test_long_sequence_overlay_parses_and_runs_shrunk(tmp_path, monkeypatch):
+    """gpt2-124m-speedrun-long.yaml layers on the speedrun config (FlexAttention's dense CPU fallback here)."""
+    _, saved = _run_overlay_shrunk(tmp_path, monkeypatch, "gpt2-124m-speedrun-long",
+                                   "--trainer.val_check_interval", "2", "--trainer.accumulate_grad_batches", "2",
+                                   "--model.model_config.block_size", "256", "--data.seq_len", "256")
     for line in ("attn_backend: flex", "doc_causal: true", "batch_size: 1", "- 128", "- 1856"):
         assert line in saved, line
+
+
+def test_half_batch_overlay_parses_and_runs_shrunk(tmp_path, monkeypatch):
+    """gpt2-124m-speedrun-halfbatch.yaml layers on the speedrun config: 4 micro-batches of 64 per step, 216 steps."""
+    _, saved = _run_overlay_shrunk(tmp_path, monkeypatch, "gpt2-124m-speedrun-halfbatch",
+                                   "--trainer.val_check_interval", "8", "--data.batch_size", "2",
+                                   "--model.model_config.block_size", "64", "--data.seq_len", "64")
+    assert "accumulate_grad_batches: 4" in saved
+    overlay = (ROOT / "recipes/configs/gpt2/gpt2-124m-speedrun-halfbatch.yaml").read_text()
+    assert "max_steps: 216" in overlay and "batch_size: 64" in overlay
