@@ -93,13 +93,15 @@ def speedrun_section(d: dict[str, Any] | None, path: Path | None, doc: Path,
             f"over the steps after the first {s['warm']} (compile excluded, reported separately); MFU against "
             "989.4 TFLOP/s (H100/H200 SXM dense bf16); val loss on the first "
             f"{d['data']['val_tokens']:,} val tokens, off the clock.", "",
-            "| variant | tokens/s | MFU | ms/step | compile s | peak GB | final val loss | note |",
-            "|---|---:|---:|---:|---:|---:|---:|---|"]
+            "| variant | micro-batch x accum | tokens/s | MFU | ms/step | compile s | peak GB | final val loss | note |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in d["results"].items():
         if "tokens_per_s" not in r:
-            out.append(f"| {name} | - | - | - | - | - | - | {(r.get('error') or r.get('skipped') or '')[:120]} |")
+            out.append(f"| {name} | - | - | - | - | - | - | - | {(r.get('error') or r.get('skipped') or '')[:120]} |")
             continue
-        out.append(f"| {name} | {r['tokens_per_s']:,.0f} | {pct(r.get('mfu') and 100 * r['mfu'], '.1f')} | "
+        spec = r.get("spec") or {}
+        geometry = f"{spec['micro_batch']} x {spec['accum']}" if "micro_batch" in spec and "accum" in spec else "-"
+        out.append(f"| {name} | {geometry} | {r['tokens_per_s']:,.0f} | {pct(r.get('mfu') and 100 * r['mfu'], '.1f')} | "
                    f"{fmt(r.get('step_ms'), '.1f')} | {fmt(r.get('compile_s'), '.1f')} | "
                    f"{fmt(r.get('peak_mem_gb'), '.1f')} | {fmt(r.get('final_val_loss'), '.4f')} | "
                    f"{r.get('stopped') or ''} |")
