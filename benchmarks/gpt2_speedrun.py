@@ -154,24 +154,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f = max(1, min(f, s.accum))  # (never fewer than one micro-batch per step: tokens per step stay the same)
         return replace(s, micro_batch=f * s.micro_batch, accum=s.accum // f, val_batch=f * s.micro_batch)
 
-    def mb2x(s: RunSpec) -> RunSpec:
-        return mbx(s, 2)
-
     variants = {
         "ours-speedrun-bare": lambda: oom_retry(lambda s: train_bare(s, data), sp),
         "ours-speedrun-lightning": lambda: oom_retry(lightning, sp),
         "nanogpt": lambda: oom_retry(lambda s: train_nanogpt(s, data, nano_shape, vocab_size=nano_vocab), cl),
-        "ours-speedrun-mb64-bare": lambda: oom_retry(lambda s: train_bare(s, data), mb2x(sp)),
-        "ours-speedrun-mb64-lightning": lambda: oom_retry(lightning, mb2x(sp)),
+        "ours-speedrun-mb64-bare": lambda: oom_retry(lambda s: train_bare(s, data), mbx(sp, 2)),
+        "ours-speedrun-mb64-lightning": lambda: oom_retry(lightning, mbx(sp, 2)),
         "nanogpt-mb64": lambda: oom_retry(
-            lambda s: train_nanogpt(s, data, nano_shape, vocab_size=nano_vocab), mb2x(cl)),
+            lambda s: train_nanogpt(s, data, nano_shape, vocab_size=nano_vocab), mbx(cl, 2)),
         # 4x: near an 80 GB card's memory; an OOM halves the micro-batch (the result's spec says what ran)
         "ours-speedrun-mb128-lightning": lambda: oom_retry(lightning, mbx(sp, 4)),
         "nanogpt-mb128": lambda: oom_retry(
             lambda s: train_nanogpt(s, data, nano_shape, vocab_size=nano_vocab), mbx(cl, 4)),
         "ours-speedrun-nofp8-lightning": lambda: oom_retry(lightning, with_model(sp, head_fp8=False)),
         "ours-speedrun-fp8mlp-lightning": lambda: oom_retry(lightning, with_model(sp, mlp_fp8="auto")),
-        "ours-speedrun-fp8mlp-mb64-lightning": lambda: oom_retry(lightning, with_model(mb2x(sp), mlp_fp8="auto")),
+        "ours-speedrun-fp8mlp-mb64-lightning": lambda: oom_retry(lightning, with_model(mbx(sp, 2), mlp_fp8="auto")),
         "ours-classic-bare": lambda: oom_retry(lambda s: train_bare(s, data), cl),
         "ours-classic-lightning": lambda: oom_retry(lightning, cl),
         "ours-speedrun-torchce-bare": lambda: oom_retry(
@@ -188,8 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ours-speedrun-chunkedce-bare": lambda: oom_retry(
             lambda s: train_bare(s, data), with_model(sp, loss_impl="chunked")),
         # the chunked loss frees the float32 logits: twice the micro-batch, half the accumulation
-        "ours-speedrun-chunkedce-mb2x-lightning": lambda: oom_retry(lightning, with_model(
-            replace(sp, micro_batch=2 * sp.micro_batch, accum=max(1, sp.accum // 2)), loss_impl="chunked")),
+        "ours-speedrun-chunkedce-mb2x-lightning": lambda: oom_retry(lightning, with_model(mbx(sp, 2), loss_impl="chunked")),
     }
     if args.only:
         keep = set(args.only.split(","))

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_opt.ops.attention import BACKENDS, FLEX_BLOCK, attention, resolve_backend
 from lightning_opt.ops.cross_entropy import linear_cross_entropy
-from lightning_opt.ops.fp8 import fp8_linear, fp8_supported
+from lightning_opt.ops.fp8 import fp8_linear, fp8_wanted, mean_loss_grad_scale
 from lightning_opt.ops.softcap_ce import linear_softcap_cross_entropy
 
 _MLPS = ("gelu", "relu2", "swiglu")
@@ -184,11 +184,10 @@ class GPTConfig:
         if self.mlp_fp8 and self.mlp == "swiglu":
             raise bad("mlp_fp8", self.mlp_fp8, "is for the gelu and relu2 MLPs (not swiglu)")
         # True insists; "auto" is off wherever it cannot apply (a tied head, another loss, odd sizes)
-        if self.head_fp8 is True and (self.tie_embeddings or self.loss_impl not in ("torch", "fused")):
-            raise bad("head_fp8", self.head_fp8, "needs tie_embeddings=False and loss_impl 'torch' or 'fused'")
-        if self.head_fp8 is True and (self.n_embd % 16 or self.padded_vocab_size % 16):
-            raise bad("head_fp8", self.head_fp8, "needs n_embd and the padded vocabulary divisible by 16 "
-                      f"(got {self.n_embd} and {self.padded_vocab_size}; set vocab_multiple to 128)")
+        if self.head_fp8 is True and not self.fp8_head_applicable:
+            raise bad("head_fp8", self.head_fp8, "needs tie_embeddings=False, loss_impl 'torch' or 'fused', and n_embd "
+                      f"and the padded vocabulary divisible by 16 (got {self.n_embd} and {self.padded_vocab_size}; "
+                      "set vocab_multiple to 128)")
         if self.loss_chunk_size <= 0:
             raise bad("loss_chunk_size", self.loss_chunk_size, "must be a positive integer")
         self.skip_attn_layers = tuple(int(i) for i in self.skip_attn_layers)  # YAML gives lists
@@ -326,20 +325,14 @@ class MLP(nn.Module):
             self.c_fc = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
         self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
 
-    def _fp8_on(self, x: torch.Tensor) -> bool:
-        if not self.fp8 or not self.training or math.prod(x.shape[:-1]) % 16:
-            return False
-        return self.fp8 is True or (x.is_cuda and fp8_supported(x.device))
-
     @staticmethod
     def _fp8(lin: nn.Linear, x: torch.Tensor, x_scale: float) -> torch.Tensor:
-        rows = math.prod(x.shape[:-1])
-        # output gradients of a mean loss over `rows` tokens are small: scale e5m2 for that (see fp8.py)
-        y = fp8_linear(x, lin.weight, x_scale=x_scale, grad_scale=1.0 / (448.0 * rows))
+        grad_scale = mean_loss_grad_scale(math.prod(x.shape[:-1]))
+        y = fp8_linear(x, lin.weight, x_scale=x_scale, grad_scale=grad_scale)
         return y if lin.bias is None else y + lin.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fp8 = self._fp8_on(x)
+        fp8 = fp8_wanted(self.fp8, x, self.training)
         h = self._fp8(self.c_fc, x, self.in_scale) if fp8 else self.c_fc(x)
         if self.kind == "gelu":
             h = F.gelu(h, approximate="tanh")
@@ -556,19 +549,13 @@ class GPT(nn.Module):
 
     def _head_fp8(self, h: torch.Tensor) -> bool:
         """Whether this training call's head matmul runs in FP8 (see ``GPTConfig.head_fp8``)."""
-        cfg = self.config
-        if not cfg.head_fp8 or not self.training or math.prod(h.shape[:-1]) % 16:
-            return False
-        if cfg.head_fp8 is True:
-            return True
-        return (cfg.fp8_head_applicable and h.is_cuda and fp8_supported(h.device))
+        return fp8_wanted(self.config.head_fp8, h, self.training, self.config.fp8_head_applicable)
 
     def _logits(self, h: torch.Tensor, fp8: bool) -> torch.Tensor:
         rows = math.prod(h.shape[:-1])
         if fp8:
-            # the gradient of a mean cross-entropy over `rows` tokens is at most 1/rows per logit: scale
-            # e5m2 for that, or most of the gradient would underflow to zero
-            logits = fp8_linear(h, self.lm_head.weight, grad_scale=1.0 / (448.0 * rows))
+            # the gradient of a mean cross-entropy over `rows` tokens is at most 1/rows per logit
+            logits = fp8_linear(h, self.lm_head.weight, grad_scale=mean_loss_grad_scale(rows))
         else:
             logits = self.lm_head(h)
         cap = self.config.logit_softcap

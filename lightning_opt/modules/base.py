@@ -100,14 +100,12 @@ class TrainingModule(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         schedule = self.schedule_config
-        if self.trainer is not None and self.trainer.max_steps and self.trainer.max_steps > 0:
-            # the schedule follows the run's length unless the config pins it
-            if schedule.total_steps != self.trainer.max_steps:
-                schedule = ScheduleConfig(
-                    name=schedule.name, warmup_steps=min(schedule.warmup_steps, self.trainer.max_steps),
-                    total_steps=self.trainer.max_steps, decay_fraction=schedule.decay_fraction,
-                    min_ratio=schedule.min_ratio,
-                )
+        total = self.schedule_total_steps()  # the schedule follows the run's length (max_steps) when it is set
+        if schedule.total_steps != total:
+            schedule = ScheduleConfig(
+                name=schedule.name, warmup_steps=min(schedule.warmup_steps, total), total_steps=total,
+                decay_fraction=schedule.decay_fraction, min_ratio=schedule.min_ratio,
+            )
         optimizers = build_optimizer(self.model, self.optim_config, **self.optimizer_roles())
         optimizer = optimizers[0] if len(optimizers) == 1 else CombinedOptimizer(optimizers)
         scheduler = LambdaLR(optimizer, schedule)

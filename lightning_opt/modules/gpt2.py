@@ -81,12 +81,13 @@ class GPT2SpeedrunModule(TrainingModule):
                 f"checkpoint comes from another model (no GPT2SpeedrunModule model_config in it; its weights are "
                 f"{keys}...); pass a GPT2SpeedrunModule checkpoint or train from scratch"
             )
+        diffs = {}
         if theirs is not None and theirs != self.model_config:
             a, b = self.model_config.to_dict(), theirs.to_dict() if hasattr(theirs, "to_dict") else dict(theirs)
             # how the same model is computed (loss kernel, FP8 head, attention kernel, recomputation) may change
             # between runs; what the weights mean may not
             diffs = {k: (b.get(k), a[k]) for k in a if a[k] != b.get(k) and k not in EXECUTION_ONLY_FIELDS}
-        if theirs is not None and theirs != self.model_config and diffs:
+        if diffs:
             raise ValueError(
                 "checkpoint comes from another model: (checkpoint, this run) differ in "
                 + ", ".join(f"{k}={v[0]!r} vs {v[1]!r}" for k, v in diffs.items())

@@ -68,13 +68,6 @@ if triton is not None:
         return v
 
     @triton.jit
-    def _key16(x):
-        # order key of a 16-bit float: positives above negatives, negatives reflected, -0 -> +0's key
-        b = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        key = tl.where(b >= 0x8000, 0xFFFF - b, b + 0x8000)
-        return tl.where(b == 0x8000, 0x8000, key)
-
-    @triton.jit
     def _count_ge_kernel(x_ptr, lo_ptr, cnt_ptr, n, row_len, BLOCK: tl.constexpr, BLOCK_IN_ONE_ROW: tl.constexpr):
         # pass 1: per block, the count of entries at or above their row's bound (a read at memory speed)
         offs, inb, row, x = _block(x_ptr, n, row_len, BLOCK, BLOCK_IN_ONE_ROW)

@@ -41,13 +41,31 @@ def _scale(like: torch.Tensor, value: float) -> torch.Tensor:
     return torch.full((), value, dtype=torch.float32, device=like.device)
 
 
+def _to_e4m3(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # saturate: e4m3fn has no infinity, an out-of-range cast would be NaN
+    return (t / scale).clamp(-448.0, 448.0).to(_E4M3)
+
+
+def mean_loss_grad_scale(rows: int) -> float:
+    """e5m2 scale for the output gradient of a matmul feeding a loss averaged over ``rows`` tokens: its
+    entries are then of order ``1 / rows``; a larger scale would let most of them underflow to zero."""
+    return 1.0 / (448.0 * rows)
+
+
+def fp8_wanted(mode: bool | str, x: torch.Tensor, training: bool, applicable: bool = True) -> bool:
+    """Whether a training matmul on ``x`` runs in FP8 under a model option ``mode``: ``True`` insists
+    (``torch._scaled_mm`` then raises where it cannot run), ``"auto"`` only where the GPU has FP8 and
+    ``applicable`` says the model allows it; never in evaluation or with a row count off 16."""
+    if not mode or not training or math.prod(x.shape[:-1]) % 16:
+        return False
+    return mode is True or (applicable and x.is_cuda and fp8_supported(x.device))
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, x_scale, w_scale, grad_scale):  # type: ignore[override]
         xs, ws = _scale(x, x_scale), _scale(x, w_scale)
-        # saturate: e4m3fn has no infinity, an out-of-range cast would be NaN
-        x8 = (x / xs).clamp(-448.0, 448.0).to(_E4M3)
-        w8 = (w / ws).clamp(-448.0, 448.0).to(_E4M3)
+        x8, w8 = _to_e4m3(x, xs), _to_e4m3(w, ws)
         # _scaled_mm: first operand row-major, second column-major (w8.t() of a row-major w8 is)
         out = torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16, use_fast_accum=True)
         ctx.save_for_backward(x8, w8)
@@ -96,9 +114,8 @@ def fp8_matmul_t(x: torch.Tensor, w: torch.Tensor, x_scale: float | None = None,
     k = x.shape[-1]
     xs = _scale(x, math.sqrt(k) / 448.0 if x_scale is None else x_scale)
     ws = _scale(x, w_scale)
-    x8 = (x / xs).clamp(-448.0, 448.0).to(_E4M3)
-    w8 = (w / ws).clamp(-448.0, 448.0).to(_E4M3)
-    return torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype, use_fast_accum=True)
+    return torch._scaled_mm(_to_e4m3(x, xs), _to_e4m3(w, ws).t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype,
+                            use_fast_accum=True)
 
 
 def fp8_linear(

@@ -38,13 +38,12 @@ counts) ``+ W * C_max * elem_size`` (candidate values, ``C_max`` = the largest c
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_opt.ops.topk import _order_keys16, candidates_ge, triton_candidates
+from lightning_opt.ops.topk import _order_keys16, _sample_rank, candidates_ge, triton_candidates
 
 __all__ = [
     "global_batch_topk", "batch_topk_threshold_sparse", "shard_candidates", "shard_candidates_padded", "top_positions"
@@ -85,12 +84,6 @@ def _all_gather(t: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.
     gather(out, t.contiguous().view(-1), group=group)
     return out.view(world, *t.shape)
 
-
-def _sample_rank(s: int, frac: float) -> int:
-    """Rank in a sample of ``s`` whose value bounds the top ``frac`` of the data with a margin."""
-    mean = s * frac
-    # Margin: 10% plus four binomial standard deviations plus a constant, so a fallback is rare.
-    return min(s, int(math.ceil(1.1 * mean + 4.0 * math.sqrt(mean) + 16)))
 
 
 def _lower_bound(flat: torch.Tensor, frac: float) -> torch.Tensor:

@@ -89,11 +89,17 @@ def _row_lower_bounds(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
         return torch.topk(x2d.float(), n_keep, dim=1, sorted=False).values.amin(dim=1)
     cols = _sample_columns(m, x2d.device)
     sample = x2d[:, cols].float()
-    mean = _SAMPLE_COLS * n_keep / m
-    # 10% plus four binomial standard deviations plus a constant: a fallback is rare. (2**18 columns: at
-    # 4096 x 12 x 8192 with k=200 about 1.3x the kept count is expected to pass, by this formula; ~2x with 2**15.)
-    j = min(_SAMPLE_COLS, int(math.ceil(1.1 * mean + 4.0 * math.sqrt(mean) + 16)))
+    # (2**18 columns: at 4096 x 12 x 8192 with k=200 about 1.3x the kept count is expected to pass, by the
+    # margin of _sample_rank; ~2x with 2**15.)
+    j = _sample_rank(_SAMPLE_COLS, n_keep / m)
     return torch.topk(sample, j, dim=1, sorted=False).values.amin(dim=1)
+
+
+def _sample_rank(s: int, frac: float) -> int:
+    """Rank in a sample of ``s`` whose value bounds the top ``frac`` of the data with a margin."""
+    mean = s * frac
+    # Margin: 10% plus four binomial standard deviations plus a constant, so a fallback is rare.
+    return min(s, int(math.ceil(1.1 * mean + 4.0 * math.sqrt(mean) + 16)))
 
 
 def _use_select_16bit(x2d: torch.Tensor) -> bool:

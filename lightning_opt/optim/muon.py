@@ -165,9 +165,8 @@ class Muon(Optimizer):
                 stacked = torch.stack([blocks[i][j].mT if tall else blocks[i][j] for i, j, tall in members])
                 out = newton_schulz(stacked, group["ns_steps"])
                 for k, (i, j, tall) in enumerate(members):
-                    o = out[k].mT if tall else out[k]
-                    rows, cols = o.shape
-                    ortho[i][j] = o * max(1.0, rows / cols) ** 0.5
+                    # tall blocks are scaled by sqrt(rows / cols); wide ones (scale 1) need no multiply
+                    ortho[i][j] = out[k].mT * (out[k].shape[1] / out[k].shape[0]) ** 0.5 if tall else out[k]
             final = [(torch.cat(o, dim=0) if len(o) > 1 else o[0]).view(p.shape).to(p.dtype)
                      for p, o in zip(params, ortho)]
             if group["weight_decay"]:

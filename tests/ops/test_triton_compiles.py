@@ -31,7 +31,7 @@ _KERNELS = {
     "_forward_kernel", "_grad_values_kernel", "_grad_weight_kernel",
     "_softcap_ce_kernel",
 }
-_HELPERS = {"_block", "_per_row", "_key16", "_capped"}
+_HELPERS = {"_block", "_per_row", "_capped"}
 _CONSTEXPRS = {"BLOCK", "BLOCK_IN_ONE_ROW", "CAPPED", "BLOCK_D", "BLOCK_E", "HAS_CAP", "FIXED_MAX", "FAST_TANH",
                "WRITE_GRAD"}
 
