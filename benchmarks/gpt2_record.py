@@ -150,17 +150,20 @@ def run_record(train: Path, val: Path, steps: int, val_tokens: int, timeout_s: f
     return out
 
 
-# named variants of ours for one call with several runs after the record: (micro-batches per step, long)
+# named variants of ours for one call with several runs after the record.
 # name: (micro-batches of 32 x 1024 tokens per step, 65,536-token sequences?, schedule length as a fraction of
-# the record's token budget). A run stops at the target wherever its schedule is; a shorter schedule ends
-# its learning-rate cooldown earlier.
-OURS_VARIANTS = {
+# the record's token budget[, GPTConfig overrides]). A run stops at the target wherever its schedule is; a
+# shorter schedule ends its learning-rate cooldown earlier.
+NO_FP8_MATMULS = {"mlp_fp8": False, "attn_fp8": False}
+OURS_VARIANTS: dict[str, tuple] = {
     "default": (16, False, 1.0),  # the record's batch: 16 x 32 x 1024 tokens per step
     "half-batch": (8, False, 1.0),  # 262,144 tokens per step, twice the steps
     "long": (16, True, 1.0),  # 65,536-token document-causal sequences, windows 128 -> 1856
     "half-batch-long": (8, True, 1.0),
     "half-batch-80": (8, False, 0.8),
     "half-batch-85": (8, False, 0.85),
+    # the recipe without its FP8 MLP and attention projections (the session-5 recipe): isolates their loss cost
+    "half-batch-85-nofp8mm": (8, False, 0.85, NO_FP8_MATMULS),
     "half-batch-long-80": (8, True, 0.8),
     "half-batch-long-70": (8, True, 0.7),
     "quarter-batch-long": (4, True, 1.0),
@@ -278,9 +281,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     variants = args.ours or [None]  # None: --ours-accum / --ours-long as given
     payload["summaries"] = {}
     for i, name in enumerate(variants):
-        accum, long, budget = ((args.ours_accum, args.ours_long, args.ours_budget) if name is None
-                               else OURS_VARIANTS[name])
+        accum, long, budget, *extra = ((args.ours_accum, args.ours_long, args.ours_budget) if name is None
+                                       else OURS_VARIANTS[name])
         spec = ours_spec(args, target, accum, long, budget)
+        if extra:
+            spec = with_model(spec, **extra[0])
         # the run's clock leaves validation out: keep a margin for it and for teardown; later variants in
         # the call get what is left
         spec = replace(spec, deadline_s=max(20.0, deadline.left() - 25))
@@ -290,7 +295,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ours = guarded(label, lambda spec=spec: train_lightning(spec, data, lightning_train, "none"), deadline, 30)
         else:
             ours = guarded(label, lambda spec=spec: train_bare(spec, data), deadline, 30)
-        ours["variant"] = {"name": name or "as given", "accum": accum, "long": long, "budget": budget}
+        ours["variant"] = {"name": name or "as given", "accum": accum, "long": long, "budget": budget,
+                           "model_overrides": extra[0] if extra else {}}
         payload["results"][key] = ours
         payload["summaries"][key] = summarize(record, ours, target)
         if i == 0:

@@ -19,8 +19,10 @@ tokens per step = 32 x 1024 x 16 = 524,288, like nanoGPT's train.py and the spee
   ``benchmarks/peers/nanogpt_runner.py``), imported from the git-ignored ``.peers/nanoGPT/``;
 - ``ours-speedrun-nofp8-lightning``: the recipe without its ``head_fp8: auto`` (the fused loss's head
   forward matmul in bfloat16 instead of FP8): isolates the FP8 head;
-- ``ours-speedrun-fp8mlp-lightning`` / ``-fp8mlp-mb64-lightning``: the recipe with ``mlp_fp8: auto`` (both MLP
-  matmuls in FP8 with static scales; not in the recipe until measured);
+- ``ours-speedrun-nofp8mm-mb64-lightning`` / ``-bare``: the recipe without its ``mlp_fp8: auto`` and
+  ``attn_fp8: auto`` (the MLP and attention projection matmuls in bfloat16 instead of FP8), at 64 x 1024;
+- ``ours-speedrun-fp8mlp-lightning`` / ``-fp8mlp-mb64-lightning``: ``mlp_fp8: auto`` set explicitly (the
+  recipe has it since session 6; before, these were the candidate runs);
 - ``ours-speedrun-mb64-bare`` / ``-lightning`` and ``nanogpt-mb64``: micro-batches of 64 x 1024 with half
   the accumulation (same tokens per step), ``*-mb128``: 128 x 1024 with a quarter; the goal compares the
   fastest geometry of each;
@@ -169,6 +171,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ours-speedrun-nofp8-lightning": lambda: oom_retry(lightning, with_model(sp, head_fp8=False)),
         "ours-speedrun-fp8mlp-lightning": lambda: oom_retry(lightning, with_model(sp, mlp_fp8="auto")),
         "ours-speedrun-fp8mlp-mb64-lightning": lambda: oom_retry(lightning, with_model(mbx(sp, 2), mlp_fp8="auto")),
+        # the recipe without its FP8 MLP and attention projections (the session-5 recipe)
+        "ours-speedrun-nofp8mm-mb64-lightning": lambda: oom_retry(
+            lightning, with_model(mbx(sp, 2), mlp_fp8=False, attn_fp8=False)),
+        "ours-speedrun-nofp8mm-mb64-bare": lambda: oom_retry(
+            lambda s: train_bare(s, data), with_model(mbx(sp, 2), mlp_fp8=False, attn_fp8=False)),
         "ours-classic-bare": lambda: oom_retry(lambda s: train_bare(s, data), cl),
         "ours-classic-lightning": lambda: oom_retry(lightning, cl),
         "ours-speedrun-torchce-bare": lambda: oom_retry(
@@ -208,18 +215,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def summarize(results: dict[str, dict]) -> dict[str, Any]:
     g = {k: v for k, v in results.items() if "tokens_per_s" in v}
     s: dict[str, Any] = {}
-    for kind in ("speedrun", "classic"):
+    for kind in ("speedrun", "classic", "speedrun-mb64"):
         bare, light = g.get(f"ours-{kind}-bare", {}), g.get(f"ours-{kind}-lightning", {})
         r = ratio(light, bare)
-        s[f"lightning_over_bare_{kind}"] = r
-        s[f"lightning_overhead_pct_{kind}"] = None if r is None else round(100 * (1 - r), 2)
+        key = kind.replace("-", "_")
+        s[f"lightning_over_bare_{key}"] = r
+        s[f"lightning_overhead_pct_{key}"] = None if r is None else round(100 * (1 - r), 2)
     nano = g.get("nanogpt", {})
     for name in g:
         if not name.startswith("nanogpt"):
             s[f"{name}_over_nanogpt"] = ratio(g[name], nano)
     # the goal: our recipe through Lightning, at the faster of its two geometries, against the faster peer run
     nanos = [g[k] for k in ("nanogpt", "nanogpt-mb64", "nanogpt-mb128") if k in g]
-    # (the fp8mlp variants count once the recipe takes mlp_fp8; until then they are candidates, not the recipe)
     ours = [g[k] for k in ("ours-speedrun-lightning", "ours-speedrun-mb64-lightning", "ours-speedrun-mb128-lightning")
             if k in g]
     if nanos and ours:
@@ -228,9 +235,10 @@ def summarize(results: dict[str, dict]) -> dict[str, Any]:
         s["best_nanogpt_tokens_per_s"] = best_nano["tokens_per_s"]
         s["best_ours_lightning_tokens_per_s"] = best_ours["tokens_per_s"]
         s["best_ours_lightning_over_best_nanogpt"] = ratio(best_ours, best_nano)
-    s["goal_lightning_overhead_le_2pct"] = (
-        None if s.get("lightning_overhead_pct_speedrun") is None else s["lightning_overhead_pct_speedrun"] <= 2.0
-    )
+    # the Lightning overhead at the 32 x 1024 geometry, or at 64 x 1024 where only that pair ran
+    over = s.get("lightning_overhead_pct_speedrun")
+    over = s.get("lightning_overhead_pct_speedrun_mb64") if over is None else over
+    s["goal_lightning_overhead_le_2pct"] = None if over is None else over <= 2.0
     best = s.get("best_ours_lightning_over_best_nanogpt", s.get("ours-speedrun-lightning_over_nanogpt"))
     s["goal_speedrun_ge_1p1x_nanogpt"] = None if best is None else best >= 1.1
     fp8 = s.get("ours-speedrun-fp8head-lightning_over_nanogpt")

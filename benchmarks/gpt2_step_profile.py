@@ -9,7 +9,10 @@ steps, in one process on one GPU:
 - ``cudnn``: the same with SDPA forced to cuDNN attention;
 - ``mb64``: micro-batches of 64 x 1024, half the accumulation (same tokens per step);
 - ``torchce`` / ``fp8head``: ``loss_impl="torch"`` without / with the FP8 head;
-- ``cdt``: inductor's ``coordinate_descent_tuning``.
+- ``cdt``: inductor's ``coordinate_descent_tuning``;
+- ``mb64prof``: ``mb64`` with the kernel profile; ``mb128``: micro-batches of 128 x 1024 (4 per step);
+- ``fp8mlp64prof`` / ``fp8mlp128``: ``mlp_fp8="auto"`` (both MLP matmuls in FP8) at 64 (profiled) / 128 x 1024;
+- ``nofp8mm64`` / ``fp8mm64prof``: at 64 x 1024, without / with (profiled) FP8 MLP and attention projections.
 
     python benchmarks/gpt2_step_profile.py --data-dir .data/novels --only base,cudnn,mb64   # GPU, ~40 s each
 
@@ -124,6 +127,15 @@ def main(argv: list[str] | None = None) -> dict:
         "torchce": lambda: run(with_model(base, loss_impl="torch", head_fp8=False), data),
         "fp8head": lambda: run(with_model(base, loss_impl="torch", head_fp8=True), data),
         "cdt": lambda: run(base, data, inductor={"coordinate_descent_tuning": True}),
+        "mb64prof": lambda: run(replace(base, micro_batch=64, accum=8), data, profile=True),
+        "mb128": lambda: run(replace(base, micro_batch=128, accum=4), data),
+        "fp8mlp64prof": lambda: run(with_model(replace(base, micro_batch=64, accum=8), mlp_fp8="auto"), data,
+                                    profile=True),
+        "fp8mlp128": lambda: run(with_model(replace(base, micro_batch=128, accum=4), mlp_fp8="auto"), data),
+        "nofp8mm64": lambda: run(with_model(replace(base, micro_batch=64, accum=8), mlp_fp8=False, attn_fp8=False),
+                                 data),
+        "fp8mm64prof": lambda: run(with_model(replace(base, micro_batch=64, accum=8), mlp_fp8="auto", attn_fp8="auto"),
+                                   data, profile=True),
     }
     res: dict = {}
     for name in a.only.split(","):

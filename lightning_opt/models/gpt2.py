@@ -88,7 +88,9 @@ class GPTConfig:
             (scale ``sqrt(n_embd) / 448``), the input of ``c_proj`` is the activation (scale 1: values up to
             448, larger ones saturate), output gradients are scaled for a mean loss over the rows. ``True``
             insists, ``"auto"`` uses FP8 where the GPU has it. Widths must be multiples of 16.
-            Not yet measured on a GPU: an option to measure, off in the recipes.
+        attn_fp8: the same for the attention projections ``c_attn`` (input normalised, scale
+            ``sqrt(n_embd) / 448``) and ``c_proj`` (input the attention output, a convex mix of value rows:
+            scale 1). The attention itself (softmax(QK^T)V) stays in the compute dtype.
     """
 
     vocab_size: int = 50257
@@ -131,6 +133,7 @@ class GPTConfig:
     grad_checkpoint: bool = False
     head_fp8: bool | str = False
     mlp_fp8: bool | str = False
+    attn_fp8: bool | str = False
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, want: str) -> ValueError:
@@ -174,13 +177,16 @@ class GPTConfig:
             raise bad("moe_top_k", self.moe_top_k, f"must be in [1, moe_experts={self.moe_experts}]")
         if self.loss_impl not in _LOSS_IMPLS:
             raise bad("loss_impl", self.loss_impl, f"choose one of {_LOSS_IMPLS}")
-        for name in ("head_fp8", "mlp_fp8"):
+        for name in ("head_fp8", "mlp_fp8", "attn_fp8"):
             value = getattr(self, name)
             if not (isinstance(value, bool) or value == "auto"):
                 raise bad(name, value, "choose true, false or 'auto' (FP8 where the GPU supports it)")
         if self.mlp_fp8 and (self.n_embd % 16 or int(self.mlp_ratio * self.n_embd) % 16):
             raise bad("mlp_fp8", self.mlp_fp8, f"needs n_embd ({self.n_embd}) and the MLP width "
                       f"({int(self.mlp_ratio * self.n_embd)}) divisible by 16")
+        if self.attn_fp8 and ((self.n_head + 2 * self.kv_heads) * self.head_dim % 16 or self.n_embd % 16):
+            raise bad("attn_fp8", self.attn_fp8, f"needs n_embd ({self.n_embd}) and the q/k/v width "
+                      f"({(self.n_head + 2 * self.kv_heads) * self.head_dim}) divisible by 16")
         if self.mlp_fp8 and self.mlp == "swiglu":
             raise bad("mlp_fp8", self.mlp_fp8, "is for the gelu and relu2 MLPs (not swiglu)")
         # True insists; "auto" is off wherever it cannot apply (a tied head, another loss, odd sizes)
@@ -243,6 +249,15 @@ def make_norm(cfg: GPTConfig, dim: int) -> nn.Module:
     return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
 
 
+def linear_maybe_fp8(lin: nn.Linear, x: torch.Tensor, x_scale: float, fp8: bool) -> torch.Tensor:
+    """``lin(x)``, through :func:`~lightning_opt.ops.fp8.fp8_linear` when ``fp8`` (inputs bounded by
+    ``448 * x_scale``; the output gradient scaled for a loss averaged over the rows)."""
+    if not fp8:
+        return lin(x)
+    y = fp8_linear(x, lin.weight, x_scale=x_scale, grad_scale=mean_loss_grad_scale(math.prod(x.shape[:-1])))
+    return y if lin.bias is None else y + lin.bias
+
+
 class Rotary(nn.Module):
     """Rotary position embedding; the tables are buffers so they follow ``.to(device)``."""
 
@@ -272,6 +287,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_kv, self.hd = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.c_attn = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.hd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.in_scale = math.sqrt(cfg.n_embd) / 448.0  # FP8 scale of the normalised input (attn_fp8)
         # Muon orthogonalises the query, key and value rows of the fused projection separately
         self.c_attn.weight.muon_row_splits = (self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd)
         self.rotary = (Rotary(self.hd, cfg.block_size, cfg.rope_base, cfg.rope_truncate)
@@ -294,7 +310,8 @@ class CausalSelfAttention(nn.Module):
         window: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self.c_attn(x).split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+        fp8 = fp8_wanted(self.cfg.attn_fp8, x, self.training)
+        q, k, v = linear_maybe_fp8(self.c_attn, x, self.in_scale, fp8).split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
         q = q.view(b, t, self.n_head, self.hd).transpose(1, 2)
         k = k.view(b, t, self.n_kv, self.hd).transpose(1, 2)
         v = v.view(b, t, self.n_kv, self.hd).transpose(1, 2)
@@ -308,7 +325,7 @@ class CausalSelfAttention(nn.Module):
             q, k, v, window=self.cfg.window_size if window is None else window, doc_ids=doc_ids,
             backend=self.cfg.attn_backend
         )
-        return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
+        return linear_maybe_fp8(self.c_proj, y.transpose(1, 2).reshape(b, t, -1), 1.0, fp8)
 
 
 class MLP(nn.Module):
@@ -325,15 +342,9 @@ class MLP(nn.Module):
             self.c_fc = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
         self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
 
-    @staticmethod
-    def _fp8(lin: nn.Linear, x: torch.Tensor, x_scale: float) -> torch.Tensor:
-        grad_scale = mean_loss_grad_scale(math.prod(x.shape[:-1]))
-        y = fp8_linear(x, lin.weight, x_scale=x_scale, grad_scale=grad_scale)
-        return y if lin.bias is None else y + lin.bias
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fp8 = fp8_wanted(self.fp8, x, self.training)
-        h = self._fp8(self.c_fc, x, self.in_scale) if fp8 else self.c_fc(x)
+        h = linear_maybe_fp8(self.c_fc, x, self.in_scale, fp8)
         if self.kind == "gelu":
             h = F.gelu(h, approximate="tanh")
         elif self.kind == "relu2":
@@ -341,7 +352,7 @@ class MLP(nn.Module):
         else:
             a, g = h.chunk(2, dim=-1)
             h = F.silu(g) * a
-        return self._fp8(self.c_proj, h, 1.0) if fp8 else self.c_proj(h)
+        return linear_maybe_fp8(self.c_proj, h, 1.0, fp8)
 
 
 class MoE(nn.Module):

@@ -18,7 +18,7 @@ register_safe_globals(GPTConfig)
 
 # GPTConfig fields that change how a model is computed, not what its weights are: a checkpoint may be resumed
 # with other values of these (say, a checkpoint from before the recipe set head_fp8: auto)
-EXECUTION_ONLY_FIELDS = frozenset({"loss_impl", "loss_chunk_size", "head_fp8", "mlp_fp8", "grad_checkpoint",
+EXECUTION_ONLY_FIELDS = frozenset({"loss_impl", "loss_chunk_size", "head_fp8", "mlp_fp8", "attn_fp8", "grad_checkpoint",
                                    "attn_backend"})
 
 

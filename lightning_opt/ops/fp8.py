@@ -41,7 +41,10 @@ def _scale(like: torch.Tensor, value: float) -> torch.Tensor:
     return torch.full((), value, dtype=torch.float32, device=like.device)
 
 
-def _to_e4m3(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+HEAD_W_SCALE = 24.0 / 448.0  # default weight scale: weights up to 24 in magnitude stay representable
+
+
+def to_e4m3(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     # saturate: e4m3fn has no infinity, an out-of-range cast would be NaN
     return (t / scale).clamp(-448.0, 448.0).to(_E4M3)
 
@@ -65,7 +68,7 @@ class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, x_scale, w_scale, grad_scale):  # type: ignore[override]
         xs, ws = _scale(x, x_scale), _scale(x, w_scale)
-        x8, w8 = _to_e4m3(x, xs), _to_e4m3(w, ws)
+        x8, w8 = to_e4m3(x, xs), to_e4m3(w, ws)
         # _scaled_mm: first operand row-major, second column-major (w8.t() of a row-major w8 is)
         out = torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16, use_fast_accum=True)
         ctx.save_for_backward(x8, w8)
@@ -81,11 +84,12 @@ class _FP8Linear(torch.autograd.Function):
         g8 = (grad_out / gs).clamp(-57344.0, 57344.0).to(_E5M2)
         # grad_x [N, K] = g [N, M] @ w [M, K]; w8 must be column-major as the second operand
         grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16)
-        # grad_w^T [K, M] = x^T [K, N] @ g [N, M]
-        grad_wt = torch._scaled_mm(
-            x8.t().contiguous(), g8.t().contiguous().t(), scale_a=xs, scale_b=gs, out_dtype=torch.float32
+        # grad_w [M, K] = g^T [M, N] @ x [N, K]: written in the weight's own layout (a transposed result would
+        # make every gradient accumulation a strided copy)
+        grad_w = torch._scaled_mm(
+            g8.t().contiguous(), x8.t().contiguous().t(), scale_a=gs, scale_b=xs, out_dtype=torch.float32
         )
-        return grad_x, grad_wt.t().to(ctx.w_dtype), None, None, None
+        return grad_x, grad_w.to(ctx.w_dtype), None, None, None
 
 
 def check_fp8_shapes(rows: int, k: int, out: int, device: torch.device) -> None:
@@ -103,18 +107,20 @@ def check_fp8_shapes(rows: int, k: int, out: int, device: torch.device) -> None:
         )
 
 
-def fp8_matmul_t(x: torch.Tensor, w: torch.Tensor, x_scale: float | None = None, w_scale: float = 24.0 / 448.0,
-                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def fp8_matmul_t(x: torch.Tensor, w: torch.Tensor, x_scale: float | None = None,
+                 w_scale: float | torch.Tensor = HEAD_W_SCALE, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``x @ w.T`` for ``x [N, K]`` and ``w [M, K]`` through FP8 (``e4m3``) with static scales, no autograd.
 
     Values beyond ``448 * scale`` saturate to the largest FP8 number instead of becoming NaN (``e4m3fn`` has
     no infinity), so a scale that is too small costs accuracy, not a broken run. ``x_scale`` defaults to
-    ``sqrt(K) / 448``, the bound of an RMS-normalised row with unit gain.
+    ``sqrt(K) / 448``, the bound of an RMS-normalised row with unit gain. ``w`` may already be ``e4m3``
+    (cast by :func:`to_e4m3` with ``w_scale``, a tensor then), to be reused by the caller.
     """
     k = x.shape[-1]
     xs = _scale(x, math.sqrt(k) / 448.0 if x_scale is None else x_scale)
-    ws = _scale(x, w_scale)
-    return torch._scaled_mm(_to_e4m3(x, xs), _to_e4m3(w, ws).t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype,
+    ws = w_scale if isinstance(w_scale, torch.Tensor) else _scale(x, w_scale)
+    w8 = w if w.dtype == _E4M3 else to_e4m3(w, ws)
+    return torch._scaled_mm(to_e4m3(x, xs), w8.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype,
                             use_fast_accum=True)
 
 
@@ -122,7 +128,7 @@ def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     x_scale: float | None = None,
-    w_scale: float = 24.0 / 448.0,
+    w_scale: float = HEAD_W_SCALE,
     grad_scale: float = 1.0 / 448.0,
 ) -> torch.Tensor:
     """``x @ weight.T`` in FP8 with static scales; returns bfloat16 of shape ``[*x.shape[:-1], out]``.

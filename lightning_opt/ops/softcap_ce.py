@@ -16,7 +16,7 @@ maximum (one ``exp`` per logit, no running maximum); and the training sweep take
 below the bfloat16 rounding of a logit that size, while the cap's derivative ``1 - tanh^2`` is off by up to
 about 1e-3 absolute - a few percent of it only for logits beyond twice the cap, where the gradient through
 the cap is small anyway. Evaluation (no gradient) keeps the exact formula. With ``fp8=True`` the logits come
-from an FP8 matmul.
+from an FP8 matmul, and so does the head's input gradient (the kernel writes an e5m2 copy of the gradient).
 
 The kernel runs on CUDA (or anywhere under ``TRITON_INTERPRET=1``); elsewhere the same function computes
 the same thing with torch ops. The call is kept out of ``torch.compile`` graphs (a graph break at the
@@ -30,7 +30,7 @@ import math
 import torch
 
 from lightning_opt._optional import triton_runs_on
-from lightning_opt.ops.fp8 import check_fp8_shapes, fp8_matmul_t
+from lightning_opt.ops.fp8 import HEAD_W_SCALE, check_fp8_shapes, fp8_matmul_t, to_e4m3
 
 try:  # optional dependency (the CUDA wheels of torch ship it)
     import triton
@@ -63,9 +63,9 @@ if triton is not None:
         return cap * th, th
 
     @triton.jit
-    def _softcap_ce_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride, cap, ignore_index,
+    def _softcap_ce_kernel(logits_ptr, targets_ptr, loss_ptr, g8_ptr, V, stride, cap, ignore_index, g8_mult,
                            HAS_CAP: tl.constexpr, FIXED_MAX: tl.constexpr, FAST_TANH: tl.constexpr,
-                           WRITE_GRAD: tl.constexpr,
+                           WRITE_GRAD: tl.constexpr, WRITE_G8: tl.constexpr,
                            BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
@@ -123,6 +123,8 @@ if triton is not None:
                 g = (p - tl.where(cols == t, 1.0, 0.0)) * dz
                 g = tl.where(valid, tl.where(in_range, g, float("nan")), 0.0)
                 tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
+                if WRITE_G8:  # the same gradient, scaled, as float8 e5m2 (for the FP8 input-gradient matmul)
+                    tl.store(g8_ptr + row * V + cols, (g * g8_mult).to(g8_ptr.dtype.element_ty), mask=cols < V)
 
 
 def fast_tanh_available(x: torch.Tensor) -> bool:
@@ -142,21 +144,34 @@ def fast_tanh_available(x: torch.Tensor) -> bool:
 FIXED_MAX_CAP = 30.0
 
 
+# the FP8 copy of the logit gradient holds ``g * G8_MULT`` in float8 e5m2: |g| <= 1 (a softmax minus a one-hot,
+# times the cap's derivative), so the largest entry stays below e5m2's 57344 and entries down to 2^-30 (the
+# smallest subnormal, 2^-16, divided by 2^14) keep a value instead of flushing to zero
+G8_MULT = 2.0**14
+
+
 def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | None,
-                     ignore_index: int = -100, write_grad: bool = True) -> torch.Tensor:
+                     ignore_index: int = -100, write_grad: bool = True,
+                     g8: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row losses; with ``write_grad`` overwrites ``logits`` ``[N, V]`` with the per-row gradient (not
-    divided by a count). A target outside ``[0, V)`` other than ``ignore_index`` gives a NaN loss (and NaN
-    gradient row) rather than an error: checking on the host would synchronise."""
+    divided by a count), and, given ``g8`` (a contiguous ``[N, V]`` ``float8_e5m2`` tensor), also writes that
+    gradient times ``G8_MULT`` into it. A target outside ``[0, V)`` other than ``ignore_index`` gives a NaN
+    loss (and NaN gradient row) rather than an error: checking on the host would synchronise."""
     n, v = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("softcap_ce_rows_: logits must be contiguous along the vocabulary")
+    if g8 is not None and (not write_grad or g8.shape != logits.shape or not g8.is_contiguous()
+                           or g8.dtype != torch.float8_e5m2):
+        raise ValueError("softcap_ce_rows_: g8 must be a contiguous float8_e5m2 tensor shaped like the logits, "
+                         "and needs write_grad=True")
     targets = targets.contiguous()
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     if kernel_available(logits):
-        _softcap_ce_kernel[(n,)](logits, targets, loss, v, logits.stride(0), float(cap or 1.0), ignore_index,
+        _softcap_ce_kernel[(n,)](logits, targets, loss, loss if g8 is None else g8, v, logits.stride(0),
+                                 float(cap or 1.0), ignore_index, G8_MULT,
                                  HAS_CAP=cap is not None, FIXED_MAX=cap is not None and cap <= FIXED_MAX_CAP,
                                  FAST_TANH=write_grad and fast_tanh_available(logits), WRITE_GRAD=write_grad,
-                                 BLOCK=BLOCK_V, num_warps=NUM_WARPS)
+                                 WRITE_G8=g8 is not None, BLOCK=BLOCK_V, num_warps=NUM_WARPS)
         return loss
     # torch reference of the same computation (CPU, or no Triton)
     x = logits.float()
@@ -175,7 +190,10 @@ def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | N
     if cap is not None:
         g = g * (1.0 - (z / cap) ** 2)
     g = torch.where((valid & ~in_range)[:, None], float("nan"), g)
-    logits.copy_(torch.where(valid[:, None], g, 0.0))
+    g = torch.where(valid[:, None], g, 0.0)
+    logits.copy_(g)
+    if g8 is not None:
+        g8.copy_((g * G8_MULT).to(torch.float8_e5m2))
     return loss
 
 
@@ -183,25 +201,36 @@ class _LinearSoftcapCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, cap, ignore_index, need_grad, fp8):  # type: ignore[override]
         dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+        g8 = w8t = None
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(dtype), weight.to(dtype)
             if fp8:
-                logits = fp8_matmul_t(hc, wc, out_dtype=dtype)
+                w_scale = torch.full((), HEAD_W_SCALE, dtype=torch.float32, device=h.device)
+                w8 = to_e4m3(wc, w_scale)
+                logits = fp8_matmul_t(hc, w8, w_scale=w_scale, out_dtype=dtype)
+                if need_grad:  # the input gradient's matmul in FP8 too: the kernel also writes the gradient as e5m2
+                    g8 = torch.empty(logits.shape, dtype=torch.float8_e5m2, device=h.device)
+                    w8t = w8.t().contiguous()  # [d, V]: the column-major second operand _scaled_mm needs
             else:
                 logits = hc @ wc.t()  # [N, V] in the compute dtype; becomes the gradient below
-            rows = softcap_ce_rows_(logits, targets, cap, ignore_index, write_grad=need_grad)
+            rows = softcap_ce_rows_(logits, targets, cap, ignore_index, write_grad=need_grad, g8=g8)
             count = (targets != ignore_index).sum().clamp(min=1).to(torch.float32)  # a tensor: no sync
             loss = rows.sum() / count
-        ctx.save_for_backward(hc, wc, logits, count)
+        ctx.save_for_backward(hc, wc, logits, count, g8, w8t)
         ctx.dtypes = (h.dtype, weight.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        hc, wc, grad_logits, count = ctx.saved_tensors
+        hc, wc, grad_logits, count, g8, w8t = ctx.saved_tensors
         scale = grad_out.float() / count
         with torch.autocast(hc.device.type, enabled=False):
-            grad_h = (grad_logits @ wc).float() * scale
+            if g8 is not None:  # grad_h = g [N, V] @ W [V, d] from the FP8 copies (scales undo G8_MULT and W's)
+                gs = torch.full((), 1.0 / G8_MULT, dtype=torch.float32, device=hc.device)
+                ws = torch.full((), HEAD_W_SCALE, dtype=torch.float32, device=hc.device)
+                grad_h = torch._scaled_mm(g8, w8t.t(), scale_a=gs, scale_b=ws, out_dtype=hc.dtype).float() * scale
+            else:
+                grad_h = (grad_logits @ wc).float() * scale
             grad_w = (grad_logits.t() @ hc).float() * scale
         return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None, None
 
@@ -218,7 +247,10 @@ def linear_softcap_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets:
         targets: ``[...]`` token ids; ``ignore_index`` entries do not count.
         softcap: the cap, or ``None`` for plain logits.
         fp8: compute the logits with an FP8 matmul (:func:`~lightning_opt.ops.fp8.fp8_matmul_t`, static
-            scales; GPUs of compute capability 8.9+); the two backward matmuls stay in the compute dtype.
+            scales; GPUs of compute capability 8.9+), and the input gradient ``grad_h = g @ W`` from FP8 copies
+            of the logit gradient (e5m2, written by the loss kernel next to the bfloat16 one) and of ``W``; the
+            weight gradient ``g^T @ h`` stays in the compute dtype (in FP8 it would need ``g`` transposed,
+            a copy as large as the logits).
             Needs the row count, the width and the vocabulary to be multiples of 16.
 
     The matmuls run in the autocast dtype when autocast is on (bfloat16 in training), else in ``h``'s dtype.

@@ -142,3 +142,31 @@ def test_oom_retry_halves_the_micro_batch_and_keeps_tokens_per_step():
     failed = guarded("v", lambda: oom_retry(lambda s: run(RunSpec(**{**s.__dict__, "micro_batch": 64})), spec))
     assert failed["name"] == "v" and "out of memory" in failed["error"] and failed["oom"] is True
     assert "skipped" in guarded("late", lambda: {}, Deadline(1.0), need_s=5.0)
+
+
+def test_recipe_variants_and_the_no_fp8_matmul_variant():
+    """The recipe turns the FP8 MLP / attention projections on ('auto'); the -nofp8mm record variant of ours
+    turns exactly those two off."""
+    args = argparse.Namespace(steps=127, ours_val_every=4, smoke=False, ours_loss_impl=None, ours_micro_batch=64)
+    spec = ours_spec(args, 4.3, *OURS_VARIANTS["half-batch-85"])
+    assert spec.model.mlp_fp8 == "auto" and spec.model.attn_fp8 == "auto" and spec.model.head_fp8 == "auto"
+    accum, long, budget, overrides = OURS_VARIANTS["half-batch-85-nofp8mm"]
+    assert (accum, long, budget) == OURS_VARIANTS["half-batch-85"]
+    assert overrides == {"mlp_fp8": False, "attn_fp8": False}
+
+
+def test_speedrun_summary_goals_from_the_64_sequence_pair():
+    from benchmarks.gpt2_speedrun import summarize as speed_summary
+
+    res = {"nanogpt": {"tokens_per_s": 100.0}, "nanogpt-mb64": {"tokens_per_s": 104.0},
+           "ours-speedrun-mb64-bare": {"tokens_per_s": 120.0}, "ours-speedrun-mb64-lightning": {"tokens_per_s": 117.0},
+           "ours-speedrun-nofp8mm-mb64-lightning": {"tokens_per_s": 99.0}}
+    s = speed_summary(res)
+    assert s["lightning_overhead_pct_speedrun_mb64"] == pytest.approx(2.5)
+    assert s["goal_lightning_overhead_le_2pct"] is False  # 2.5% > 2%
+    assert s["best_ours_lightning_over_best_nanogpt"] == pytest.approx(117 / 104, abs=1e-4)
+    assert s["goal_speedrun_ge_1p1x_nanogpt"] is True
+    # the variants without the recipe's options are reported, never counted as the recipe
+    assert s["best_ours_lightning_tokens_per_s"] == 117.0
+    assert speed_summary({**res, "ours-speedrun-mb64-lightning": {"tokens_per_s": 110.0}})[
+        "goal_speedrun_ge_1p1x_nanogpt"] is False

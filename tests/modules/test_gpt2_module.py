@@ -96,7 +96,7 @@ def test_checkpoint_resumes_with_other_execution_options(tmp_path):
     from dataclasses import replace
 
     ckpt = _one_step_checkpoint(tmp_path)
-    again = GPT2SpeedrunModule(replace(CFG, head_fp8="auto", mlp_fp8="auto", grad_checkpoint=True,
+    again = GPT2SpeedrunModule(replace(CFG, head_fp8="auto", mlp_fp8="auto", attn_fp8="auto", grad_checkpoint=True,
                                        loss_chunk_size=7))
     trainer2 = _trainer(tmp_path, 2)
     trainer2.fit(again, _loader(), ckpt_path=ckpt)

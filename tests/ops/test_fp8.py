@@ -182,6 +182,29 @@ def test_fused_loss_with_fp8_forward_matches_bf16_path():
     assert _rel(w.grad, w2.grad) < 0.1
     with pytest.raises(ValueError, match="multiples of 16"):
         linear_softcap_cross_entropy(h[:10], w, y[:10], 15.0, fp8=True)
+    # the input gradient came from the FP8 copies: it differs from the bfloat16 path's, by FP8 rounding only
+    h3, w3 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    with torch.autocast("cpu", torch.bfloat16):
+        linear_softcap_cross_entropy(h3, w3, y, 15.0, fp8=False).backward()
+    assert 0 < _rel(h.grad, h3.grad) < 0.1
+
+
+def test_loss_rows_write_an_e5m2_copy_of_the_gradient():
+    from lightning_opt.ops.softcap_ce import G8_MULT, softcap_ce_rows_
+
+    torch.manual_seed(0)
+    logits = (4 * torch.randn(32, 512)).to(torch.bfloat16)
+    y = torch.randint(0, 512, (32,))
+    g8 = torch.empty(32, 512, dtype=torch.float8_e5m2)
+    grad = logits.clone()
+    softcap_ce_rows_(grad, y, 15.0, g8=g8)
+    back = g8.float() / G8_MULT
+    assert torch.isfinite(back).all() and _rel(back, grad) < 0.1  # e5m2 keeps 2 mantissa bits
+    assert (back[torch.arange(32), y] < 0).all()  # the target's entry keeps its sign (p - 1 < 0)
+    with pytest.raises(ValueError, match="float8_e5m2"):
+        softcap_ce_rows_(logits.clone(), y, 15.0, g8=g8.view(torch.uint8))
+    with pytest.raises(ValueError, match="write_grad"):
+        softcap_ce_rows_(logits.clone(), y, 15.0, write_grad=False, g8=g8)
 
 
 def test_logits_for_the_caller_never_use_fp8():
@@ -224,13 +247,42 @@ def test_mlp_fp8_matches_the_float_mlp_and_trains():
     _assert_trains(model, x, y, 25)
 
 
+def test_attn_fp8_matches_the_float_attention_and_trains():
+    """attn_fp8: the q/k/v and output projections in FP8; the attention output and gradients stay close."""
+    with pytest.raises(ValueError, match="attn_fp8"):
+        GPTConfig(attn_fp8="yes")
+    with pytest.raises(ValueError, match="divisible by 16"):
+        GPTConfig(n_embd=40, n_head=2, attn_fp8=True)
+    model, ref, x, y = _pair(attn_fp8=True)
+    attn, ref_attn = model.blocks[0].attn, ref.blocks[0].attn
+    h = torch.nn.functional.rms_norm(torch.randn(4, 32, 64), (64,)).requires_grad_()
+    h2 = h.detach().clone().requires_grad_()
+    with torch.no_grad():  # a non-zero output projection (zero_init_proj would make the check vacuous)
+        w = torch.randn_like(attn.c_proj.weight) * 0.05
+        attn.c_proj.weight.copy_(w)
+        ref_attn.c_proj.weight.copy_(w)
+    out, want = attn(h), ref_attn(h2)
+    assert want.abs().mean() > 1e-3 and _rel(out, want) < 0.1
+    g = torch.randn_like(want) / want.numel() * 64
+    out.backward(g.to(out.dtype))
+    want.backward(g)
+    assert _rel(h.grad, h2.grad) < 0.2
+    assert _rel(attn.c_attn.weight.grad, ref_attn.c_attn.weight.grad) < 0.2
+    assert _rel(attn.c_proj.weight.grad, ref_attn.c_proj.weight.grad) < 0.2
+    model.eval()
+    ref.eval()
+    torch.testing.assert_close(model(x, y), ref(x, y), atol=0, rtol=0)  # evaluation: no FP8
+    model.train()
+    _assert_trains(model, x, y, 25)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs a GPU with FP8 matmuls (compute capability 8.9+)")
 def test_fp8_head_and_mlp_compile_and_train_on_gpu():
     """The speedrun architecture with both FP8 options under torch.compile: finite, decreasing loss."""
     cfg = GPTConfig(vocab_size=512, vocab_multiple=128, n_layer=2, n_head=2, n_embd=128, block_size=64,
                     tie_embeddings=False, norm="rmsnorm", bias=False, mlp="relu2", logit_softcap=15.0,
-                    loss_impl="fused", head_fp8=True, mlp_fp8=True)
+                    loss_impl="fused", head_fp8=True, mlp_fp8=True, attn_fp8=True, qk_norm=True, pos_emb="rope")
     torch.manual_seed(0)
     model = GPT(cfg).cuda().train()
     step = torch.compile(model)

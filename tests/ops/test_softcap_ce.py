@@ -91,6 +91,36 @@ def test_triton_kernel_matches_torch_path(cap, monkeypatch):
     assert os.environ["TRITON_INTERPRET"] == "1"
 
 
+def _e5m2_copies(monkeypatch, device):
+    monkeypatch.setattr(softcap_ce, "BLOCK_V", 64)
+    torch.manual_seed(0)
+    logits = (4 * torch.randn(8, 150)).to(torch.bfloat16).to(device)
+    y = torch.randint(0, 150, (8,)).to(device)
+    g8, ref8 = (torch.empty(8, 150, dtype=torch.float8_e5m2, device=device) for _ in range(2))
+    softcap_ce.softcap_ce_rows_(logits.clone(), y, 15.0, g8=g8)
+    monkeypatch.setattr(softcap_ce, "kernel_available", lambda x: False)
+    softcap_ce.softcap_ce_rows_(logits.clone(), y, 15.0, g8=ref8)
+    got, ref = g8.float().cpu() / softcap_ce.G8_MULT, ref8.float().cpu() / softcap_ce.G8_MULT
+    assert (got[torch.arange(8), y.cpu()] < 0).all()  # the target's entry: p - 1 < 0
+    return got, ref
+
+
+@needs_interpreter
+def test_kernel_writes_the_e5m2_gradient_copy(monkeypatch):
+    """The FP8 copy of the gradient (the FP8 head's input-gradient operand), in the interpreter: its FP8 cast is
+    an emulation that may round an entry to the next lower power of two, so: same signs, within a factor 2."""
+    got, ref = _e5m2_copies(monkeypatch, "cpu")
+    assert (got * ref >= 0).all()  # never the opposite sign
+    assert ((got - ref).abs() <= 0.5 * ref.abs() + 2.0**-30).all() and (got == ref).float().mean() > 0.8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernel_e5m2_copy_rounds_like_torch_on_gpu(monkeypatch):
+    """On the GPU the kernel's e5m2 copy matches torch's cast of the same gradient to within one e5m2 step."""
+    got, ref = _e5m2_copies(monkeypatch, "cuda")
+    assert ((got - ref).abs() <= 0.25 * ref.abs() + 2.0**-30).all() and (got == ref).float().mean() > 0.9
+
+
 @pytest.mark.parametrize("interpret", [False, True])
 def test_strided_targets_out_of_range_targets_and_no_grad(interpret, monkeypatch):
     """Strided targets read right; a target outside the vocabulary gives NaN (no silent wrong loss); evaluation

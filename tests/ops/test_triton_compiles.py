@@ -80,12 +80,13 @@ def _softcap_cases():
     # training (gradient written, fast tanh on the GPU) and evaluation sweeps, the cap as the row maximum or a
     # running maximum, no cap; bf16 logits (autocast) and fp32; int64 targets (torch's default)
     for dt in ("bf16", "fp32"):
-        for has_cap, fixed, fast, grad in ((True, True, True, True), (True, True, False, False),
-                                           (True, False, True, True), (False, False, False, True)):
+        for has_cap, fixed, fast, grad, g8 in ((True, True, True, True, True), (True, True, False, False, False),
+                                               (True, False, True, True, False), (False, False, False, True, False)):
             yield ("_softcap_ce_kernel", {"logits_ptr": f"*{dt}", "targets_ptr": "*i64", "loss_ptr": "*fp32",
-                                          "V": "i32", "stride": "i32", "cap": "fp32", "ignore_index": "i32"},
+                                          "g8_ptr": "*fp8e5" if g8 else "*fp32", "V": "i32", "stride": "i32",
+                                          "cap": "fp32", "ignore_index": "i32", "g8_mult": "fp32"},
                    {"HAS_CAP": has_cap, "FIXED_MAX": fixed, "FAST_TANH": fast, "WRITE_GRAD": grad,
-                    "BLOCK": S.BLOCK_V}, S.NUM_WARPS)
+                    "WRITE_G8": g8, "BLOCK": S.BLOCK_V}, S.NUM_WARPS)
 
 
 def _all_cases():
