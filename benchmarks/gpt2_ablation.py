@@ -129,6 +129,11 @@ def rows(steps: int, classic_heads: int = 12) -> list[Row]:
          lambda s: with_model(s, head_fp8="auto"), "on H100-class GPUs; a no-op elsewhere"),
         ("fp8_mlp", "both MLP matmuls in FP8 with static scales (mlp_fp8: auto)",
          lambda s: with_model(s, mlp_fp8="auto"), "on H100-class GPUs, if its row shows no loss penalty"),
+        ("fp8_attn", "the attention projections (q/k/v and output) in FP8 with static scales (attn_fp8: auto)",
+         lambda s: with_model(s, attn_fp8="auto"), "on H100-class GPUs, if its row shows no loss penalty"),
+        ("fp8_all", "head, MLP and attention projections in FP8 (the recipe since session 6)",
+         lambda s: with_model(s, head_fp8="auto", mlp_fp8="auto", attn_fp8="auto"),
+         "the recipe's setting on H100-class GPUs"),
         ("torch_ce", "fused soft-capped loss (Triton) -> torch soft-cap + cross-entropy (eager here)",
          lambda s: with_model(s, loss_impl="torch"), "the fused kernel is one pass for loss and logit gradient"),
         ("half_batch", "half the tokens per step, twice the steps (same tokens)",
@@ -200,8 +205,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dev = device()
     train_path, val_path = find_shards(args.data_dir)
     model, optim, sched, _ = load_yaml_config("gpt2-124m-speedrun")
-    # the FP8 head is a row of its own (fp8_head): every other row toggles one thing against a bf16 head
-    model = replace(model, head_fp8=False)
+    # the FP8 matmuls are rows of their own (fp8_head, fp8_mlp, fp8_attn, fp8_all): every other row toggles one
+    # thing against bfloat16 matmuls
+    model = replace(model, head_fp8=False, mlp_fp8=False, attn_fp8=False)
     base = RunSpec(model, optim, sched, steps=args.steps, micro_batch=args.micro_batch, accum=1,
                    seq_len=args.seq_len, compile=False, amp="bf16", warm=args.warm, val_every=0,
                    val_batch=args.micro_batch, val_seq_len=args.seq_len)

@@ -12,7 +12,10 @@ steps, in one process on one GPU:
 - ``cdt``: inductor's ``coordinate_descent_tuning``;
 - ``mb64prof``: ``mb64`` with the kernel profile; ``mb128``: micro-batches of 128 x 1024 (4 per step);
 - ``fp8mlp64prof`` / ``fp8mlp128``: ``mlp_fp8="auto"`` (both MLP matmuls in FP8) at 64 (profiled) / 128 x 1024;
-- ``nofp8mm64`` / ``fp8mm64prof``: at 64 x 1024, without / with (profiled) FP8 MLP and attention projections.
+- ``nofp8mm64`` / ``fp8mm64prof``: at 64 x 1024, without / with (profiled) FP8 MLP and attention projections;
+- ``fp8mm64`` and its A/B variants: ``-bf16headgrad`` (the head's input gradient in bfloat16, not from the FP8
+  copies), ``-fastacc`` (FP8 backward matmuls with fast accumulation), ``-gradwlayout`` (the FP8 linear's weight
+  gradient computed in the weight's layout, ``g^T x``, instead of transposed, ``x^T g``).
 
     python benchmarks/gpt2_step_profile.py --data-dir .data/novels --only base,cudnn,mb64   # GPU, ~40 s each
 
@@ -43,6 +46,34 @@ from gpt2_common import (  # noqa: E402
     with_model,
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+
+@contextlib.contextmanager
+def switched(module, **values):
+    """Set module-level switches (e.g. ``fp8.BACKWARD_FAST_ACCUM``) for one variant, then restore them."""
+    old = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
+
+
+def _grad_w_own_layout_backward(ctx, grad_out):
+    """The FP8 linear backward with the weight gradient computed in the weight's own layout (``g^T x``, a
+    first try of session 6) instead of transposed (``x^T g``, returned as a view): the A/B of that choice."""
+    from lightning_opt.ops.fp8 import _E5M2, _scale
+
+    x8, w8 = ctx.saved_tensors
+    x_scale, w_scale, grad_scale = ctx.scales
+    xs, ws, gs = _scale(x8, x_scale), _scale(x8, w_scale), _scale(x8, grad_scale)
+    g8 = (grad_out / gs).clamp(-57344.0, 57344.0).to(_E5M2)
+    grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16)
+    grad_w = torch._scaled_mm(g8.t().contiguous(), x8.t().contiguous().t(), scale_a=gs, scale_b=xs,
+                              out_dtype=torch.float32)
+    return grad_x, grad_w.to(ctx.w_dtype), None, None, None
 
 
 def run(spec: RunSpec, data: Tokens, ctx=contextlib.nullcontext, profile: bool = False,
@@ -120,6 +151,15 @@ def main(argv: list[str] | None = None) -> dict:
     base = RunSpec(m, o, s, steps=20, micro_batch=32, accum=16)
     tr, va = find_shards(a.data_dir)
     data = Tokens(tr, va, dev, val_tokens=65536)
+    from lightning_opt.ops import fp8 as fp8_mod
+    from lightning_opt.ops import softcap_ce as softcap_ce_mod
+
+    fp8mm64 = with_model(replace(base, micro_batch=64, accum=8), mlp_fp8="auto", attn_fp8="auto")
+
+    def _with(module, name, value, fn):
+        with switched(module, **{name: value}):
+            return fn()
+
     variants = {
         "base": lambda: run(base, data, profile=True),
         "cudnn": lambda: run(base, data, ctx=lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)),
@@ -132,6 +172,11 @@ def main(argv: list[str] | None = None) -> dict:
         "fp8mlp64prof": lambda: run(with_model(replace(base, micro_batch=64, accum=8), mlp_fp8="auto"), data,
                                     profile=True),
         "fp8mlp128": lambda: run(with_model(replace(base, micro_batch=128, accum=4), mlp_fp8="auto"), data),
+        "fp8mm64": lambda: run(fp8mm64, data),
+        "fp8mm64-bf16headgrad": lambda: _with(softcap_ce_mod, "FP8_INPUT_GRAD", False, lambda: run(fp8mm64, data)),
+        "fp8mm64-fastacc": lambda: _with(fp8_mod, "BACKWARD_FAST_ACCUM", True, lambda: run(fp8mm64, data)),
+        "fp8mm64-gradwlayout": lambda: _with(fp8_mod._FP8Linear, "backward",
+                                             staticmethod(_grad_w_own_layout_backward), lambda: run(fp8mm64, data)),
         "nofp8mm64": lambda: run(with_model(replace(base, micro_batch=64, accum=8), mlp_fp8=False, attn_fp8=False),
                                  data),
         "fp8mm64prof": lambda: run(with_model(replace(base, micro_batch=64, accum=8), mlp_fp8="auto", attn_fp8="auto"),

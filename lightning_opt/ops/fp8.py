@@ -64,6 +64,12 @@ def fp8_wanted(mode: bool | str, x: torch.Tensor, training: bool, applicable: bo
     return mode is True or (applicable and x.is_cuda and fp8_supported(x.device))
 
 
+# how the backward matmuls accumulate: ``torch._scaled_mm``'s ``use_fast_accum`` (Hopper's FP8 tensor cores
+# accumulate in reduced precision unless partial sums are promoted to float32 at intervals; fast = no
+# promotion). The forward matmuls always use fast accumulation. A module switch for measurements.
+BACKWARD_FAST_ACCUM = False
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, x_scale, w_scale, grad_scale):  # type: ignore[override]
@@ -83,13 +89,15 @@ class _FP8Linear(torch.autograd.Function):
         xs, ws, gs = _scale(x8, x_scale), _scale(x8, w_scale), _scale(x8, grad_scale)
         g8 = (grad_out / gs).clamp(-57344.0, 57344.0).to(_E5M2)
         # grad_x [N, K] = g [N, M] @ w [M, K]; w8 must be column-major as the second operand
-        grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16)
-        # grad_w [M, K] = g^T [M, N] @ x [N, K]: written in the weight's own layout (a transposed result would
-        # make every gradient accumulation a strided copy)
-        grad_w = torch._scaled_mm(
-            g8.t().contiguous(), x8.t().contiguous().t(), scale_a=gs, scale_b=xs, out_dtype=torch.float32
-        )
-        return grad_x, grad_w.to(ctx.w_dtype), None, None, None
+        fast = BACKWARD_FAST_ACCUM
+        grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16,
+                                  use_fast_accum=fast)
+        # grad_w^T [K, M] = x^T [K, N] @ g [N, M], returned as a transposed view. (Computing grad_w [M, K] =
+        # g^T @ x in the weight's own layout instead was 4.5% slower per speedrun step on an H100:
+        # benchmarks/results/gpt2_fp8_ab_s6_nvidia-h100-80gb-hbm3_20261126.json.)
+        grad_wt = torch._scaled_mm(x8.t().contiguous(), g8.t().contiguous().t(), scale_a=xs, scale_b=gs,
+                                   out_dtype=torch.float32, use_fast_accum=fast)
+        return grad_x, grad_wt.t().to(ctx.w_dtype), None, None, None
 
 
 def check_fp8_shapes(rows: int, k: int, out: int, device: torch.device) -> None:

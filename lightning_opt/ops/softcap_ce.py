@@ -30,6 +30,7 @@ import math
 import torch
 
 from lightning_opt._optional import triton_runs_on
+from lightning_opt.ops import fp8 as _fp8
 from lightning_opt.ops.fp8 import HEAD_W_SCALE, check_fp8_shapes, fp8_matmul_t, to_e4m3
 
 try:  # optional dependency (the CUDA wheels of torch ship it)
@@ -197,6 +198,11 @@ def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | N
     return loss
 
 
+# with fp8=True, also the head's input gradient from FP8 operands (False: in the compute dtype, as the weight
+# gradient is); a module switch for measurements
+FP8_INPUT_GRAD = True
+
+
 class _LinearSoftcapCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, cap, ignore_index, need_grad, fp8):  # type: ignore[override]
@@ -208,7 +214,7 @@ class _LinearSoftcapCE(torch.autograd.Function):
                 w_scale = torch.full((), HEAD_W_SCALE, dtype=torch.float32, device=h.device)
                 w8 = to_e4m3(wc, w_scale)
                 logits = fp8_matmul_t(hc, w8, w_scale=w_scale, out_dtype=dtype)
-                if need_grad:  # the input gradient's matmul in FP8 too: the kernel also writes the gradient as e5m2
+                if need_grad and FP8_INPUT_GRAD:  # the input gradient's matmul in FP8 too: the kernel also writes the gradient as e5m2
                     g8 = torch.empty(logits.shape, dtype=torch.float8_e5m2, device=h.device)
                     w8t = w8.t().contiguous()  # [d, V]: the column-major second operand _scaled_mm needs
             else:
@@ -228,7 +234,8 @@ class _LinearSoftcapCE(torch.autograd.Function):
             if g8 is not None:  # grad_h = g [N, V] @ W [V, d] from the FP8 copies (scales undo G8_MULT and W's)
                 gs = torch.full((), 1.0 / G8_MULT, dtype=torch.float32, device=hc.device)
                 ws = torch.full((), HEAD_W_SCALE, dtype=torch.float32, device=hc.device)
-                grad_h = torch._scaled_mm(g8, w8t.t(), scale_a=gs, scale_b=ws, out_dtype=hc.dtype).float() * scale
+                grad_h = torch._scaled_mm(g8, w8t.t(), scale_a=gs, scale_b=ws, out_dtype=hc.dtype,
+                                          use_fast_accum=_fp8.BACKWARD_FAST_ACCUM).float() * scale
             else:
                 grad_h = (grad_logits @ wc).float() * scale
             grad_w = (grad_logits.t() @ hc).float() * scale
