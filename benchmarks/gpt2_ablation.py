@@ -125,6 +125,8 @@ def rows(steps: int, classic_heads: int = 12) -> list[Row]:
          lambda s: replace(s, optim=replace(s.optim, muon_momentum_start=None)), "the record warms it up"),
         ("muon_unbatched", "Muon one matrix at a time (not batched by shape)",
          lambda s: replace(s, optim=replace(s.optim, muon_batched=False)), "same update, more kernel launches"),
+        ("norm_gain", "learned gains in every norm (norm_weight: true; the recipe's norms have none)",
+         lambda s: with_model(s, norm_weight=True), "the record's norms have no gains; gains add per-norm reductions"),
         ("fp8_head", "the fused loss's head forward matmul in FP8 (the recipe's head_fp8: auto on H100-class GPUs)",
          lambda s: with_model(s, head_fp8="auto"), "on H100-class GPUs; a no-op elsewhere"),
         ("fp8_mlp", "both MLP matmuls in FP8 with static scales (mlp_fp8: auto)",

@@ -41,6 +41,9 @@ class GPTConfig:
             to ``1 / rope_base`` (the other half of the dimensions carries no position; the speedrun's
             "half-truncated" RoPE, used there with ``rope_base=1024``).
         norm: ``layernorm`` (GPT-2) or ``rmsnorm``.
+        norm_weight: a learned gain in every norm (the block norms, the final norm, QK-norm). ``False`` (the
+            speedrun record's choice): plain normalisation, no per-norm weight gradient to reduce over the tokens,
+            and a normalised row then never exceeds ``sqrt(width)``, the bound the FP8 input scales assume.
         bias: biases in linear layers and LayerNorm (GPT-2 has them).
         qk_norm: RMS-normalise queries and keys per head.
         mlp: ``gelu`` (tanh approximation, GPT-2), ``relu2`` (ReLU squared) or ``swiglu``.
@@ -105,6 +108,7 @@ class GPTConfig:
     rope_truncate: bool = False
     norm: str = "layernorm"
     norm_eps: float = 1e-5
+    norm_weight: bool = True
     bias: bool = True
     qk_norm: bool = False
     mlp: str = "gelu"
@@ -234,10 +238,10 @@ class GPTConfig:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, weight: bool = True) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim)) if weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -245,8 +249,8 @@ class RMSNorm(nn.Module):
 
 def make_norm(cfg: GPTConfig, dim: int) -> nn.Module:
     if cfg.norm == "rmsnorm":
-        return RMSNorm(dim, cfg.norm_eps)
-    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
+        return RMSNorm(dim, cfg.norm_eps, cfg.norm_weight)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, elementwise_affine=cfg.norm_weight, bias=cfg.bias)
 
 
 def linear_maybe_fp8(lin: nn.Linear, x: torch.Tensor, x_scale: float, fp8: bool) -> torch.Tensor:
@@ -292,8 +296,8 @@ class CausalSelfAttention(nn.Module):
         self.c_attn.weight.muon_row_splits = (self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd)
         self.rotary = (Rotary(self.hd, cfg.block_size, cfg.rope_base, cfg.rope_truncate)
                        if cfg.pos_emb == "rope" else None)
-        self.q_norm = RMSNorm(self.hd) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.hd) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(self.hd, weight=cfg.norm_weight) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, weight=cfg.norm_weight) if cfg.qk_norm else None
         # learned mix of the value embedding into the values (modded-nanogpt style)
         # only in the layers that get one (the first and last n_value_embeds): a parameter no loss reaches
         # would make plain DDP fail after the first backward

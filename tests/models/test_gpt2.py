@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_opt.models.gpt2 import GPT, GPTConfig
+from lightning_opt.models.gpt2 import GPT, GPTConfig, RMSNorm
 
 BASE = dict(vocab_size=300, n_layer=4, n_head=4, n_embd=32, block_size=32)
 OPTIONS = {
@@ -22,6 +22,8 @@ OPTIONS = {
     "mtp": dict(mtp_heads=2),
     "moe": dict(moe_experts=2, moe_top_k=1),
     "vocab_pad": dict(vocab_multiple=128),
+    "no_norm_weight": dict(norm="rmsnorm", qk_norm=True, bias=False, norm_weight=False),
+    "no_layernorm_weight": dict(norm_weight=False),
     "record_parity": dict(pos_emb="rope", rope_base=1024.0, rope_truncate=True, x0_mix=True, embed_norm=True,
                           skip_attn_layers=(2,), n_value_embeds=1),
 }
@@ -245,6 +247,35 @@ def test_embed_norm_and_skipped_attention():
     full = GPT(GPTConfig(**BASE, norm="rmsnorm", bias=False))
     per_attn = sum(p.numel() for p in full.blocks[0].attn.parameters()) + full.config.n_embd
     assert full.num_params() - model.num_params() == 2 * per_attn
+
+
+def test_norms_without_weights_are_plain_normalisation():
+    """norm_weight=False: no norm parameter anywhere (block norms, final norm, QK-norm); every norm output of
+    an RMS-normalised model is a unit-RMS row (the bound the FP8 input scales rely on); the loss still trains."""
+    torch.manual_seed(0)
+    cfg = dict(**BASE, norm="rmsnorm", bias=False, qk_norm=True, norm_weight=False)
+    model = GPT(GPTConfig(**cfg))
+    with_w = GPT(GPTConfig(**{**cfg, "norm_weight": True}))
+    norms = [m for m in with_w.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 4 * 2 + 4 * 2 + 1  # ln_1, ln_2, q_norm, k_norm per block; ln_f
+    assert model.num_params() == with_w.num_params() - sum(p.numel() for m in norms for p in m.parameters())
+    assert all(m.weight is None for m in model.modules() if isinstance(m, RMSNorm))
+    seen = []
+    model.blocks[1].mlp.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    x = torch.randint(0, 300, (2, 16))
+    model(x)
+    rms = seen[0].pow(2).mean(-1).sqrt()  # 1 up to the eps in the denominator (a small residual stream at init)
+    torch.testing.assert_close(rms, torch.ones_like(rms), atol=2e-2, rtol=0)
+    assert (rms <= 1.0).all() and (seen[0].abs() <= cfg["n_embd"] ** 0.5).all()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    first = None
+    for _ in range(20):
+        loss = model(x, x.roll(-1, 1))
+        first = float(loss) if first is None else first
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert float(loss) < first - 1.0
 
 
 def test_truncated_rope_leaves_half_the_pairs_unrotated():
