@@ -164,8 +164,8 @@ OURS_VARIANTS: dict[str, tuple] = {
     "half-batch-85": (8, False, 0.85),
     # the recipe without its FP8 MLP and attention projections (the session-5 recipe): isolates their loss cost
     "half-batch-85-nofp8mm": (8, False, 0.85, NO_FP8_MATMULS),
-    # ... with learned norm gains (the recipe before session 6 turned norm_weight off)
-    "half-batch-85-normw": (8, False, 0.85, {"norm_weight": True}),
+    # ... without learned norm gains (norm_weight: false, as the record script)
+    "half-batch-85-nonormw": (8, False, 0.85, {"norm_weight": False}),
     "half-batch-long-80": (8, True, 0.8),
     "half-batch-long-70": (8, True, 0.7),
     "quarter-batch-long": (4, True, 1.0),

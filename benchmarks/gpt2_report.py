@@ -24,14 +24,21 @@ DOC = ROOT / "docs" / "benchmarks" / "gpt2.md"
 # what the page shows, newest first per section (the first speedrun/record run is the headline one);
 # a kind missing here falls back to its newest result file
 SHOWN = {
-    "speedrun": ["gpt2_speedrun_s5_nvidia-h100-80gb-hbm3_20261126.json",
+    "speedrun": ["gpt2_speedrun_s6c_nvidia-h100-80gb-hbm3_20261126.json",
+                 "gpt2_speedrun_s6d_nogain_nvidia-h100-80gb-hbm3_20261126.json",
+                 "gpt2_speedrun_s6b_nvidia-h100-80gb-hbm3_20261126.json",
+                 "gpt2_speedrun_s6a_nvidia-h100-80gb-hbm3_20261126.json",
+                 "gpt2_speedrun_s5_nvidia-h100-80gb-hbm3_20261126.json",
                  "gpt2_speedrun_s4_fusedce_nvidia-h200_20261126.json", "gpt2_speedrun_s4_recipe_nvidia-h200_20261126.json",
                  "gpt2_speedrun_nvidia-h200_20261126.json", "gpt2_speedrun_nvidia-h100-80gb-hbm3_20261126.json"],
-    "record": ["gpt2_record_s5_nvidia-h100-80gb-hbm3_20261126.json",
+    "record": ["gpt2_record_s6_nvidia-h100-80gb-hbm3_20261126.json",
+               "gpt2_record_s6b_nogain_nvidia-h100-80gb-hbm3_20261126.json",
+               "gpt2_record_s5_nvidia-h100-80gb-hbm3_20261126.json",
                "gpt2_record_s5_longprobe_nvidia-h200_20261126.json", "gpt2_record_s4_nvidia-h200_20261126.json",
                "gpt2_record_s4_halfbatch_nvidia-h200_20261126.json",
                "gpt2_record_nvidia-h100-80gb-hbm3_20261126.json"],
-    "ablation": ["gpt2_ablation_s4_nvidia-h200_20261126.json", "gpt2_ablation_nvidia-h100-80gb-hbm3_20261126.json"],
+    "ablation": ["gpt2_ablation_s4_nvidia-h200_20261126.json", "gpt2_ablation_s6_fp8_nvidia-h100-80gb-hbm3_20261126.json",
+                 "gpt2_ablation_nvidia-h100-80gb-hbm3_20261126.json"],
 }
 
 
@@ -105,9 +112,12 @@ def speedrun_section(d: dict[str, Any] | None, path: Path | None, doc: Path,
                    f"{fmt(r.get('step_ms'), '.1f')} | {fmt(r.get('compile_s'), '.1f')} | "
                    f"{fmt(r.get('peak_mem_gb'), '.1f')} | {fmt(r.get('final_val_loss'), '.4f')} | "
                    f"{r.get('stopped') or ''} |")
-    sm = d.get("summary", {})
-    out += ["", "| ratio / goal | value |", "|---|---|"]
-    out += [f"| {k} | {v} |" for k, v in sm.items()]
+    # "summary", and any other summary block a result file carries (e.g. one per recipe it judged)
+    for key in [k for k in d if k.startswith("summary")]:
+        sm = d[key]
+        head = "ratio / goal" if key == "summary" else f"{key.replace('_', ' ')}"
+        out += ["", f"| {head} | value |", "|---|---|"]
+        out += [f"| {k} | {v} |" for k, v in sm.items()]
     return out + [""]
 
 
