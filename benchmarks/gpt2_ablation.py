@@ -128,6 +128,8 @@ def rows(steps: int, classic_heads: int = 12) -> list[Row]:
         ("no_norm_gain", "no learned gains in the norms (norm_weight: false, as the record script)",
          lambda s: with_model(s, norm_weight=False),
          "1.7% more tokens/s, but the loss fell behind in the time-to-target run (docs/gpt2.md): keep the gains"),
+        ("qk_gain_only", "learned gains only in QK-norm (norm_weight: qk)",
+         lambda s: with_model(s, norm_weight="qk"), "candidate between the two: measure before use"),
         ("fp8_head", "the fused loss's head forward matmul in FP8 (the recipe's head_fp8: auto on H100-class GPUs)",
          lambda s: with_model(s, head_fp8="auto"), "on H100-class GPUs; a no-op elsewhere"),
         ("fp8_mlp", "both MLP matmuls in FP8 with static scales (mlp_fp8: auto)",

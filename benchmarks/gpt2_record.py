@@ -166,6 +166,7 @@ OURS_VARIANTS: dict[str, tuple] = {
     "half-batch-85-nofp8mm": (8, False, 0.85, NO_FP8_MATMULS),
     # ... without learned norm gains (norm_weight: false, as the record script)
     "half-batch-85-nonormw": (8, False, 0.85, {"norm_weight": False}),
+    "half-batch-85-qkgain": (8, False, 0.85, {"norm_weight": "qk"}),  # gains in QK-norm only
     "half-batch-long-80": (8, True, 0.8),
     "half-batch-long-70": (8, True, 0.7),
     "quarter-batch-long": (4, True, 1.0),

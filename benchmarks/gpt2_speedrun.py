@@ -23,6 +23,7 @@ tokens per step = 32 x 1024 x 16 = 524,288, like nanoGPT's train.py and the spee
   ``attn_fp8: auto`` (the MLP and attention projection matmuls in bfloat16 instead of FP8), at 64 x 1024;
 - ``ours-speedrun-nonormw-mb64-lightning``: the recipe without learned norm gains (``norm_weight: false``, as the
   record script), at 64 x 1024 (session 6 measured it faster per step and worse in loss);
+  ``ours-speedrun-qkgain-mb64-lightning``: gains in QK-norm only (``norm_weight: qk``);
 - ``ours-speedrun-fp8mlp-lightning`` / ``-fp8mlp-mb64-lightning``: ``mlp_fp8: auto`` set explicitly (the
   recipe has it since session 6; before, these were the candidate runs);
 - ``ours-speedrun-mb64-bare`` / ``-lightning`` and ``nanogpt-mb64``: micro-batches of 64 x 1024 with half
@@ -179,6 +180,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # the recipe without learned gains in its norms (as the record script)
         "ours-speedrun-nonormw-mb64-lightning": lambda: oom_retry(
             lightning, with_model(mbx(sp, 2), norm_weight=False)),
+        # gains in QK-norm only (candidate: most of the speed of no gains, the attention temperature kept)
+        "ours-speedrun-qkgain-mb64-lightning": lambda: oom_retry(lightning, with_model(mbx(sp, 2), norm_weight="qk")),
         "ours-speedrun-nofp8mm-mb64-bare": lambda: oom_retry(
             lambda s: train_bare(s, data), with_model(mbx(sp, 2), mlp_fp8=False, attn_fp8=False)),
         "ours-classic-bare": lambda: oom_retry(lambda s: train_bare(s, data), cl),

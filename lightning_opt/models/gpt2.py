@@ -41,9 +41,11 @@ class GPTConfig:
             to ``1 / rope_base`` (the other half of the dimensions carries no position; the speedrun's
             "half-truncated" RoPE, used there with ``rope_base=1024``).
         norm: ``layernorm`` (GPT-2) or ``rmsnorm``.
-        norm_weight: a learned gain in every norm (the block norms, the final norm, QK-norm). ``False`` (the
-            speedrun record's choice): plain normalisation, no per-norm weight gradient to reduce over the tokens,
-            and a normalised row then never exceeds ``sqrt(width)``, the bound the FP8 input scales assume.
+        norm_weight: learned gains in the norms: ``True`` in every norm (block norms, final norm, QK-norm);
+            ``False`` in none (the speedrun record's choice: no per-norm weight gradient to reduce over the
+            tokens, and a normalised row never exceeds ``sqrt(width)``, the bound the FP8 input scales assume);
+            ``"qk"`` only in QK-norm (where a gain sets the attention's temperature); ``"blocks"`` only in the
+            block and final norms.
         bias: biases in linear layers and LayerNorm (GPT-2 has them).
         qk_norm: RMS-normalise queries and keys per head.
         mlp: ``gelu`` (tanh approximation, GPT-2), ``relu2`` (ReLU squared) or ``swiglu``.
@@ -108,7 +110,7 @@ class GPTConfig:
     rope_truncate: bool = False
     norm: str = "layernorm"
     norm_eps: float = 1e-5
-    norm_weight: bool = True
+    norm_weight: bool | str = True
     bias: bool = True
     qk_norm: bool = False
     mlp: str = "gelu"
@@ -188,6 +190,11 @@ class GPTConfig:
         if self.mlp_fp8 and (self.n_embd % 16 or int(self.mlp_ratio * self.n_embd) % 16):
             raise bad("mlp_fp8", self.mlp_fp8, f"needs n_embd ({self.n_embd}) and the MLP width "
                       f"({int(self.mlp_ratio * self.n_embd)}) divisible by 16")
+        if self.norm_weight not in (True, False, "qk", "blocks"):
+            raise bad("norm_weight", self.norm_weight, "choose true, false, 'qk' (gains in QK-norm only) or 'blocks' "
+                      "(gains in the block and final norms only)")
+        if self.norm_weight == "qk" and not self.qk_norm:
+            raise bad("norm_weight", self.norm_weight, "'qk' puts gains in QK-norm, which needs qk_norm=True")
         if self.attn_fp8 and ((self.n_head + 2 * self.kv_heads) * self.head_dim % 16 or self.n_embd % 16):
             raise bad("attn_fp8", self.attn_fp8, f"needs n_embd ({self.n_embd}) and the q/k/v width "
                       f"({(self.n_head + 2 * self.kv_heads) * self.head_dim}) divisible by 16")
@@ -249,8 +256,8 @@ class RMSNorm(nn.Module):
 
 def make_norm(cfg: GPTConfig, dim: int) -> nn.Module:
     if cfg.norm == "rmsnorm":
-        return RMSNorm(dim, cfg.norm_eps, cfg.norm_weight)
-    return nn.LayerNorm(dim, eps=cfg.norm_eps, elementwise_affine=cfg.norm_weight, bias=cfg.bias)
+        return RMSNorm(dim, cfg.norm_eps, cfg.norm_weight in (True, "blocks"))
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, elementwise_affine=cfg.norm_weight in (True, "blocks"), bias=cfg.bias)
 
 
 def linear_maybe_fp8(lin: nn.Linear, x: torch.Tensor, x_scale: float, fp8: bool) -> torch.Tensor:
@@ -296,8 +303,9 @@ class CausalSelfAttention(nn.Module):
         self.c_attn.weight.muon_row_splits = (self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd)
         self.rotary = (Rotary(self.hd, cfg.block_size, cfg.rope_base, cfg.rope_truncate)
                        if cfg.pos_emb == "rope" else None)
-        self.q_norm = RMSNorm(self.hd, weight=cfg.norm_weight) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.hd, weight=cfg.norm_weight) if cfg.qk_norm else None
+        qk_gain = cfg.norm_weight in (True, "qk")
+        self.q_norm = RMSNorm(self.hd, weight=qk_gain) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, weight=qk_gain) if cfg.qk_norm else None
         # learned mix of the value embedding into the values (modded-nanogpt style)
         # only in the layers that get one (the first and last n_value_embeds): a parameter no loss reaches
         # would make plain DDP fail after the first backward

@@ -278,6 +278,25 @@ def test_norms_without_weights_are_plain_normalisation():
     assert float(loss) < first - 1.0
 
 
+@pytest.mark.parametrize("where, qk_gains, block_gains", [("qk", True, False), ("blocks", False, True)])
+def test_norm_gains_in_part_of_the_norms(where, qk_gains, block_gains):
+    cfg = dict(**BASE, norm="rmsnorm", bias=False, qk_norm=True)
+    model = GPT(GPTConfig(**cfg, norm_weight=where))
+    attn = model.blocks[0].attn
+    assert (attn.q_norm.weight is not None, attn.k_norm.weight is not None) == (qk_gains, qk_gains)
+    assert (model.blocks[0].ln_1.weight is not None, model.ln_f.weight is not None) == (block_gains, block_gains)
+    x = torch.randint(0, 300, (2, 16))
+    model(x, x.roll(-1, 1)).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_norm_weight_values_are_checked():
+    with pytest.raises(ValueError, match="norm_weight"):
+        GPTConfig(norm_weight="some")
+    with pytest.raises(ValueError, match="qk_norm=True"):
+        GPTConfig(norm_weight="qk")
+
+
 def test_truncated_rope_leaves_half_the_pairs_unrotated():
     from lightning_opt.models.gpt2 import Rotary
 
