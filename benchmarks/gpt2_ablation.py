@@ -50,6 +50,13 @@ from lightning_opt.optim.factory import OptimConfig  # noqa: E402
 Row = tuple[str, str, Callable[[RunSpec], RunSpec], str]
 
 
+def _fp8_mode() -> bool | str:
+    """True where this machine's GPU has FP8 matmuls, else "auto" (which then stays in the compute dtype)."""
+    from lightning_opt.ops.fp8 import fp8_supported
+
+    return True if torch.cuda.is_available() and fp8_supported("cuda") else "auto"
+
+
 def _adamw(spec: RunSpec, **kw: Any) -> RunSpec:
     return replace(spec, optim=OptimConfig(name=kw.pop("name", "adamw"), lr=6e-4, betas=(0.9, 0.95),
                                            weight_decay=0.1, **kw))
@@ -132,13 +139,15 @@ def rows(steps: int, classic_heads: int = 12) -> list[Row]:
          lambda s: with_model(s, norm_weight="qk"), "candidate between the two: measure before use"),
         ("fp8_head", "the fused loss's head forward matmul in FP8 (the recipe's head_fp8: auto on H100-class GPUs)",
          lambda s: with_model(s, head_fp8="auto"), "on H100-class GPUs; a no-op elsewhere"),
-        ("fp8_mlp", "both MLP matmuls in FP8 with static scales (mlp_fp8: auto)",
-         lambda s: with_model(s, mlp_fp8="auto"), "on H100-class GPUs, if its row shows no loss penalty"),
-        ("fp8_attn", "the attention projections (q/k/v and output) in FP8 with static scales (attn_fp8: auto)",
-         lambda s: with_model(s, attn_fp8="auto"), "on H100-class GPUs, if its row shows no loss penalty"),
+        # eager rows: "auto" keeps the MLP and attention in bf16 outside torch.compile, so these insist on FP8
+        # where the GPU has it (and stay "auto", a no-op, elsewhere)
+        ("fp8_mlp", "both MLP matmuls in FP8 with static scales (mlp_fp8)",
+         lambda s: with_model(s, mlp_fp8=_fp8_mode()), "with torch.compile on H100-class GPUs (eager it is slower)"),
+        ("fp8_attn", "the attention projections (q/k/v and output) in FP8 with static scales (attn_fp8)",
+         lambda s: with_model(s, attn_fp8=_fp8_mode()), "with torch.compile on H100-class GPUs (eager it is slower)"),
         ("fp8_all", "head, MLP and attention projections in FP8 (the recipe since session 6)",
-         lambda s: with_model(s, head_fp8="auto", mlp_fp8="auto", attn_fp8="auto"),
-         "the recipe's setting on H100-class GPUs"),
+         lambda s: with_model(s, head_fp8="auto", mlp_fp8=_fp8_mode(), attn_fp8=_fp8_mode()),
+         "the recipe's setting on H100-class GPUs, with torch.compile"),
         ("torch_ce", "fused soft-capped loss (Triton) -> torch soft-cap + cross-entropy (eager here)",
          lambda s: with_model(s, loss_impl="torch"), "the fused kernel is one pass for loss and logit gradient"),
         ("half_batch", "half the tokens per step, twice the steps (same tokens)",

@@ -92,7 +92,8 @@ class GPTConfig:
             (:func:`~lightning_opt.ops.fp8.fp8_linear`): the input of ``c_fc`` is RMS/layer-normalised
             (scale ``sqrt(n_embd) / 448``), the input of ``c_proj`` is the activation (scale 1: values up to
             448, larger ones saturate), output gradients are scaled for a mean loss over the rows. ``True``
-            insists, ``"auto"`` uses FP8 where the GPU has it. Widths must be multiples of 16.
+            insists, ``"auto"`` uses FP8 where the GPU has it and the model runs under ``torch.compile``
+            (eager, FP8 costs more than it saves). Widths must be multiples of 16.
         attn_fp8: the same for the attention projections ``c_attn`` (input normalised, scale
             ``sqrt(n_embd) / 448``) and ``c_proj`` (input the attention output, a convex mix of value rows:
             scale 1). The attention itself (softmax(QK^T)V) stays in the compute dtype.
@@ -322,7 +323,7 @@ class CausalSelfAttention(nn.Module):
         window: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        fp8 = fp8_wanted(self.cfg.attn_fp8, x, self.training)
+        fp8 = fp8_wanted(self.cfg.attn_fp8, x, self.training, compiled_only=True)
         q, k, v = linear_maybe_fp8(self.c_attn, x, self.in_scale, fp8).split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
         q = q.view(b, t, self.n_head, self.hd).transpose(1, 2)
         k = k.view(b, t, self.n_kv, self.hd).transpose(1, 2)
@@ -355,7 +356,7 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fp8 = fp8_wanted(self.fp8, x, self.training)
+        fp8 = fp8_wanted(self.fp8, x, self.training, compiled_only=True)
         h = linear_maybe_fp8(self.c_fc, x, self.in_scale, fp8)
         if self.kind == "gelu":
             h = F.gelu(h, approximate="tanh")

@@ -55,13 +55,25 @@ def mean_loss_grad_scale(rows: int) -> float:
     return 1.0 / (448.0 * rows)
 
 
-def fp8_wanted(mode: bool | str, x: torch.Tensor, training: bool, applicable: bool = True) -> bool:
+def _device_has_fp8(x: torch.Tensor) -> bool:
+    return x.is_cuda and fp8_supported(x.device)
+
+
+def fp8_wanted(mode: bool | str, x: torch.Tensor, training: bool, applicable: bool = True,
+               compiled_only: bool = False) -> bool:
     """Whether a training matmul on ``x`` runs in FP8 under a model option ``mode``: ``True`` insists
     (``torch._scaled_mm`` then raises where it cannot run), ``"auto"`` only where the GPU has FP8 and
-    ``applicable`` says the model allows it; never in evaluation or with a row count off 16."""
+    ``applicable`` says the model allows it - and, with ``compiled_only``, only inside ``torch.compile``
+    (eager, the casts and transposed copies around a small matmul are kernels of their own and cost more than
+    FP8 saves: 10-16% slower per layer type in the eager ablation, docs/gpt2.md). Never in evaluation or with a
+    row count off 16."""
     if not mode or not training or math.prod(x.shape[:-1]) % 16:
         return False
-    return mode is True or (applicable and x.is_cuda and fp8_supported(x.device))
+    if mode is True:
+        return True
+    if compiled_only and not torch.compiler.is_compiling():
+        return False
+    return applicable and _device_has_fp8(x)
 
 
 # how the backward matmuls accumulate: ``torch._scaled_mm``'s ``use_fast_accum`` (Hopper's FP8 tensor cores

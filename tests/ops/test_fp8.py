@@ -298,3 +298,42 @@ def test_fp8_head_and_mlp_compile_and_train_on_gpu():
         opt.zero_grad()
         losses.append(float(loss))
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0] - 1.0
+
+
+def test_auto_fp8_for_mlp_and_attention_needs_compile(monkeypatch):
+    """'auto' with compiled_only (the MLP and attention projections): FP8 only inside torch.compile, where the
+    casts fuse into neighbouring kernels; eager it would be slower. True always insists; evaluation never."""
+    from lightning_opt.ops import fp8 as fp8_mod
+
+    monkeypatch.setattr(fp8_mod, "_device_has_fp8", lambda x: True)  # as on an H100
+    x = torch.randn(32, 64)
+    assert fp8_mod.fp8_wanted("auto", x, True) is True  # the head's rule: no compile needed
+    assert fp8_mod.fp8_wanted("auto", x, True, compiled_only=True) is False  # eager
+    assert fp8_mod.fp8_wanted(True, x, True, compiled_only=True) is True
+    assert fp8_mod.fp8_wanted("auto", x, False, compiled_only=True) is False
+
+    def flag(t):
+        return t * float(fp8_mod.fp8_wanted("auto", t, True, compiled_only=True))
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(flag, backend="eager", fullgraph=True)(x), x)  # traced: FP8 wanted
+    assert torch.equal(flag(x), torch.zeros_like(x))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU with FP8 matmuls (compute capability 8.9+)")
+def test_auto_mlp_fp8_on_gpu_is_bf16_eager_and_fp8_compiled():
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=512, vocab_multiple=128, n_layer=1, n_head=2, n_embd=128, block_size=64,
+               tie_embeddings=False, norm="rmsnorm", bias=False, mlp="relu2")
+    auto = GPT(GPTConfig(**cfg, mlp_fp8="auto")).cuda().train()
+    plain = GPT(GPTConfig(**cfg)).cuda().train()
+    plain.load_state_dict(auto.state_dict())
+    h = torch.nn.functional.rms_norm(torch.randn(4, 64, 128, device="cuda"), (128,))
+    with torch.autocast("cuda", torch.bfloat16):
+        eager, ref = auto.blocks[0].mlp(h), plain.blocks[0].mlp(h)
+        compiled = torch.compile(auto.blocks[0].mlp)(h)
+        compiled_ref = torch.compile(plain.blocks[0].mlp)(h)
+    torch.testing.assert_close(eager, ref, atol=0, rtol=0)  # eager "auto": no FP8
+    # compiled: FP8 - off the compiled bf16 MLP by FP8 rounding (same graph otherwise), yet close to it
+    assert 1e-3 < _rel(compiled, compiled_ref) < 0.1
