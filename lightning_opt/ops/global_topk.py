@@ -15,9 +15,10 @@ Algorithm (per rank, ``N`` local entries, ``K = k * tokens_total``):
 1. Lower bound ``lo``: each rank estimates, from a fixed-seed random sample of its entries, a value that about
    ``1.1 K / world`` of its entries reach (plus a binomial margin), and the group takes the minimum (scalar
    collective).
-2. Candidates: the flat indices with ``x >= lo``, ascending (``ops.topk.candidates_ge``: a fused Triton
-   count pass and an ordered compaction pass on CUDA when Triton is installed, else ``nonzero``); one host
-   sync sizes them. If fewer than ``K`` entries reach ``lo``
+2. Candidates: the flat indices with ``x >= lo``, ascending, and every rank's count. On CUDA with Triton a
+   count pass, the counts' exchange and an ordered compaction pass: one host sync reads every rank's count;
+   else ``nonzero`` (``ops.topk.candidates_ge``), a host sync for the local count and one for the exchanged
+   counts. If fewer than ``K`` entries reach ``lo``
    over the group (an unlucky sample), the candidates are the entries at or above the local ``min(K, N)``-th
    largest value instead (exact, slower).
 3. Threshold ``t``: the ``K``-th largest of all candidate values (``all_gather`` of the padded values; a top-k
@@ -182,16 +183,13 @@ def _select(
     # Candidates at or above the sampled bound. nonzero syncs with the host once: the candidate count sizes
     # every buffer after it.
     # The bound is the group's minimum, so this rank may see more than its own estimate: size by the larger.
-    idx, vals = candidates_ge(flat, lo.view(1), n) if n > 0 else (empty_idx, flat[:0])
-    count = torch.tensor([idx.numel()], dtype=torch.long, device=device)
-    counts_host = (_all_gather(count, group, world).view(-1) if world > 1 else count).tolist()
+    if n > 0:
+        idx, counts_host = _candidates_exchanged(flat, lo.view(1), group, world)
+    else:
+        idx, counts_host = empty_idx, _counts_of_ranks(0, group, world, device)
     if sum(counts_host) < big_k:
-        # The sample overestimated the bound. Every entry at or above this rank's min(K, N)-th largest
-        # value (ties included) holds this rank's share of the global top-K.
-        idx = torch.nonzero(flat >= _kth_largest(flat, min(big_k, n))).squeeze(1) if n > 0 else empty_idx
-        count = torch.tensor([idx.numel()], dtype=torch.long, device=device)
-        counts_host = (_all_gather(count, group, world).view(-1) if world > 1 else count).tolist()
-        vals = flat[idx]
+        idx, counts_host = _fallback_candidates(flat, big_k, group, world)
+    vals = flat[idx]
 
     if world > 1:
         padded = torch.full((max(counts_host),), float("-inf"), dtype=vals.dtype, device=device)
@@ -306,14 +304,9 @@ def shard_candidates(
     if n > 0 and frac < 1:
         idx, counts = _candidates_exchanged(flat, lo.to(x.dtype).view(1), group, world)
     else:
-        idx = torch.arange(n, device=x.device)
-        count = torch.tensor([n], dtype=torch.long, device=x.device)
-        counts = (_all_gather(count, group, world).view(-1) if world > 1 else count).tolist()  # host sync
+        idx, counts = torch.arange(n, device=x.device), _counts_of_ranks(n, group, world, x.device)
     if sum(counts) < big_k and n > 0:
-        # The sample overestimated the bound: this rank's min(K, N)-th largest value bounds its share.
-        idx = torch.nonzero(flat >= _kth_largest(flat, min(big_k, n))).squeeze(1)
-        count = torch.tensor([idx.numel()], dtype=torch.long, device=x.device)
-        counts = (_all_gather(count, group, world).view(-1) if world > 1 else count).tolist()
+        idx, counts = _fallback_candidates(flat, big_k, group, world)
     return idx, counts
 
 
@@ -375,8 +368,25 @@ def _candidates_exchanged(flat: torch.Tensor, lo: torch.Tensor, group: dist.Proc
         rank = dist.get_rank(group) if world > 1 else 0
         return _topk_triton.compact_counted(flat, lo, n, pre, counts[rank])[0], counts
     idx, _ = candidates_ge(flat, lo, n)  # host sync: the count
-    count = torch.tensor([idx.numel()], dtype=torch.long, device=flat.device)
-    return idx, (_all_gather(count, group, world).view(-1) if world > 1 else count).tolist()  # host sync
+    return idx, _counts_of_ranks(idx.numel(), group, world, flat.device)
+
+
+def _counts_of_ranks(count: int, group: dist.ProcessGroup | None, world: int, device: torch.device) -> list[int]:
+    """Every rank's ``count`` in rank order, as a host list (a host sync: the counts size what follows)."""
+    t = torch.tensor([count], dtype=torch.long, device=device)
+    return (_all_gather(t, group, world).view(-1) if world > 1 else t).tolist()
+
+
+def _fallback_candidates(flat: torch.Tensor, big_k: int, group: dist.ProcessGroup | None,
+                         world: int) -> tuple[torch.Tensor, list[int]]:
+    """Candidates when the sampled bound left fewer than ``big_k`` over the group: every entry at or above this
+    rank's ``min(K, N)``-th largest value (ties included) holds this rank's share of the global top-K."""
+    n = flat.numel()
+    if n > 0:
+        idx = torch.nonzero(flat >= _kth_largest(flat, min(big_k, n))).squeeze(1)
+    else:
+        idx = torch.empty(0, dtype=torch.long, device=flat.device)
+    return idx, _counts_of_ranks(idx.numel(), group, world, flat.device)
 
 
 def top_positions(values: torch.Tensor, valid: torch.Tensor | None, n_keep: int) -> torch.Tensor:
