@@ -280,6 +280,28 @@ def batch_topk_threshold_sparse(
     return idx, x.reshape(-1)[idx]
 
 
+def _shard_bound(x: torch.Tensor, k: int, group: dist.ProcessGroup | None, tokens_total: int, always: bool):
+    """The opening of the feature-sharded candidate steps: ``(world, flat, K, kept fraction, lo)``, ``lo`` the
+    group's minimum sampled bound as a float32 device scalar (an all-reduce, no host sync: the sizes are known).
+    Where nothing needs selecting (no entries, or ``K`` covers them all) ``lo`` is ``+inf`` after the same
+    all-reduce with ``always`` (so every rank runs the same collectives), else ``None`` without any collective
+    (the caller returns before communicating; the ranks of equal shards all take that branch together)."""
+    world = _group_size(group)
+    flat = x.detach().reshape(-1)
+    n = flat.numel()
+    big_k = k * tokens_total
+    frac = big_k / max(1, n * world)
+    selecting = n > 0 and frac < 1
+    if not selecting and not always:
+        return world, flat, big_k, frac, None
+    lo = torch.full((), float("inf"), dtype=torch.float32, device=x.device)
+    if selecting:
+        lo = _lower_bound(flat, frac).float().reshape(())
+    if world > 1:
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    return world, flat, big_k, frac, lo
+
+
 def shard_candidates(
     x: torch.Tensor, k: int, group: dist.ProcessGroup, tokens_total: int
 ) -> tuple[torch.Tensor, list[int]]:
@@ -291,16 +313,8 @@ def shard_candidates(
     exchanged counts) with the Triton candidate passes, two with the torch path (the local count first); the
     pool is then selected with :func:`top_positions` on each rank.
     """
-    world = _group_size(group)
-    flat = x.detach().reshape(-1)
+    world, flat, big_k, frac, lo = _shard_bound(x, k, group, tokens_total, always=True)
     n = flat.numel()
-    big_k = k * tokens_total
-    frac = big_k / max(1, n * world)
-    lo = torch.full((), float("inf"), dtype=torch.float32, device=x.device)
-    if n > 0 and frac < 1:
-        lo = _lower_bound(flat, frac).float().reshape(())
-    if world > 1:
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)  # no host sync: the sizes are known
     if n > 0 and frac < 1:
         idx, counts = _candidates_exchanged(flat, lo.to(x.dtype).view(1), group, world)
     else:
@@ -324,16 +338,10 @@ def shard_candidates_padded(
     The caller reads ``ok`` with a host sync it needs anyway and falls back to :func:`shard_candidates` when it
     is false (rare: an unlucky sample). ``None`` when there is nothing to select (``K`` covers every entry).
     """
-    world = _group_size(group)
-    flat = x.detach().reshape(-1)
+    world, flat, big_k, frac, lo = _shard_bound(x, k, group, tokens_total, always=False)
     n = flat.numel()
-    big_k = k * tokens_total
-    frac = big_k / max(1, n * world)
-    if n == 0 or frac >= 1:
+    if lo is None:
         return None
-    lo = _lower_bound(flat, frac).float().reshape(())
-    if world > 1:
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
     s = min(n, _SAMPLE_SIZE)
     cap = min(n, int(1.3 * _sample_rank(s, frac) / s * n) + 1024)
     lo_x = lo.to(x.dtype).view(1)
