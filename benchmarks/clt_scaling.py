@@ -143,8 +143,6 @@ def _build_module(
     from torch.utils.data import DataLoader, Dataset
 
     from lightning_opt.models.clt import CLT, CLTConfig
-    from lightning_opt.ops.global_topk import batch_topk_threshold_sparse
-    from lightning_opt.ops.topk import batch_topk_rows
 
     class _Steps(Dataset):
         def __len__(self) -> int:
@@ -194,13 +192,9 @@ def _build_module(
             else:
                 pre = clt.encode(x)
                 phases.mark("encode")
-                L, _, nf = pre.shape
-                if clt.topk_group is None:  # one process: the selection CLT.activate uses (the fastest local one)
-                    idx, vals = batch_topk_rows(pre.reshape(1, L * N * nf), args.k * N)
-                else:
-                    idx, vals = batch_topk_threshold_sparse(pre.reshape(N, L * nf), args.k, clt.topk_group)
+                _, idx, vals = clt.activate(pre)  # the product's selection: local, or exact global over the group
                 phases.mark("select")
-                recon = clt.decode_sparse(idx, F.relu(vals), N)
+                recon = clt.decode_sparse(idx, vals, N)
                 phases.mark("decode")
             if clt.d_out_slice is not None:
                 y = y[..., clt.d_out_slice[0] : clt.d_out_slice[1]]

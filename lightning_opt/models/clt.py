@@ -305,10 +305,12 @@ class CLT(nn.Module):
             return jumprelu(pre, self.threshold[:, None, :].to(pre.dtype), cfg.jumprelu_bandwidth), None, None
         assert cfg.k is not None  # validated in CLTConfig
         if act == "batchtopk_global" and self.topk_group is not None:
-            from lightning_opt.ops.global_topk import global_batch_topk
+            from lightning_opt.ops.global_topk import batch_topk_threshold_sparse
 
-            dense = global_batch_topk(pre.reshape(N, L * nf), cfg.k, group=self.topk_group).view(L, N, nf)
-            return F.relu(dense), None, None
+            # the k * N_total largest over every rank's [L, N, F] block (viewed as N rows of L * F: only the
+            # total count matters), as flat indices into [L, N, F] like the local selections: sparse decode
+            idx, vals = batch_topk_threshold_sparse(pre.reshape(N, L * nf), cfg.k, group=self.topk_group)
+            return None, idx, F.relu(vals)
         if act == "topk":
             idx, vals = token_topk(pre, cfg.k)
         elif act == "batchtopk":
