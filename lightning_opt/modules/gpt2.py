@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -16,6 +17,8 @@ from lightning_opt.optim.schedules import ScheduleConfig
 
 register_safe_globals(GPTConfig)
 
+# a checkpoint's model_config that predates a field is read with the field's default
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.default is not dataclasses.MISSING}
 # GPTConfig fields that change how a model is computed, not what its weights are: a checkpoint may be resumed
 # with other values of these (say, a checkpoint from before the recipe set head_fp8: auto)
 EXECUTION_ONLY_FIELDS = frozenset({"loss_impl", "loss_chunk_size", "head_fp8", "mlp_fp8", "attn_fp8", "grad_checkpoint",
@@ -86,7 +89,9 @@ class GPT2SpeedrunModule(TrainingModule):
             a, b = self.model_config.to_dict(), theirs.to_dict() if hasattr(theirs, "to_dict") else dict(theirs)
             # how the same model is computed (loss kernel, FP8 head, attention kernel, recomputation) may change
             # between runs; what the weights mean may not
-            diffs = {k: (b.get(k), a[k]) for k in a if a[k] != b.get(k) and k not in EXECUTION_ONLY_FIELDS}
+            # a field the checkpoint predates counts as its default (what that code computed)
+            b = {k: b.get(k, _FIELD_DEFAULTS.get(k)) for k in a}
+            diffs = {k: (b[k], a[k]) for k in a if a[k] != b[k] and k not in EXECUTION_ONLY_FIELDS}
         if diffs:
             raise ValueError(
                 "checkpoint comes from another model: (checkpoint, this run) differ in "

@@ -167,3 +167,21 @@ def test_window_schedule_without_max_steps_uses_the_schedule_length(tmp_path):
     trainer.fit(module, _loader())  # 8 batches: the last one starts at step 7 of 8
     assert trainer.global_step == 8
     assert int(module.model.attn_window) == module.model.window_at(7 / 8) == 12
+
+
+def test_checkpoint_from_before_a_new_model_field_resumes(tmp_path):
+    """A checkpoint whose model_config predates a field (saved as a plain dict without norm_weight) resumes
+    into a model with that field's default, and is refused when this run sets the field otherwise."""
+    from dataclasses import replace
+
+    ckpt = _one_step_checkpoint(tmp_path)
+    state = torch.load(ckpt, weights_only=False)
+    old = state["hyper_parameters"]["model_config"].to_dict()
+    del old["norm_weight"]
+    state["hyper_parameters"]["model_config"] = old
+    torch.save(state, ckpt)
+    trainer2 = _trainer(tmp_path, 2)
+    trainer2.fit(GPT2SpeedrunModule(CFG), _loader(), ckpt_path=ckpt)
+    assert trainer2.global_step == 2
+    with pytest.raises(ValueError, match=r"norm_weight=True vs False"):
+        _trainer(tmp_path, 3).fit(GPT2SpeedrunModule(replace(CFG, norm_weight=False)), _loader(), ckpt_path=ckpt)
