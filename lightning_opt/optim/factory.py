@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from lightning_opt._optional import require
-from lightning_opt.optim.muon import Muon
+from lightning_opt.optim.muon import NS_COEFFICIENTS, Muon
 
 OPTIMIZERS = ("adamw", "muon", "adamw8bit")
 
@@ -31,6 +31,7 @@ class OptimConfig:
         muon_split_fused: Muon orthogonalises the query, key and value blocks of a fused projection
             separately (parameters with ``muon_row_splits``), as if they were three matrices.
         muon_batched: orthogonalise same-shape matrices in one batched iteration (``False``: one at a time).
+        muon_ns_coefficients: Newton-Schulz coefficients, ``"jordan"`` or ``"polar_express"`` (see ``Muon``).
         embed_lr, head_lr, scalar_lr: per-group Adam learning rates for ``muon`` (``None`` = ``lr``).
         fused: use the fused AdamW kernel (``None`` = when every parameter is on CUDA).
     """
@@ -47,6 +48,7 @@ class OptimConfig:
     muon_momentum_warmup_steps: int = 0
     muon_split_fused: bool = True
     muon_batched: bool = True
+    muon_ns_coefficients: str = "jordan"
     embed_lr: float | None = None
     head_lr: float | None = None
     scalar_lr: float | None = None
@@ -60,6 +62,9 @@ class OptimConfig:
             value = getattr(self, field)
             if value is not None and value <= 0:
                 raise ValueError(f"optimizer {field}={value} must be positive")
+        if self.muon_ns_coefficients not in NS_COEFFICIENTS:
+            raise ValueError(f"muon_ns_coefficients={self.muon_ns_coefficients!r} is unknown; choose one of "
+                             f"{NS_COEFFICIENTS}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay={self.weight_decay} must be >= 0")
         if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
@@ -134,7 +139,8 @@ def build_optimizer(
         optimizers.append(Muon(hidden, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
                                weight_decay=cfg.muon_weight_decay, momentum_start=cfg.muon_momentum_start,
                                momentum_warmup_steps=cfg.muon_momentum_warmup_steps,
-                               split_fused=cfg.muon_split_fused, batched=cfg.muon_batched))
+                               split_fused=cfg.muon_split_fused, batched=cfg.muon_batched,
+                               ns_coefficients=cfg.muon_ns_coefficients))
     adam_groups = [g for g in adam_groups if g["params"]]
     if adam_groups:
         optimizers.append(_adamw(adam_groups, cfg))

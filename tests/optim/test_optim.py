@@ -207,3 +207,58 @@ def test_muon_loads_a_checkpoint_without_the_new_group_options():
     w.grad = torch.randn(4, 4)
     new.step()
     assert group["steps_done"] == 301
+
+
+def _spectrum_matrix(cond: float, m: int = 128, n: int = 384, seed: int = 0):
+    """A wide matrix with singular values spread log-uniformly over [1 / cond, 1], and its polar factor."""
+    import math
+
+    g = torch.Generator().manual_seed(seed)
+    u, _ = torch.linalg.qr(torch.randn(m, m, generator=g))
+    v, _ = torch.linalg.qr(torch.randn(n, m, generator=g))
+    sv = torch.logspace(0, -math.log10(cond), m)
+    return u @ torch.diag(sv) @ v.T, u @ v.T
+
+
+@pytest.mark.parametrize("cond", [10.0, 100.0, 1000.0])
+def test_polar_express_coefficients_orthogonalise_closer_than_the_fixed_quintic(cond):
+    g, polar = _spectrum_matrix(cond)
+    dist = {c: float((newton_schulz(g, 5, coefficients=c) - polar).norm() / polar.norm())
+            for c in ("jordan", "polar_express")}
+    assert dist["polar_express"] < 0.8 * dist["jordan"], dist
+    # and the same from a tall matrix (orthogonalised transposed)
+    tall = {c: float((newton_schulz(g.T, 5, coefficients=c) - polar.T).norm() / polar.norm())
+            for c in ("jordan", "polar_express")}
+    assert tall["polar_express"] == pytest.approx(dist["polar_express"], rel=1e-3)
+
+
+def test_polar_express_singular_values_end_near_one():
+    from lightning_opt.optim.muon import polar_express_coefficients
+
+    coeffs = polar_express_coefficients(5)
+    assert len(coeffs) == 5 and coeffs[0][0] > coeffs[-1][0] > 1  # steep first, gentle last
+    g, _ = _spectrum_matrix(100.0)
+    sv = torch.linalg.svdvals(newton_schulz(g, 5, coefficients="polar_express"))
+    assert 0.7 < float(sv.min()) and float(sv.max()) < 1.25
+    with pytest.raises(ValueError, match="coefficients"):
+        newton_schulz(g, 5, coefficients="other")
+
+
+def test_muon_with_polar_express_trains_and_is_configurable():
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="muon_ns_coefficients"):
+        OptimConfig(name="muon", muon_ns_coefficients="fast")
+    with pytest.raises(ValueError, match="ns_coefficients"):
+        Muon([nn.Parameter(torch.randn(4, 4))], ns_coefficients="fast")
+    w = nn.Parameter(torch.randn(16, 32) * 0.1)
+    target = torch.randn(16, 32)
+    opt = Muon([w], lr=0.2, ns_coefficients="polar_express")
+    first = None
+    for _ in range(30):
+        loss = (w - target).pow(2).mean()
+        first = float(loss) if first is None else first
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert float(loss) < 0.5 * first
+    assert opt.param_groups[0]["ns_coefficients"] == "polar_express"
