@@ -152,7 +152,7 @@ def run_record(train: Path, val: Path, steps: int, val_tokens: int, timeout_s: f
 
 # named variants of ours for one call with several runs after the record.
 # name: (micro-batches of 32 x 1024 tokens per step, 65,536-token sequences?, schedule length as a fraction of
-# the record's token budget[, GPTConfig overrides]). A run stops at the target wherever its schedule is; a
+# the record's token budget[, GPTConfig overrides, with OptimConfig ones under "optim"]). A run stops at the target wherever its schedule is; a
 # shorter schedule ends its learning-rate cooldown earlier.
 NO_FP8_MATMULS = {"mlp_fp8": False, "attn_fp8": False}
 OURS_VARIANTS: dict[str, tuple] = {
@@ -167,11 +167,21 @@ OURS_VARIANTS: dict[str, tuple] = {
     # ... without learned norm gains (norm_weight: false, as the record script)
     "half-batch-85-nonormw": (8, False, 0.85, {"norm_weight": False}),
     "half-batch-85-qkgain": (8, False, 0.85, {"norm_weight": "qk"}),  # gains in QK-norm only
+    # Muon with a quintic per Newton-Schulz step (the "optim" entry overrides OptimConfig fields)
+    "half-batch-85-polar": (8, False, 0.85, {"optim": {"muon_ns_coefficients": "polar_express"}}),
     "half-batch-long-80": (8, True, 0.8),
     "half-batch-long-70": (8, True, 0.7),
     "quarter-batch-long": (4, True, 1.0),
     "quarter-batch-long-80": (4, True, 0.8),
 }
+
+
+def apply_overrides(spec: RunSpec, overrides: dict[str, Any]) -> RunSpec:
+    """A variant's overrides: ``GPTConfig`` fields, and ``OptimConfig`` fields under the key ``"optim"``."""
+    overrides = dict(overrides)
+    if "optim" in overrides:
+        spec = replace(spec, optim=replace(spec.optim, **overrides.pop("optim")))
+    return with_model(spec, **overrides)
 
 
 def parse_model_override(item: str) -> tuple[str, Any]:
@@ -288,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                        else OURS_VARIANTS[name])
         spec = ours_spec(args, target, accum, long, budget)
         if extra:
-            spec = with_model(spec, **extra[0])
+            spec = apply_overrides(spec, extra[0])
         # the run's clock leaves validation out: keep a margin for it and for teardown; later variants in
         # the call get what is left
         spec = replace(spec, deadline_s=max(20.0, deadline.left() - 25))

@@ -170,3 +170,15 @@ def test_speedrun_summary_goals_from_the_64_sequence_pair():
     assert s["best_ours_lightning_tokens_per_s"] == 117.0
     assert speed_summary({**res, "ours-speedrun-mb64-lightning": {"tokens_per_s": 110.0}})[
         "goal_speedrun_ge_1p1x_nanogpt"] is False
+
+
+def test_record_variants_apply_model_and_optimizer_overrides():
+    from benchmarks.gpt2_record import apply_overrides
+
+    args = argparse.Namespace(steps=127, ours_val_every=4, smoke=False, ours_loss_impl=None, ours_micro_batch=64)
+    accum, long, budget, overrides = OURS_VARIANTS["half-batch-85-polar"]
+    spec = apply_overrides(ours_spec(args, 4.3, accum, long, budget), overrides)
+    assert spec.optim.muon_ns_coefficients == "polar_express" and spec.model.mlp_fp8 == "auto"
+    assert overrides == {"optim": {"muon_ns_coefficients": "polar_express"}}  # the table is not consumed
+    spec = apply_overrides(ours_spec(args, 4.3, accum, long, budget), OURS_VARIANTS["half-batch-85-nofp8mm"][3])
+    assert spec.model.mlp_fp8 is False and spec.optim.muon_ns_coefficients == "jordan"
