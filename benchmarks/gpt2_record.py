@@ -169,6 +169,7 @@ OURS_VARIANTS: dict[str, tuple] = {
     "half-batch-85-qkgain": (8, False, 0.85, {"norm_weight": "qk"}),  # gains in QK-norm only
     # Muon with a quintic per Newton-Schulz step (the "optim" entry overrides OptimConfig fields)
     "half-batch-85-polar": (8, False, 0.85, {"optim": {"muon_ns_coefficients": "polar_express"}}),
+    "half-batch-85-normuon": (8, False, 0.85, {"optim": {"muon_normuon_beta2": 0.95}}),
     "half-batch-long-80": (8, True, 0.8),
     "half-batch-long-70": (8, True, 0.7),
     "quarter-batch-long": (4, True, 1.0),

@@ -32,6 +32,7 @@ class OptimConfig:
             separately (parameters with ``muon_row_splits``), as if they were three matrices.
         muon_batched: orthogonalise same-shape matrices in one batched iteration (``False``: one at a time).
         muon_ns_coefficients: Newton-Schulz coefficients, ``"jordan"`` or ``"polar_express"`` (see ``Muon``).
+        muon_normuon_beta2: ``None`` or the NorMuon-style per-neuron second-moment decay (see ``Muon``).
         embed_lr, head_lr, scalar_lr: per-group Adam learning rates for ``muon`` (``None`` = ``lr``).
         fused: use the fused AdamW kernel (``None`` = when every parameter is on CUDA).
     """
@@ -49,6 +50,7 @@ class OptimConfig:
     muon_split_fused: bool = True
     muon_batched: bool = True
     muon_ns_coefficients: str = "jordan"
+    muon_normuon_beta2: float | None = None
     embed_lr: float | None = None
     head_lr: float | None = None
     scalar_lr: float | None = None
@@ -65,6 +67,8 @@ class OptimConfig:
         if self.muon_ns_coefficients not in NS_COEFFICIENTS:
             raise ValueError(f"muon_ns_coefficients={self.muon_ns_coefficients!r} is unknown; choose one of "
                              f"{NS_COEFFICIENTS}")
+        if self.muon_normuon_beta2 is not None and not 0 <= self.muon_normuon_beta2 < 1:
+            raise ValueError(f"muon_normuon_beta2={self.muon_normuon_beta2} must be in [0, 1) or null (plain Muon)")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay={self.weight_decay} must be >= 0")
         if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
@@ -140,7 +144,7 @@ def build_optimizer(
                                weight_decay=cfg.muon_weight_decay, momentum_start=cfg.muon_momentum_start,
                                momentum_warmup_steps=cfg.muon_momentum_warmup_steps,
                                split_fused=cfg.muon_split_fused, batched=cfg.muon_batched,
-                               ns_coefficients=cfg.muon_ns_coefficients))
+                               ns_coefficients=cfg.muon_ns_coefficients, normuon_beta2=cfg.muon_normuon_beta2))
     adam_groups = [g for g in adam_groups if g["params"]]
     if adam_groups:
         optimizers.append(_adamw(adam_groups, cfg))

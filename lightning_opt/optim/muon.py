@@ -132,6 +132,12 @@ class Muon(Optimizer):
             unbatched reference; the result is the same up to bfloat16 rounding).
         ns_coefficients: ``"jordan"`` (one quintic for every Newton-Schulz step) or ``"polar_express"``
             (a quintic per step, closer to the exact orthogonalisation; see :func:`newton_schulz`).
+        normuon_beta2: ``None`` (plain Muon) or the decay of a per-neuron second moment in the manner of
+            NorMuon (Li et al., 2025): each orthogonalised update is divided, neuron by neuron (the rows of a
+            tall or square matrix, the columns of a wide one), by the root of a running mean of its squares
+            (bias-corrected), then scaled back to the Frobenius norm it had, so the learning rate keeps its
+            meaning while neurons whose updates run large are evened out. One ``[rows, 1]`` or ``[1, cols]``
+            buffer per parameter.
 
     Example:
         >>> opt = Muon([torch.nn.Parameter(torch.randn(8, 4))], lr=0.02)
@@ -150,6 +156,7 @@ class Muon(Optimizer):
         split_fused: bool = True,
         batched: bool = True,
         ns_coefficients: str = "jordan",
+        normuon_beta2: float | None = None,
     ) -> None:
         if lr <= 0:
             raise ValueError(f"Muon lr={lr} must be positive")
@@ -163,10 +170,13 @@ class Muon(Optimizer):
             raise ValueError(f"Muon ns_steps={ns_steps} must be >= 1")
         if ns_coefficients not in NS_COEFFICIENTS:
             raise ValueError(f"Muon ns_coefficients={ns_coefficients!r}: choose one of {NS_COEFFICIENTS}")
+        if normuon_beta2 is not None and not 0 <= normuon_beta2 < 1:
+            raise ValueError(f"Muon normuon_beta2={normuon_beta2} must be in [0, 1) or None")
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                                       weight_decay=weight_decay, momentum_start=momentum_start,
                                       momentum_warmup_steps=momentum_warmup_steps, split_fused=split_fused,
-                                      ns_coefficients=ns_coefficients, steps_done=0))
+                                      ns_coefficients=ns_coefficients, normuon_beta2=normuon_beta2,
+                                      steps_done=0))
         self.batched = batched
         for group in self.param_groups:
             for p in group["params"]:
@@ -185,6 +195,21 @@ class Muon(Optimizer):
                 group.setdefault(key, value)
             if not had_steps:
                 group["steps_done"] = group["momentum_warmup_steps"]
+
+    def _normuon(self, p: torch.Tensor, update: torch.Tensor, beta2: float) -> torch.Tensor:
+        """Per-neuron second-moment normalisation of one orthogonalised update, its Frobenius norm kept."""
+        u = update.reshape(update.shape[0], -1).float()
+        dim = 1 if u.shape[0] >= u.shape[1] else 0  # neurons along the longer side
+        ms = u.square().mean(dim=dim, keepdim=True)
+        state = self.state[p]
+        if "normuon_v" not in state:
+            state["normuon_v"], state["normuon_steps"] = torch.zeros_like(ms), 0
+        state["normuon_steps"] += 1  # per parameter: the bias correction starts with its first update
+        v = state["normuon_v"]
+        v.lerp_(ms, 1 - beta2)
+        normed = u / ((v / (1 - beta2 ** state["normuon_steps"])).sqrt() + 1e-8)
+        normed = normed * (u.norm() / (normed.norm() + 1e-12))
+        return normed.view(update.shape).to(update.dtype)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -230,6 +255,8 @@ class Muon(Optimizer):
                     ortho[i][j] = out[k].mT * (out[k].shape[1] / out[k].shape[0]) ** 0.5 if tall else out[k]
             final = [(torch.cat(o, dim=0) if len(o) > 1 else o[0]).view(p.shape).to(p.dtype)
                      for p, o in zip(params, ortho)]
+            if group["normuon_beta2"] is not None:
+                final = [self._normuon(p, u, group["normuon_beta2"]) for p, u in zip(params, final)]
             if group["weight_decay"]:
                 torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
             torch._foreach_add_(params, final, alpha=-group["lr"])

@@ -262,3 +262,40 @@ def test_muon_with_polar_express_trains_and_is_configurable():
         opt.zero_grad()
     assert float(loss) < 0.5 * first
     assert opt.param_groups[0]["ns_coefficients"] == "polar_express"
+
+
+def test_normuon_evens_out_neurons_and_keeps_the_update_norm():
+    """First step: the bias-corrected second moment is the update's own, so every neuron (row of a tall or
+    square matrix) ends with the same RMS, and the update keeps Muon's Frobenius norm."""
+    torch.manual_seed(0)
+    g = torch.randn(48, 32) * torch.linspace(0.1, 3.0, 48)[:, None]  # rows of very different size
+    w_plain, w_norm = nn.Parameter(torch.zeros(48, 32)), nn.Parameter(torch.zeros(48, 32))
+    plain, normed = Muon([w_plain], lr=1.0), Muon([w_norm], lr=1.0, normuon_beta2=0.95)
+    for w, opt in ((w_plain, plain), (w_norm, normed)):
+        w.grad = g.clone()
+        opt.step()
+    up_plain, up_norm = -w_plain.detach(), -w_norm.detach()
+    row_rms = up_norm.pow(2).mean(1).sqrt()
+    assert float(row_rms.std() / row_rms.mean()) < 1e-3 < float((up_plain.pow(2).mean(1).sqrt()).std())
+    torch.testing.assert_close(up_norm.norm(), up_plain.norm(), rtol=1e-4, atol=0)
+    assert normed.state[w_norm]["normuon_v"].shape == (48, 1)
+    with pytest.raises(ValueError, match="normuon_beta2"):
+        Muon([nn.Parameter(torch.randn(4, 4))], normuon_beta2=1.0)
+
+
+def test_normuon_through_the_factory_trains_gpt():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=16, norm="rmsnorm", bias=False,
+                          tie_embeddings=False))
+    opt = CombinedOptimizer(build_optimizer(
+        model, OptimConfig(name="muon", lr=3e-3, muon_lr=0.02, muon_normuon_beta2=0.95,
+                           muon_ns_coefficients="polar_express"), hidden=model.hidden_matrices()))
+    x = torch.randint(0, 64, (4, 16))
+    first = None
+    for _ in range(30):
+        loss = model(x, x.roll(-1, 1))
+        first = float(loss) if first is None else first
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert float(loss) < first - 1.0
