@@ -9,6 +9,7 @@ from lightning_opt.optim.combined import CombinedOptimizer
 from lightning_opt.optim.factory import OptimConfig, build_optimizer
 from lightning_opt.optim.muon import Muon, newton_schulz
 from lightning_opt.optim.schedules import ScheduleConfig
+from tests._train import loss_drop
 
 
 def test_newton_schulz_orthogonalises():
@@ -291,11 +292,5 @@ def test_normuon_through_the_factory_trains_gpt():
         model, OptimConfig(name="muon", lr=3e-3, muon_lr=0.02, muon_normuon_beta2=0.95,
                            muon_ns_coefficients="polar_express"), hidden=model.hidden_matrices()))
     x = torch.randint(0, 64, (4, 16))
-    first = None
-    for _ in range(30):
-        loss = model(x, x.roll(-1, 1))
-        first = float(loss) if first is None else first
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    assert float(loss) < first - 1.0
+    first, last = loss_drop(model, opt, x, 30)
+    assert last < first - 1.0
