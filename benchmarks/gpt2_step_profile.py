@@ -83,9 +83,8 @@ def run(spec: RunSpec, data: Tokens, ctx=contextlib.nullcontext, profile: bool =
 
     dev = data.device
     torch._dynamo.reset()
-    old = {k: getattr(ic, k) for k in (inductor or {})}
-    for k, v in (inductor or {}).items():
-        setattr(ic, k, v)
+    restore = contextlib.ExitStack()
+    restore.enter_context(switched(ic, **(inductor or {})))  # inductor settings for this variant only
     try:
         model, opt, sched = build_model_and_optimizer(spec, dev)
         model.compile(dynamic=False)
@@ -132,8 +131,7 @@ def run(spec: RunSpec, data: Tokens, ctx=contextlib.nullcontext, profile: bool =
             out["top_kernels_ms"] = {k: round(v, 2) for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:40]}
         return out
     finally:
-        for k, v in old.items():
-            setattr(ic, k, v)
+        restore.close()
         torch.cuda.empty_cache()
 
 

@@ -261,9 +261,10 @@ def make_norm(cfg: GPTConfig, dim: int) -> nn.Module:
     return nn.LayerNorm(dim, eps=cfg.norm_eps, elementwise_affine=cfg.norm_weight in (True, "blocks"), bias=cfg.bias)
 
 
-def linear_maybe_fp8(lin: nn.Linear, x: torch.Tensor, x_scale: float, fp8: bool) -> torch.Tensor:
+def linear_maybe_fp8(lin: nn.Linear, x: torch.Tensor, fp8: bool, x_scale: float | None = None) -> torch.Tensor:
     """``lin(x)``, through :func:`~lightning_opt.ops.fp8.fp8_linear` when ``fp8`` (inputs bounded by
-    ``448 * x_scale``; the output gradient scaled for a loss averaged over the rows)."""
+    ``448 * x_scale``, by default ``sqrt(width)``: a normalised row of unit gain; the output gradient scaled
+    for a loss averaged over the rows)."""
     if not fp8:
         return lin(x)
     y = fp8_linear(x, lin.weight, x_scale=x_scale, grad_scale=mean_loss_grad_scale(math.prod(x.shape[:-1])))
@@ -299,7 +300,6 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_kv, self.hd = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.c_attn = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.hd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.in_scale = math.sqrt(cfg.n_embd) / 448.0  # FP8 scale of the normalised input (attn_fp8)
         # Muon orthogonalises the query, key and value rows of the fused projection separately
         self.c_attn.weight.muon_row_splits = (self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd)
         self.rotary = (Rotary(self.hd, cfg.block_size, cfg.rope_base, cfg.rope_truncate)
@@ -324,7 +324,8 @@ class CausalSelfAttention(nn.Module):
     ) -> torch.Tensor:
         b, t, _ = x.shape
         fp8 = fp8_wanted(self.cfg.attn_fp8, x, self.training, compiled_only=True)
-        q, k, v = linear_maybe_fp8(self.c_attn, x, self.in_scale, fp8).split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+        qkv = linear_maybe_fp8(self.c_attn, x, fp8)  # x is normalised: the default FP8 input scale
+        q, k, v = qkv.split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
         q = q.view(b, t, self.n_head, self.hd).transpose(1, 2)
         k = k.view(b, t, self.n_kv, self.hd).transpose(1, 2)
         v = v.view(b, t, self.n_kv, self.hd).transpose(1, 2)
@@ -338,7 +339,7 @@ class CausalSelfAttention(nn.Module):
             q, k, v, window=self.cfg.window_size if window is None else window, doc_ids=doc_ids,
             backend=self.cfg.attn_backend
         )
-        return linear_maybe_fp8(self.c_proj, y.transpose(1, 2).reshape(b, t, -1), 1.0, fp8)
+        return linear_maybe_fp8(self.c_proj, y.transpose(1, 2).reshape(b, t, -1), fp8, x_scale=1.0)
 
 
 class MLP(nn.Module):
@@ -346,7 +347,6 @@ class MLP(nn.Module):
         super().__init__()
         self.kind = cfg.mlp
         self.fp8 = cfg.mlp_fp8
-        self.in_scale = math.sqrt(cfg.n_embd) / 448.0  # a normalised row cannot exceed sqrt(width) (unit gain)
         hidden = int(cfg.mlp_ratio * cfg.n_embd)
         if cfg.mlp == "swiglu":
             hidden = int(2 * hidden / 3)
@@ -357,7 +357,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fp8 = fp8_wanted(self.fp8, x, self.training, compiled_only=True)
-        h = linear_maybe_fp8(self.c_fc, x, self.in_scale, fp8)
+        h = linear_maybe_fp8(self.c_fc, x, fp8)  # x is normalised: the default FP8 input scale
         if self.kind == "gelu":
             h = F.gelu(h, approximate="tanh")
         elif self.kind == "relu2":
@@ -365,7 +365,7 @@ class MLP(nn.Module):
         else:
             a, g = h.chunk(2, dim=-1)
             h = F.silu(g) * a
-        return linear_maybe_fp8(self.c_proj, h, 1.0, fp8)
+        return linear_maybe_fp8(self.c_proj, h, fp8, x_scale=1.0)
 
 
 class MoE(nn.Module):
@@ -576,12 +576,7 @@ class GPT(nn.Module):
         return fp8_wanted(self.config.head_fp8, h, self.training, self.config.fp8_head_applicable)
 
     def _logits(self, h: torch.Tensor, fp8: bool) -> torch.Tensor:
-        rows = math.prod(h.shape[:-1])
-        if fp8:
-            # the gradient of a mean cross-entropy over `rows` tokens is at most 1/rows per logit
-            logits = fp8_linear(h, self.lm_head.weight, grad_scale=mean_loss_grad_scale(rows))
-        else:
-            logits = self.lm_head(h)
+        logits = linear_maybe_fp8(self.lm_head, h, fp8)
         cap = self.config.logit_softcap
         if cap is not None:
             logits = cap * torch.tanh(logits.float() / cap)

@@ -211,7 +211,7 @@ class _LinearSoftcapCE(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(dtype), weight.to(dtype)
             if fp8:
-                w_scale = torch.full((), HEAD_W_SCALE, dtype=torch.float32, device=h.device)
+                w_scale = _fp8._scale(h, HEAD_W_SCALE)
                 w8 = to_e4m3(wc, w_scale)
                 logits = fp8_matmul_t(hc, w8, w_scale=w_scale, out_dtype=dtype)
                 if need_grad and FP8_INPUT_GRAD:  # the input gradient's matmul in FP8 too: the kernel also writes the gradient as e5m2
@@ -232,8 +232,7 @@ class _LinearSoftcapCE(torch.autograd.Function):
         scale = grad_out.float() / count
         with torch.autocast(hc.device.type, enabled=False):
             if g8 is not None:  # grad_h = g [N, V] @ W [V, d] from the FP8 copies (scales undo G8_MULT and W's)
-                gs = torch.full((), 1.0 / G8_MULT, dtype=torch.float32, device=hc.device)
-                ws = torch.full((), HEAD_W_SCALE, dtype=torch.float32, device=hc.device)
+                gs, ws = _fp8._scale(hc, 1.0 / G8_MULT), _fp8._scale(hc, HEAD_W_SCALE)
                 grad_h = torch._scaled_mm(g8, w8t.t(), scale_a=gs, scale_b=ws, out_dtype=hc.dtype,
                                           use_fast_accum=_fp8.BACKWARD_FAST_ACCUM).float() * scale
             else:
