@@ -294,3 +294,12 @@ def test_normuon_through_the_factory_trains_gpt():
     x = torch.randint(0, 64, (4, 16))
     first, last = loss_drop(model, opt, x, 30)
     assert last < first - 1.0
+
+
+def test_muon_orthogonality_benchmark_writes_its_figures(tmp_path):
+    from benchmarks.muon_orthogonality import main
+
+    out = main(["--rows", "64", "--cols", "192", "--out", str(tmp_path / "m.json")])
+    assert [r["cond"] for r in out["rows"]] == [10.0, 100.0, 1000.0]
+    assert all(r["polar_express_over_jordan"] < 1 for r in out["rows"])
+    assert (tmp_path / "m.json").exists()
