@@ -255,6 +255,7 @@ class RunSpec:
     accum: int = 1
     seq_len: int = 1024
     compile: bool = True
+    compile_options: dict[str, Any] | None = None  # inductor settings (the recipe's model.compile_options)
     amp: str = "bf16"
     clip: float | None = None
     warm: int = 3
@@ -404,7 +405,7 @@ def train_bare(spec: RunSpec, data: Tokens, init_on_device: bool = False) -> dic
         torch.cuda.reset_peak_memory_stats(dev)
     model, opt, sched = build_model_and_optimizer(spec, dev, init_on_device)
     if spec.compile:
-        model.compile(dynamic=False)
+        model.compile(dynamic=False, options=spec.compile_options)
     # model.forward is the eager function: validation must not trigger a second compile
     r = run_loop(spec, data, model, model, model.forward, opt, sched)
     return summarize(spec, model, r["end"], r["t_warm"], r["steps"], r["tokens"], r["curve"], dev,
@@ -495,7 +496,8 @@ def train_lightning(spec: RunSpec, data: Tokens, train_path: Path, logger: str =
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     torch.manual_seed(spec.seed)
-    module = GPT2SpeedrunModule(spec.model, spec.optim, schedule_for(spec), compile=spec.compile)
+    module = GPT2SpeedrunModule(spec.model, spec.optim, schedule_for(spec), compile=spec.compile,
+                                compile_options=spec.compile_options if spec.compile else None)
     dm = TokenShardDataModule(str(train_path), None, seq_len=spec.seq_len, batch_size=spec.micro_batch,
                               shuffle=False)
     curve: list[dict[str, Any]] = []

@@ -167,6 +167,9 @@ OURS_VARIANTS: dict[str, tuple] = {
     # ... without learned norm gains (norm_weight: false, as the record script)
     "half-batch-85-nonormw": (8, False, 0.85, {"norm_weight": False}),
     "half-batch-85-qkgain": (8, False, 0.85, {"norm_weight": "qk"}),  # gains in QK-norm only
+    # inductor's coordinate-descent kernel tuning on / off (same maths, other kernel launch settings)
+    "half-batch-85-cdt": (8, False, 0.85, {"compile_options": {"coordinate_descent_tuning": True}}),
+    "half-batch-85-nocdt": (8, False, 0.85, {"compile_options": {"coordinate_descent_tuning": False}}),
     # Muon with a quintic per Newton-Schulz step (the "optim" entry overrides OptimConfig fields)
     "half-batch-85-polar": (8, False, 0.85, {"optim": {"muon_ns_coefficients": "polar_express"}}),
     "half-batch-85-normuon": (8, False, 0.85, {"optim": {"muon_normuon_beta2": 0.95}}),
@@ -178,8 +181,11 @@ OURS_VARIANTS: dict[str, tuple] = {
 
 
 def apply_overrides(spec: RunSpec, overrides: dict[str, Any]) -> RunSpec:
-    """A variant's overrides: ``GPTConfig`` fields, and ``OptimConfig`` fields under the key ``"optim"``."""
+    """A variant's overrides: ``GPTConfig`` fields, ``OptimConfig`` fields under the key ``"optim"``, and
+    inductor settings (merged into the recipe's) under ``"compile_options"``."""
     overrides = dict(overrides)
+    if "compile_options" in overrides:
+        spec = replace(spec, compile_options={**(spec.compile_options or {}), **overrides.pop("compile_options")})
     if "optim" in overrides:
         spec = replace(spec, optim=replace(spec.optim, **overrides.pop("optim")))
     return with_model(spec, **overrides)
@@ -198,7 +204,7 @@ def parse_model_override(item: str) -> tuple[str, Any]:
 def ours_spec(args: argparse.Namespace, target: float | None, accum: int, long: bool, budget: float = 1.0) -> RunSpec:
     """Our run for ``budget`` times the record's token budget: ``accum`` micro-batches of 32 x 1024 per step
     (or the same tokens in 65,536-token sequences with ``long``)."""
-    sp_model, sp_optim, sp_sched, _ = load_yaml_config("gpt2-124m-speedrun")
+    sp_model, sp_optim, sp_sched, sp_raw = load_yaml_config("gpt2-124m-speedrun")
     if 16 % accum:
         raise ValueError(f"accum={accum} must divide 16 (the record's 524,288 tokens per step)")
     if not 0.0 < budget <= 1.0:
@@ -210,7 +216,7 @@ def ours_spec(args: argparse.Namespace, target: float | None, accum: int, long: 
         raise ValueError(f"--ours-micro-batch {mb} must divide the {32 * accum} sequences of a step")
     spec = RunSpec(sp_model, sp_optim, sp_sched, steps=steps, micro_batch=mb, accum=32 * accum // mb,
                    seq_len=1024, compile=True, amp="bf16", warm=3 * per, val_every=args.ours_val_every * per,
-                   stop_at_loss=target)
+                   stop_at_loss=target, compile_options=sp_raw["model"].get("compile_options"))
     if args.smoke:
         spec = with_model(replace(spec, steps=6, micro_batch=4, accum=2, seq_len=64, compile=False, amp="fp32",
                                   warm=1, val_every=2),

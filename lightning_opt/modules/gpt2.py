@@ -25,6 +25,24 @@ EXECUTION_ONLY_FIELDS = frozenset({"loss_impl", "loss_chunk_size", "head_fp8", "
                                    "attn_backend"})
 
 
+def check_compile_options(compile: bool, options: dict[str, Any] | None) -> None:
+    """Refuse inductor options that would be ignored (no compile) or that inductor does not have, before any
+    training starts (torch would only fail at the first forward, after the data and model are set up)."""
+    if not options:
+        return
+    if not compile:
+        raise ValueError(f"compile_options={options!r} is set but compile is false; set compile: true or drop them")
+    from torch._inductor import config as inductor_config
+
+    known = set(inductor_config.get_config_copy())
+    unknown = sorted(k for k in options if k not in known)
+    if unknown:
+        raise ValueError(
+            f"compile_options: {unknown} are not torch._inductor.config settings in torch {torch.__version__}; "
+            "see torch._inductor.config (e.g. coordinate_descent_tuning, max_autotune)"
+        )
+
+
 class GPT2SpeedrunModule(TrainingModule):
     """Train a :class:`~lightning_opt.models.gpt2.GPT` on ``(x, y)`` token batches.
 
@@ -36,6 +54,8 @@ class GPT2SpeedrunModule(TrainingModule):
         optim: optimizer settings (``muon`` gives the speedrun's Muon + Adam split).
         schedule: learning-rate schedule; its length follows ``Trainer(max_steps=...)``.
         compile: wrap the model in ``torch.compile``.
+        compile_options: inductor settings for that compile (``torch.compile(options=...)``), e.g.
+            ``{"coordinate_descent_tuning": True}``: longer compile, faster kernels. Needs ``compile=True``.
 
     Logged keys: ``train/loss``, ``val/loss``, ``val/ppl``, ``tokens_seen``, ``lr/group{i}`` (the last two on
     the steps the logger writes, ``Trainer(log_every_n_steps=...)``: logging a Python number syncs the GPU).
@@ -48,12 +68,15 @@ class GPT2SpeedrunModule(TrainingModule):
         optim: OptimConfig | None = None,
         schedule: ScheduleConfig | None = None,
         compile: bool = False,
+        compile_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(optim, schedule)
         self.model_config = model_config or GPTConfig()
+        check_compile_options(compile, compile_options)
         self.save_hyperparameters()
         self.model = GPT(self.model_config)
         self.compile_model = compile
+        self.compile_options = dict(compile_options) if compile_options else None
         self.val_loss = MeanMetric()
         self.flops_per_batch: float | None = None
 
@@ -68,7 +91,7 @@ class GPT2SpeedrunModule(TrainingModule):
 
     def configure_model(self) -> None:
         if self.compile_model and not getattr(self, "_compiled", False):
-            self.model.compile(dynamic=False)
+            self.model.compile(dynamic=False, options=self.compile_options)
             self._compiled = True
 
     def optimizer_roles(self) -> dict[str, list[nn.Parameter] | None]:

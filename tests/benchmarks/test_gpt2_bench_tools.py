@@ -182,3 +182,6 @@ def test_record_variants_apply_model_and_optimizer_overrides():
     assert overrides == {"optim": {"muon_ns_coefficients": "polar_express"}}  # the table is not consumed
     spec = apply_overrides(ours_spec(args, 4.3, accum, long, budget), OURS_VARIANTS["half-batch-85-nofp8mm"][3])
     assert spec.model.mlp_fp8 is False and spec.optim.muon_ns_coefficients == "jordan"
+    spec = apply_overrides(ours_spec(args, 4.3, accum, long, budget), OURS_VARIANTS["half-batch-85-cdt"][3])
+    assert spec.compile_options["coordinate_descent_tuning"] is True and spec.model == ours_spec(
+        args, 4.3, accum, long, budget).model

@@ -185,3 +185,21 @@ def test_checkpoint_from_before_a_new_model_field_resumes(tmp_path):
     assert trainer2.global_step == 2
     with pytest.raises(ValueError, match=r"norm_weight=True vs False"):
         _trainer(tmp_path, 3).fit(GPT2SpeedrunModule(replace(CFG, norm_weight=False)), _loader(), ckpt_path=ckpt)
+
+
+def test_compile_options_reach_inductor_and_bad_ones_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="compile is false"):
+        GPT2SpeedrunModule(CFG, compile=False, compile_options={"coordinate_descent_tuning": True})
+    with pytest.raises(ValueError, match=r"\['coordinate_descent_tunning'\] are not torch._inductor.config"):
+        GPT2SpeedrunModule(CFG, compile=True, compile_options={"coordinate_descent_tunning": True})
+    torch.manual_seed(0)
+    module = GPT2SpeedrunModule(CFG, OptimConfig(name="adamw", lr=3e-3), compile=True,
+                                compile_options={"coordinate_descent_tuning": True})
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, default_root_dir=tmp_path, enable_model_summary=False)
+    trainer.fit(module, _loader())
+    assert module.compile_options == {"coordinate_descent_tuning": True}
+    assert module.hparams["compile_options"] == {"coordinate_descent_tuning": True}  # saved with checkpoints
+    # the compiled forward ran (a graph was captured) and the run trained
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+    assert module.tokens_seen == 3 * 8 * 16
