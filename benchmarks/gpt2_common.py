@@ -592,5 +592,18 @@ def _importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+@contextlib.contextmanager
+def switched(module, **values):
+    """Set module-level switches (e.g. ``fp8.BACKWARD_FAST_ACCUM``) for one variant, then restore them."""
+    old = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
+
+
 def with_model(spec: RunSpec, **model_changes: Any) -> RunSpec:
     return replace(spec, model=replace(spec.model, **model_changes))

@@ -24,6 +24,9 @@ tokens per step = 32 x 1024 x 16 = 524,288, like nanoGPT's train.py and the spee
 - ``ours-speedrun-nonormw-mb64-lightning``: the recipe without learned norm gains (``norm_weight: false``, as the
   record script), at 64 x 1024 (session 6 measured it faster per step and worse in loss);
   ``ours-speedrun-qkgain-mb64-lightning`` / ``-mb128-lightning``: gains in QK-norm only (``norm_weight: qk``);
+- ``ours-speedrun-densewgrad-mb64-lightning``: the recipe with the output head's weight gradient in bfloat16
+  from the loss kernel's dense gradient (``softcap_ce.FP8_WEIGHT_GRAD = False``; before session 7) instead of
+  FP8 from its e5m2 copy;
 - ``ours-speedrun-cdt-mb64-lightning`` / ``-cdt-mb128-lightning`` / ``-nocdt-mb128-lightning``: the recipe with
   inductor's ``coordinate_descent_tuning`` on / off (``model.compile_options`` in the YAML);
 - ``ours-speedrun-fp8mlp-lightning`` / ``-fp8mlp-mb64-lightning``: ``mlp_fp8: auto`` set explicitly (the
@@ -75,12 +78,15 @@ from gpt2_common import (  # noqa: E402
     load_yaml_config,
     oom_retry,
     smoke_shard,
+    switched,
     train_bare,
     train_lightning,
     with_model,
     write_json,
 )
 from nanogpt_runner import train_nanogpt  # noqa: E402
+
+from lightning_opt.ops import softcap_ce  # noqa: E402
 
 SMOKE_SHAPE = dict(n_layer=2, n_head=2, n_embd=64)
 SMOKE_VOCAB = 512
@@ -109,6 +115,12 @@ def make_specs(args: argparse.Namespace) -> dict[str, RunSpec]:
                                        muon_split_fused=False, muon_batched=False))
     unbatched = replace(speedrun, optim=replace(speedrun.optim, muon_batched=False))
     return {"speedrun": speedrun, "classic": classic, "prev": prev, "unbatched": unbatched}
+
+
+def switched_run(module, values: dict[str, Any], fn):
+    """``fn()`` with module-level switches set (e.g. ``softcap_ce.FP8_WEIGHT_GRAD``), restored afterwards."""
+    with switched(module, **values):
+        return fn()
 
 
 def with_cdt(spec: RunSpec, on: bool) -> RunSpec:
@@ -190,6 +202,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             lightning, with_model(mbx(sp, 2), norm_weight=False)),
         # gains in QK-norm only (candidate: most of the speed of no gains, the attention temperature kept)
         "ours-speedrun-qkgain-mb64-lightning": lambda: oom_retry(lightning, with_model(mbx(sp, 2), norm_weight="qk")),
+        # the head's weight gradient in the compute dtype from the loss kernel's dense gradient (before session 7)
+        "ours-speedrun-densewgrad-mb64-lightning": lambda: switched_run(
+            softcap_ce, {"FP8_WEIGHT_GRAD": False}, lambda: oom_retry(lightning, mbx(sp, 2))),
         "ours-speedrun-qkgain-mb128-lightning": lambda: oom_retry(
             lightning, with_model(mbx(sp, 4), norm_weight="qk")),
         # inductor's coordinate-descent tuning of its generated kernels (longer compile) on / off

@@ -43,22 +43,10 @@ from gpt2_common import (  # noqa: E402
     build_model_and_optimizer,
     find_shards,
     load_yaml_config,
+    switched,
     with_model,
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-
-
-@contextlib.contextmanager
-def switched(module, **values):
-    """Set module-level switches (e.g. ``fp8.BACKWARD_FAST_ACCUM``) for one variant, then restore them."""
-    old = {k: getattr(module, k) for k in values}
-    for k, v in values.items():
-        setattr(module, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(module, k, v)
 
 
 def _grad_w_own_layout_backward(ctx, grad_out):

@@ -127,21 +127,27 @@ def check_fp8_shapes(rows: int, k: int, out: int, device: torch.device) -> None:
         )
 
 
-def fp8_matmul_t(x: torch.Tensor, w: torch.Tensor, x_scale: float | None = None,
+def fp8_matmul_t(x: torch.Tensor, w: torch.Tensor, x_scale: float | torch.Tensor | None = None,
                  w_scale: float | torch.Tensor = HEAD_W_SCALE, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``x @ w.T`` for ``x [N, K]`` and ``w [M, K]`` through FP8 (``e4m3``) with static scales, no autograd.
 
     Values beyond ``448 * scale`` saturate to the largest FP8 number instead of becoming NaN (``e4m3fn`` has
     no infinity), so a scale that is too small costs accuracy, not a broken run. ``x_scale`` defaults to
     ``sqrt(K) / 448``, the bound of an RMS-normalised row with unit gain. ``w`` may already be ``e4m3``
-    (cast by :func:`to_e4m3` with ``w_scale``, a tensor then), to be reused by the caller.
+    (cast by :func:`to_e4m3` with ``w_scale``, a tensor then), to be reused by the caller; so may ``x`` (with
+    ``x_scale`` the tensor it was cast with).
     """
     k = x.shape[-1]
-    xs = _scale(x, math.sqrt(k) / 448.0 if x_scale is None else x_scale)
+    if isinstance(x_scale, torch.Tensor):
+        xs = x_scale
+    else:
+        xs = _scale(x, math.sqrt(k) / 448.0 if x_scale is None else x_scale)
+    if x.dtype == _E4M3 and not isinstance(x_scale, torch.Tensor):
+        raise ValueError("fp8_matmul_t: an e4m3 x needs the scale tensor it was cast with (x_scale)")
     ws = w_scale if isinstance(w_scale, torch.Tensor) else _scale(x, w_scale)
+    x8 = x if x.dtype == _E4M3 else to_e4m3(x, xs)
     w8 = w if w.dtype == _E4M3 else to_e4m3(w, ws)
-    return torch._scaled_mm(to_e4m3(x, xs), w8.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype,
-                            use_fast_accum=True)
+    return torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype, use_fast_accum=True)
 
 
 def fp8_linear(

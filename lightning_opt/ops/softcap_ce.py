@@ -66,7 +66,7 @@ if triton is not None:
     @triton.jit
     def _softcap_ce_kernel(logits_ptr, targets_ptr, loss_ptr, g8_ptr, V, stride, cap, ignore_index, g8_mult,
                            HAS_CAP: tl.constexpr, FIXED_MAX: tl.constexpr, FAST_TANH: tl.constexpr,
-                           WRITE_GRAD: tl.constexpr, WRITE_G8: tl.constexpr,
+                           WRITE_GRAD: tl.constexpr, WRITE_G8: tl.constexpr, WRITE_DENSE: tl.constexpr,
                            BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
@@ -123,7 +123,8 @@ if triton is not None:
                 p = tl.exp(z - lse)
                 g = (p - tl.where(cols == t, 1.0, 0.0)) * dz
                 g = tl.where(valid, tl.where(in_range, g, float("nan")), 0.0)
-                tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
+                if WRITE_DENSE:
+                    tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
                 if WRITE_G8:  # the same gradient, scaled, as float8 e5m2 (for the FP8 input-gradient matmul)
                     tl.store(g8_ptr + row * V + cols, (g * g8_mult).to(g8_ptr.dtype.element_ty), mask=cols < V)
 
@@ -153,10 +154,11 @@ G8_MULT = 2.0**14
 
 def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | None,
                      ignore_index: int = -100, write_grad: bool = True,
-                     g8: torch.Tensor | None = None) -> torch.Tensor:
+                     g8: torch.Tensor | None = None, dense: bool = True) -> torch.Tensor:
     """Per-row losses; with ``write_grad`` overwrites ``logits`` ``[N, V]`` with the per-row gradient (not
     divided by a count), and, given ``g8`` (a contiguous ``[N, V]`` ``float8_e5m2`` tensor), also writes that
-    gradient times ``G8_MULT`` into it. A target outside ``[0, V)`` other than ``ignore_index`` gives a NaN
+    gradient times ``G8_MULT`` into it; with ``dense=False`` (needs ``g8``) only that FP8 copy is written and
+    ``logits`` keep their values. A target outside ``[0, V)`` other than ``ignore_index`` gives a NaN
     loss (and NaN gradient row) rather than an error: checking on the host would synchronise."""
     n, v = logits.shape
     if logits.stride(1) != 1:
@@ -165,6 +167,8 @@ def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | N
                            or g8.dtype != torch.float8_e5m2):
         raise ValueError("softcap_ce_rows_: g8 must be a contiguous float8_e5m2 tensor shaped like the logits, "
                          "and needs write_grad=True")
+    if not dense and g8 is None:
+        raise ValueError("softcap_ce_rows_: dense=False writes the gradient only as the FP8 copy; pass g8")
     targets = targets.contiguous()
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     if kernel_available(logits):
@@ -172,7 +176,7 @@ def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | N
                                  float(cap or 1.0), ignore_index, G8_MULT,
                                  HAS_CAP=cap is not None, FIXED_MAX=cap is not None and cap <= FIXED_MAX_CAP,
                                  FAST_TANH=write_grad and fast_tanh_available(logits), WRITE_GRAD=write_grad,
-                                 WRITE_G8=g8 is not None, BLOCK=BLOCK_V, num_warps=NUM_WARPS)
+                                 WRITE_G8=g8 is not None, WRITE_DENSE=dense, BLOCK=BLOCK_V, num_warps=NUM_WARPS)
         return loss
     # torch reference of the same computation (CPU, or no Triton)
     x = logits.float()
@@ -192,53 +196,80 @@ def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | N
         g = g * (1.0 - (z / cap) ** 2)
     g = torch.where((valid & ~in_range)[:, None], float("nan"), g)
     g = torch.where(valid[:, None], g, 0.0)
-    logits.copy_(g)
+    if dense:
+        logits.copy_(g)
     if g8 is not None:
         g8.copy_((g * G8_MULT).to(torch.float8_e5m2))
     return loss
 
 
-# with fp8=True, also the head's input gradient from FP8 operands (False: in the compute dtype, as the weight
-# gradient is); a module switch for measurements
+# with fp8=True, also the head's input gradient from FP8 operands (False: in the compute dtype); a module switch
+# for measurements
 FP8_INPUT_GRAD = True
+# with fp8=True (and FP8_INPUT_GRAD), also the head's weight gradient from FP8 operands: h^T g with g the kernel's
+# e5m2 copy (transposed: _scaled_mm contracts along contiguous rows) and h the forward's e4m3 copy. The kernel then
+# writes no gradient in the compute dtype, and the logits buffer is freed after the forward. False: the weight
+# gradient g^T h in the compute dtype from the kernel's dense gradient. A module switch for measurements.
+FP8_WEIGHT_GRAD = True
 
 
 class _LinearSoftcapCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, cap, ignore_index, need_grad, fp8):  # type: ignore[override]
         dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
-        g8 = w8t = None
+        g8 = w8t = h8 = None
+        dense = True
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(dtype), weight.to(dtype)
             if fp8:
                 w_scale = _fp8._scale(h, HEAD_W_SCALE)
                 w8 = to_e4m3(wc, w_scale)
-                logits = fp8_matmul_t(hc, w8, w_scale=w_scale, out_dtype=dtype)
+                h_scale = _fp8._scale(h, _head_x_scale(h))
+                h8 = to_e4m3(hc, h_scale)
+                logits = fp8_matmul_t(h8, w8, x_scale=h_scale, w_scale=w_scale, out_dtype=dtype)
                 if need_grad and FP8_INPUT_GRAD:  # the input gradient's matmul in FP8 too: the kernel also writes the gradient as e5m2
                     g8 = torch.empty(logits.shape, dtype=torch.float8_e5m2, device=h.device)
                     w8t = w8.t().contiguous()  # [d, V]: the column-major second operand _scaled_mm needs
+                    dense = not FP8_WEIGHT_GRAD
             else:
                 logits = hc @ wc.t()  # [N, V] in the compute dtype; becomes the gradient below
-            rows = softcap_ce_rows_(logits, targets, cap, ignore_index, write_grad=need_grad, g8=g8)
+            rows = softcap_ce_rows_(logits, targets, cap, ignore_index, write_grad=need_grad, g8=g8, dense=dense)
             count = (targets != ignore_index).sum().clamp(min=1).to(torch.float32)  # a tensor: no sync
             loss = rows.sum() / count
-        ctx.save_for_backward(hc, wc, logits, count, g8, w8t)
+        if dense:
+            ctx.save_for_backward(hc, wc, logits, count, g8, w8t, None)
+        else:  # the weight gradient comes from h8 and g8: neither the dense gradient nor hc is kept
+            ctx.save_for_backward(None, None, None, count, g8, w8t, h8)
         ctx.dtypes = (h.dtype, weight.dtype)
+        ctx.compute_dtype = dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        hc, wc, grad_logits, count, g8, w8t = ctx.saved_tensors
+        hc, wc, grad_logits, count, g8, w8t, h8 = ctx.saved_tensors
         scale = grad_out.float() / count
-        with torch.autocast(hc.device.type, enabled=False):
+        dtype = ctx.compute_dtype
+        with torch.autocast(grad_out.device.type, enabled=False):
+            fast = _fp8.BACKWARD_FAST_ACCUM
             if g8 is not None:  # grad_h = g [N, V] @ W [V, d] from the FP8 copies (scales undo G8_MULT and W's)
-                gs, ws = _fp8._scale(hc, 1.0 / G8_MULT), _fp8._scale(hc, HEAD_W_SCALE)
-                grad_h = torch._scaled_mm(g8, w8t.t(), scale_a=gs, scale_b=ws, out_dtype=hc.dtype,
-                                          use_fast_accum=_fp8.BACKWARD_FAST_ACCUM).float() * scale
+                gs, ws = _fp8._scale(g8, 1.0 / G8_MULT), _fp8._scale(g8, HEAD_W_SCALE)
+                grad_h = torch._scaled_mm(g8, w8t.t(), scale_a=gs, scale_b=ws, out_dtype=dtype,
+                                          use_fast_accum=fast).float() * scale
             else:
                 grad_h = (grad_logits @ wc).float() * scale
-            grad_w = (grad_logits.t() @ hc).float() * scale
+            if h8 is not None:  # grad_w^T [d, V] = h^T [d, N] @ g [N, V], both contracted along the N tokens
+                hs = _fp8._scale(g8, _head_x_scale(h8))
+                grad_wt = torch._scaled_mm(h8.t().contiguous(), g8.t().contiguous().t(), scale_a=hs, scale_b=gs,
+                                           out_dtype=torch.float32, use_fast_accum=fast)
+                grad_w = grad_wt.t() * scale
+            else:
+                grad_w = (grad_logits.t() @ hc).float() * scale
         return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None, None
+
+
+def _head_x_scale(h: torch.Tensor) -> float:
+    # the head's input is RMS-normalised: entries up to sqrt(width) (fp8_matmul_t's default bound)
+    return math.sqrt(h.shape[-1]) / 448.0
 
 
 @torch.compiler.disable

@@ -187,6 +187,36 @@ def test_fused_loss_with_fp8_forward_matches_bf16_path():
     with torch.autocast("cpu", torch.bfloat16):
         linear_softcap_cross_entropy(h3, w3, y, 15.0, fp8=False).backward()
     assert 0 < _rel(h.grad, h3.grad) < 0.1
+    # so did the weight gradient (FP8_WEIGHT_GRAD, the default) ...
+    assert 0 < _rel(w.grad, w3.grad) < 0.1
+
+
+def test_fp8_head_weight_gradient_switch(monkeypatch):
+    """FP8_WEIGHT_GRAD=False: the head's weight gradient from the kernel's dense gradient in the compute dtype,
+    as before the switch; True: from the e4m3 input and the e5m2 gradient copy, within FP8 rounding of it."""
+    from lightning_opt.ops import softcap_ce
+
+    torch.manual_seed(0)
+    n, k, v = 64, 64, 256
+    h0 = torch.nn.functional.rms_norm(torch.randn(n, k), (k,))
+    w0 = 0.05 * torch.randn(v, k)
+    y = torch.randint(0, v, (n,))
+
+    def grads(fp8_wgrad: bool, fp8: bool = True):
+        monkeypatch.setattr(softcap_ce, "FP8_WEIGHT_GRAD", fp8_wgrad)
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = softcap_ce.linear_softcap_cross_entropy(h, w, y, 15.0, fp8=fp8)
+        loss.backward()
+        return float(loss), h.grad, w.grad
+
+    l_dense, gh_dense, gw_dense = grads(False)
+    l_fp8, gh_fp8, gw_fp8 = grads(True)
+    _, _, gw_bf16 = grads(False, fp8=False)
+    assert l_dense == l_fp8  # the forward is the same
+    torch.testing.assert_close(gh_dense, gh_fp8, atol=0, rtol=0)  # so is the input gradient (FP8 in both)
+    assert 0 < _rel(gw_fp8, gw_dense) < 0.1
+    assert _rel(gw_dense, gw_bf16) < _rel(gw_fp8, gw_bf16) + 1e-3  # the dense path is the nearer to bf16
 
 
 def test_loss_rows_write_an_e5m2_copy_of_the_gradient():
@@ -205,6 +235,13 @@ def test_loss_rows_write_an_e5m2_copy_of_the_gradient():
         softcap_ce_rows_(logits.clone(), y, 15.0, g8=g8.view(torch.uint8))
     with pytest.raises(ValueError, match="write_grad"):
         softcap_ce_rows_(logits.clone(), y, 15.0, write_grad=False, g8=g8)
+    # dense=False: the same FP8 copy, and the logits keep their values
+    g8b, kept = torch.empty_like(g8), logits.clone()
+    loss = softcap_ce_rows_(kept, y, 15.0, g8=g8b, dense=False)
+    assert torch.equal(kept, logits) and torch.equal(g8b.view(torch.uint8), g8.view(torch.uint8))
+    assert torch.equal(loss, softcap_ce_rows_(logits.clone(), y, 15.0, write_grad=False))
+    with pytest.raises(ValueError, match="pass g8"):
+        softcap_ce_rows_(logits.clone(), y, 15.0, dense=False)
 
 
 def test_logits_for_the_caller_never_use_fp8():

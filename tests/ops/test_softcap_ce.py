@@ -105,6 +105,30 @@ def _e5m2_copies(monkeypatch, device):
     return got, ref
 
 
+def _e5m2_copy_alone(monkeypatch, device):
+    """dense=False: the kernel writes the same e5m2 copy and leaves the logits as they were."""
+    monkeypatch.setattr(softcap_ce, "BLOCK_V", 64)
+    torch.manual_seed(0)
+    logits = (4 * torch.randn(8, 150)).to(torch.bfloat16).to(device)
+    y = torch.randint(0, 150, (8,)).to(device)
+    both, alone = (torch.empty(8, 150, dtype=torch.float8_e5m2, device=device) for _ in range(2))
+    softcap_ce.softcap_ce_rows_(logits.clone(), y, 15.0, g8=both)
+    kept = logits.clone()
+    softcap_ce.softcap_ce_rows_(kept, y, 15.0, g8=alone, dense=False)
+    assert torch.equal(kept, logits)
+    assert torch.equal(alone.view(torch.uint8), both.view(torch.uint8))
+
+
+@needs_interpreter
+def test_kernel_writes_the_e5m2_copy_alone(monkeypatch):
+    _e5m2_copy_alone(monkeypatch, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernel_writes_the_e5m2_copy_alone_on_gpu(monkeypatch):
+    _e5m2_copy_alone(monkeypatch, "cuda")
+
+
 @needs_interpreter
 def test_kernel_writes_the_e5m2_gradient_copy(monkeypatch):
     """The FP8 copy of the gradient (the FP8 head's input-gradient operand), in the interpreter: its FP8 cast is
