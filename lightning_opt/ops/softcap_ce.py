@@ -42,6 +42,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 BLOCK_V = 4096
 NUM_WARPS = 8
+# the FP8-only kernel's tile: rows x vocabulary columns per step
+TILE_M = 32
+TILE_V = 256
 
 
 def kernel_available(x: torch.Tensor) -> bool:
@@ -66,7 +69,7 @@ if triton is not None:
     @triton.jit
     def _softcap_ce_kernel(logits_ptr, targets_ptr, loss_ptr, g8_ptr, V, stride, cap, ignore_index, g8_mult,
                            HAS_CAP: tl.constexpr, FIXED_MAX: tl.constexpr, FAST_TANH: tl.constexpr,
-                           WRITE_GRAD: tl.constexpr, WRITE_G8: tl.constexpr, WRITE_DENSE: tl.constexpr,
+                           WRITE_GRAD: tl.constexpr, WRITE_G8: tl.constexpr,
                            BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
@@ -123,10 +126,73 @@ if triton is not None:
                 p = tl.exp(z - lse)
                 g = (p - tl.where(cols == t, 1.0, 0.0)) * dz
                 g = tl.where(valid, tl.where(in_range, g, float("nan")), 0.0)
-                if WRITE_DENSE:
-                    tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
+                tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
                 if WRITE_G8:  # the same gradient, scaled, as float8 e5m2 (for the FP8 input-gradient matmul)
                     tl.store(g8_ptr + row * V + cols, (g * g8_mult).to(g8_ptr.dtype.element_ty), mask=cols < V)
+
+
+    @triton.jit
+    def _softcap_ce_tile_kernel(logits_ptr, targets_ptr, loss_ptr, g8_ptr, g8t_ptr, N, V, stride, cap,
+                                ignore_index, g8_mult, HAS_CAP: tl.constexpr, FIXED_MAX: tl.constexpr,
+                                FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+        # the training kernel's FP8-only form: BLOCK_M rows per program, so that the gradient's transposed e5m2
+        # copy ([V, N], what the weight gradient's FP8 matmul contracts along) is written BLOCK_M contiguous
+        # bytes at a time; no gradient in the logits' dtype is written
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < N
+        offs = tl.arange(0, BLOCK)
+        base = logits_ptr + rows[:, None] * stride
+        m = tl.full([BLOCK_M, BLOCK], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK_M, BLOCK], tl.float32)
+        for start in range(0, V, BLOCK):
+            cols = start + offs
+            mask = rmask[:, None] & (cols[None, :] < V)
+            x = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_CAP:
+                z, _ = _capped(x, cap, FAST_TANH)
+            else:
+                z = x
+            z = tl.where(mask, z, float("-inf"))
+            if FIXED_MAX:
+                s += tl.exp(z - cap)
+            else:
+                m_new = tl.maximum(m, z)
+                s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
+                s = tl.where(m_new == float("-inf"), 0.0, s)
+                m = m_new
+        if FIXED_MAX:
+            lse = cap + tl.log(tl.sum(s, axis=1))
+        else:
+            m_all = tl.max(m, axis=1)
+            s_all = tl.sum(s * tl.exp(m - m_all[:, None]), axis=1)
+            lse = m_all + tl.log(s_all)
+        target = tl.load(targets_ptr + rows, mask=rmask, other=ignore_index)
+        valid = target != ignore_index
+        in_range = (target >= 0) & (target < V)
+        t = tl.where(valid & in_range, target, 0)
+        xt = tl.load(logits_ptr + rows * stride + t, mask=rmask, other=0.0).to(tl.float32)
+        if HAS_CAP:
+            zt, _ = _capped(xt, cap, FAST_TANH)
+        else:
+            zt = xt
+        loss = tl.where(valid, tl.where(in_range, lse - zt, float("nan")), 0.0)
+        tl.store(loss_ptr + rows, loss, mask=rmask)
+        for start in range(0, V, BLOCK):
+            cols = start + offs
+            mask = rmask[:, None] & (cols[None, :] < V)
+            x = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_CAP:
+                z, th = _capped(x, cap, FAST_TANH)
+                dz = 1.0 - th * th
+            else:
+                z = x
+                dz = 1.0
+            p = tl.exp(z - lse[:, None])
+            g = (p - tl.where(cols[None, :] == t[:, None], 1.0, 0.0)) * dz
+            g = tl.where(valid[:, None], tl.where(in_range[:, None], g, float("nan")), 0.0)
+            g8 = (g * g8_mult).to(g8_ptr.dtype.element_ty)
+            tl.store(g8_ptr + rows[:, None] * V + cols[None, :], g8, mask=mask)
+            tl.store(g8t_ptr + cols[None, :] * N + rows[:, None], g8, mask=mask)
 
 
 def fast_tanh_available(x: torch.Tensor) -> bool:
@@ -154,11 +220,12 @@ G8_MULT = 2.0**14
 
 def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | None,
                      ignore_index: int = -100, write_grad: bool = True,
-                     g8: torch.Tensor | None = None, dense: bool = True) -> torch.Tensor:
+                     g8: torch.Tensor | None = None, g8t: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row losses; with ``write_grad`` overwrites ``logits`` ``[N, V]`` with the per-row gradient (not
     divided by a count), and, given ``g8`` (a contiguous ``[N, V]`` ``float8_e5m2`` tensor), also writes that
-    gradient times ``G8_MULT`` into it; with ``dense=False`` (needs ``g8``) only that FP8 copy is written and
-    ``logits`` keep their values. A target outside ``[0, V)`` other than ``ignore_index`` gives a NaN
+    gradient times ``G8_MULT`` into it. Given ``g8t`` too (contiguous ``[V, N]`` ``float8_e5m2``), the scaled
+    gradient is also written transposed there, and *instead of* the dense gradient: ``logits`` keep their
+    values. A target outside ``[0, V)`` other than ``ignore_index`` gives a NaN
     loss (and NaN gradient row) rather than an error: checking on the host would synchronise."""
     n, v = logits.shape
     if logits.stride(1) != 1:
@@ -167,16 +234,25 @@ def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | N
                            or g8.dtype != torch.float8_e5m2):
         raise ValueError("softcap_ce_rows_: g8 must be a contiguous float8_e5m2 tensor shaped like the logits, "
                          "and needs write_grad=True")
-    if not dense and g8 is None:
-        raise ValueError("softcap_ce_rows_: dense=False writes the gradient only as the FP8 copy; pass g8")
+    if g8t is not None and (g8 is None or g8t.shape != (v, n) or not g8t.is_contiguous()
+                            or g8t.dtype != torch.float8_e5m2):
+        raise ValueError(f"softcap_ce_rows_: g8t must be a contiguous float8_e5m2 tensor of shape [V, N] = "
+                         f"[{v}, {n}], passed with g8")
     targets = targets.contiguous()
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+    fixed_max = cap is not None and cap <= FIXED_MAX_CAP
+    if kernel_available(logits) and g8t is not None:
+        _softcap_ce_tile_kernel[(triton.cdiv(n, TILE_M),)](
+            logits, targets, loss, g8, g8t, n, v, logits.stride(0), float(cap or 1.0), ignore_index, G8_MULT,
+            HAS_CAP=cap is not None, FIXED_MAX=fixed_max, FAST_TANH=fast_tanh_available(logits),
+            BLOCK_M=TILE_M, BLOCK=TILE_V, num_warps=NUM_WARPS)
+        return loss
     if kernel_available(logits):
         _softcap_ce_kernel[(n,)](logits, targets, loss, loss if g8 is None else g8, v, logits.stride(0),
                                  float(cap or 1.0), ignore_index, G8_MULT,
-                                 HAS_CAP=cap is not None, FIXED_MAX=cap is not None and cap <= FIXED_MAX_CAP,
+                                 HAS_CAP=cap is not None, FIXED_MAX=fixed_max,
                                  FAST_TANH=write_grad and fast_tanh_available(logits), WRITE_GRAD=write_grad,
-                                 WRITE_G8=g8 is not None, WRITE_DENSE=dense, BLOCK=BLOCK_V, num_warps=NUM_WARPS)
+                                 WRITE_G8=g8 is not None, BLOCK=BLOCK_V, num_warps=NUM_WARPS)
         return loss
     # torch reference of the same computation (CPU, or no Triton)
     x = logits.float()
@@ -196,20 +272,23 @@ def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | N
         g = g * (1.0 - (z / cap) ** 2)
     g = torch.where((valid & ~in_range)[:, None], float("nan"), g)
     g = torch.where(valid[:, None], g, 0.0)
-    if dense:
+    if g8t is None:
         logits.copy_(g)
     if g8 is not None:
         g8.copy_((g * G8_MULT).to(torch.float8_e5m2))
+    if g8t is not None:
+        g8t.copy_(g8.t())
     return loss
 
 
 # with fp8=True, also the head's input gradient from FP8 operands (False: in the compute dtype); a module switch
 # for measurements
 FP8_INPUT_GRAD = True
-# with fp8=True (and FP8_INPUT_GRAD), also the head's weight gradient from FP8 operands: h^T g with g the kernel's
-# e5m2 copy (transposed: _scaled_mm contracts along contiguous rows) and h the forward's e4m3 copy. The kernel then
-# writes no gradient in the compute dtype, and the logits buffer is freed after the forward. False: the weight
-# gradient g^T h in the compute dtype from the kernel's dense gradient. A module switch for measurements.
+# with fp8=True (and FP8_INPUT_GRAD), also the head's weight gradient from FP8 operands: g^T h with g the kernel's
+# e5m2 copy written transposed (_scaled_mm contracts along contiguous rows; a separate transposing copy of the
+# [N, V] copy cost 12% of a speedrun step on an H100) and h the forward's e4m3 copy. The kernel then writes no
+# gradient in the compute dtype, and the logits buffer is freed after the forward. False: the weight gradient
+# g^T h in the compute dtype from the kernel's dense gradient. A module switch for measurements.
 FP8_WEIGHT_GRAD = True
 
 
@@ -217,8 +296,7 @@ class _LinearSoftcapCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, cap, ignore_index, need_grad, fp8):  # type: ignore[override]
         dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
-        g8 = w8t = h8 = None
-        dense = True
+        g8 = w8t = h8 = g8t = None
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(dtype), weight.to(dtype)
             if fp8:
@@ -230,23 +308,24 @@ class _LinearSoftcapCE(torch.autograd.Function):
                 if need_grad and FP8_INPUT_GRAD:  # the input gradient's matmul in FP8 too: the kernel also writes the gradient as e5m2
                     g8 = torch.empty(logits.shape, dtype=torch.float8_e5m2, device=h.device)
                     w8t = w8.t().contiguous()  # [d, V]: the column-major second operand _scaled_mm needs
-                    dense = not FP8_WEIGHT_GRAD
+                    if FP8_WEIGHT_GRAD:  # and transposed, for the weight gradient's; no dense gradient then
+                        g8t = torch.empty(logits.shape[::-1], dtype=torch.float8_e5m2, device=h.device)
             else:
                 logits = hc @ wc.t()  # [N, V] in the compute dtype; becomes the gradient below
-            rows = softcap_ce_rows_(logits, targets, cap, ignore_index, write_grad=need_grad, g8=g8, dense=dense)
+            rows = softcap_ce_rows_(logits, targets, cap, ignore_index, write_grad=need_grad, g8=g8, g8t=g8t)
             count = (targets != ignore_index).sum().clamp(min=1).to(torch.float32)  # a tensor: no sync
             loss = rows.sum() / count
-        if dense:
-            ctx.save_for_backward(hc, wc, logits, count, g8, w8t, None)
-        else:  # the weight gradient comes from h8 and g8: neither the dense gradient nor hc is kept
-            ctx.save_for_backward(None, None, None, count, g8, w8t, h8)
+        if g8t is None:
+            ctx.save_for_backward(hc, wc, logits, count, g8, w8t, None, None)
+        else:  # the weight gradient comes from h8 and g8t: neither the dense gradient nor hc is kept
+            ctx.save_for_backward(None, None, None, count, g8, w8t, h8, g8t)
         ctx.dtypes = (h.dtype, weight.dtype)
         ctx.compute_dtype = dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        hc, wc, grad_logits, count, g8, w8t, h8 = ctx.saved_tensors
+        hc, wc, grad_logits, count, g8, w8t, h8, g8t = ctx.saved_tensors
         scale = grad_out.float() / count
         dtype = ctx.compute_dtype
         with torch.autocast(grad_out.device.type, enabled=False):
@@ -257,11 +336,10 @@ class _LinearSoftcapCE(torch.autograd.Function):
                                           use_fast_accum=fast).float() * scale
             else:
                 grad_h = (grad_logits @ wc).float() * scale
-            if h8 is not None:  # grad_w^T [d, V] = h^T [d, N] @ g [N, V], both contracted along the N tokens
+            if g8t is not None:  # grad_w [V, d] = g^T [V, N] @ h [N, d], contracted along the N tokens
                 hs = _fp8._scale(g8, _head_x_scale(h8))
-                grad_wt = torch._scaled_mm(h8.t().contiguous(), g8.t().contiguous().t(), scale_a=hs, scale_b=gs,
-                                           out_dtype=torch.float32, use_fast_accum=fast)
-                grad_w = grad_wt.t() * scale
+                grad_w = torch._scaled_mm(g8t, h8.t().contiguous().t(), scale_a=gs, scale_b=hs,
+                                          out_dtype=torch.float32, use_fast_accum=fast) * scale
             else:
                 grad_w = (grad_logits.t() @ hc).float() * scale
         return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None, None

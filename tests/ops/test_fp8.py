@@ -235,13 +235,16 @@ def test_loss_rows_write_an_e5m2_copy_of_the_gradient():
         softcap_ce_rows_(logits.clone(), y, 15.0, g8=g8.view(torch.uint8))
     with pytest.raises(ValueError, match="write_grad"):
         softcap_ce_rows_(logits.clone(), y, 15.0, write_grad=False, g8=g8)
-    # dense=False: the same FP8 copy, and the logits keep their values
-    g8b, kept = torch.empty_like(g8), logits.clone()
-    loss = softcap_ce_rows_(kept, y, 15.0, g8=g8b, dense=False)
+    # with g8t: the same FP8 copy, also transposed, and the logits keep their values
+    g8b, g8t, kept = torch.empty_like(g8), torch.empty(512, 32, dtype=torch.float8_e5m2), logits.clone()
+    loss = softcap_ce_rows_(kept, y, 15.0, g8=g8b, g8t=g8t)
     assert torch.equal(kept, logits) and torch.equal(g8b.view(torch.uint8), g8.view(torch.uint8))
+    assert torch.equal(g8t.view(torch.uint8), g8.view(torch.uint8).t())
     assert torch.equal(loss, softcap_ce_rows_(logits.clone(), y, 15.0, write_grad=False))
-    with pytest.raises(ValueError, match="pass g8"):
-        softcap_ce_rows_(logits.clone(), y, 15.0, dense=False)
+    with pytest.raises(ValueError, match=r"shape \[V, N\] = \[512, 32\]"):
+        softcap_ce_rows_(logits.clone(), y, 15.0, g8t=g8t)  # without g8
+    with pytest.raises(ValueError, match=r"\[512, 32\]"):
+        softcap_ce_rows_(logits.clone(), y, 15.0, g8=g8b, g8t=g8t.t())  # not [V, N]
 
 
 def test_logits_for_the_caller_never_use_fp8():
