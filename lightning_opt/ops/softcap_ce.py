@@ -192,7 +192,8 @@ if triton is not None:
             g = tl.where(valid[:, None], tl.where(in_range[:, None], g, float("nan")), 0.0)
             g8 = (g * g8_mult).to(g8_ptr.dtype.element_ty)
             tl.store(g8_ptr + rows[:, None] * V + cols[None, :], g8, mask=mask)
-            tl.store(g8t_ptr + cols[None, :] * N + rows[:, None], g8, mask=mask)
+            # int64: V * N exceeds 2^31 at speedrun sizes (50304 x 65536)
+            tl.store(g8t_ptr + cols.to(tl.int64)[None, :] * N + rows[:, None], g8, mask=mask)
 
 
 def fast_tanh_available(x: torch.Tensor) -> bool:

@@ -136,6 +136,15 @@ def test_kernel_writes_the_e5m2_copy_transposed(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kernel_writes_the_e5m2_copy_transposed_on_gpu(monkeypatch):
     _e5m2_copies_with_transpose(monkeypatch, "cuda", n=4096 + 32)
+    # offsets past 2^31 in the transposed copy (V x N > 2^31, as at speedrun sizes): its last entries land
+    n, v = 65536, 32784
+    logits = torch.randn(n, v, device="cuda", dtype=torch.bfloat16)
+    y = torch.randint(0, v, (n,), device="cuda")
+    g8 = torch.empty(n, v, dtype=torch.float8_e5m2, device="cuda")
+    g8t = torch.zeros(v, n, dtype=torch.float8_e5m2, device="cuda")
+    softcap_ce.softcap_ce_rows_(logits, y, 15.0, g8=g8, g8t=g8t)
+    assert torch.equal(g8t[-8:].view(torch.uint8), g8[:, -8:].t().view(torch.uint8))
+    assert (g8t[-1].float() != 0).any()
 
 
 @needs_interpreter
