@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 BLOCK_V = 4096
 NUM_WARPS = 8
-# the FP8-only kernel's tile: rows x vocabulary columns per step
+# the transposing copy's tile: rows x vocabulary columns per step
 TILE_M = 32
 TILE_V = 256
 
@@ -69,7 +69,7 @@ if triton is not None:
     @triton.jit
     def _softcap_ce_kernel(logits_ptr, targets_ptr, loss_ptr, g8_ptr, V, stride, cap, ignore_index, g8_mult,
                            HAS_CAP: tl.constexpr, FIXED_MAX: tl.constexpr, FAST_TANH: tl.constexpr,
-                           WRITE_GRAD: tl.constexpr, WRITE_G8: tl.constexpr,
+                           WRITE_GRAD: tl.constexpr, WRITE_G8: tl.constexpr, WRITE_DENSE: tl.constexpr,
                            BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
@@ -126,74 +126,25 @@ if triton is not None:
                 p = tl.exp(z - lse)
                 g = (p - tl.where(cols == t, 1.0, 0.0)) * dz
                 g = tl.where(valid, tl.where(in_range, g, float("nan")), 0.0)
-                tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
+                if WRITE_DENSE:
+                    tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
                 if WRITE_G8:  # the same gradient, scaled, as float8 e5m2 (for the FP8 input-gradient matmul)
                     tl.store(g8_ptr + row * V + cols, (g * g8_mult).to(g8_ptr.dtype.element_ty), mask=cols < V)
 
 
     @triton.jit
-    def _softcap_ce_tile_kernel(logits_ptr, targets_ptr, loss_ptr, g8_ptr, g8t_ptr, N, V, stride, cap,
-                                ignore_index, g8_mult, HAS_CAP: tl.constexpr, FIXED_MAX: tl.constexpr,
-                                FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
-        # the training kernel's FP8-only form: BLOCK_M rows per program, so that the gradient's transposed e5m2
-        # copy ([V, N], what the weight gradient's FP8 matmul contracts along) is written BLOCK_M contiguous
-        # bytes at a time; no gradient in the logits' dtype is written
+    def _transpose_bytes_kernel(src_ptr, dst_ptr, N, V, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+        # dst [V, N] = src [N, V]^T for one-byte elements: BLOCK_M rows per program, so each column's BLOCK_M
+        # bytes are written together (a plain strided copy writes them one byte at a time)
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < N
         offs = tl.arange(0, BLOCK)
-        base = logits_ptr + rows[:, None] * stride
-        m = tl.full([BLOCK_M, BLOCK], float("-inf"), tl.float32)
-        s = tl.zeros([BLOCK_M, BLOCK], tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + offs
             mask = rmask[:, None] & (cols[None, :] < V)
-            x = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            if HAS_CAP:
-                z, _ = _capped(x, cap, FAST_TANH)
-            else:
-                z = x
-            z = tl.where(mask, z, float("-inf"))
-            if FIXED_MAX:
-                s += tl.exp(z - cap)
-            else:
-                m_new = tl.maximum(m, z)
-                s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
-                s = tl.where(m_new == float("-inf"), 0.0, s)
-                m = m_new
-        if FIXED_MAX:
-            lse = cap + tl.log(tl.sum(s, axis=1))
-        else:
-            m_all = tl.max(m, axis=1)
-            s_all = tl.sum(s * tl.exp(m - m_all[:, None]), axis=1)
-            lse = m_all + tl.log(s_all)
-        target = tl.load(targets_ptr + rows, mask=rmask, other=ignore_index)
-        valid = target != ignore_index
-        in_range = (target >= 0) & (target < V)
-        t = tl.where(valid & in_range, target, 0)
-        xt = tl.load(logits_ptr + rows * stride + t, mask=rmask, other=0.0).to(tl.float32)
-        if HAS_CAP:
-            zt, _ = _capped(xt, cap, FAST_TANH)
-        else:
-            zt = xt
-        loss = tl.where(valid, tl.where(in_range, lse - zt, float("nan")), 0.0)
-        tl.store(loss_ptr + rows, loss, mask=rmask)
-        for start in range(0, V, BLOCK):
-            cols = start + offs
-            mask = rmask[:, None] & (cols[None, :] < V)
-            x = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            if HAS_CAP:
-                z, th = _capped(x, cap, FAST_TANH)
-                dz = 1.0 - th * th
-            else:
-                z = x
-                dz = 1.0
-            p = tl.exp(z - lse[:, None])
-            g = (p - tl.where(cols[None, :] == t[:, None], 1.0, 0.0)) * dz
-            g = tl.where(valid[:, None], tl.where(in_range[:, None], g, float("nan")), 0.0)
-            g8 = (g * g8_mult).to(g8_ptr.dtype.element_ty)
-            tl.store(g8_ptr + rows[:, None] * V + cols[None, :], g8, mask=mask)
+            x = tl.load(src_ptr + rows[:, None] * V + cols[None, :], mask=mask)
             # int64: V * N exceeds 2^31 at speedrun sizes (50304 x 65536)
-            tl.store(g8t_ptr + cols.to(tl.int64)[None, :] * N + rows[:, None], g8, mask=mask)
+            tl.store(dst_ptr + cols.to(tl.int64)[None, :] * N + rows[:, None], x, mask=mask)
 
 
 def fast_tanh_available(x: torch.Tensor) -> bool:
@@ -242,18 +193,16 @@ def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | N
     targets = targets.contiguous()
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     fixed_max = cap is not None and cap <= FIXED_MAX_CAP
-    if kernel_available(logits) and g8t is not None:
-        _softcap_ce_tile_kernel[(triton.cdiv(n, TILE_M),)](
-            logits, targets, loss, g8, g8t, n, v, logits.stride(0), float(cap or 1.0), ignore_index, G8_MULT,
-            HAS_CAP=cap is not None, FIXED_MAX=fixed_max, FAST_TANH=fast_tanh_available(logits),
-            BLOCK_M=TILE_M, BLOCK=TILE_V, num_warps=NUM_WARPS)
-        return loss
     if kernel_available(logits):
         _softcap_ce_kernel[(n,)](logits, targets, loss, loss if g8 is None else g8, v, logits.stride(0),
                                  float(cap or 1.0), ignore_index, G8_MULT,
                                  HAS_CAP=cap is not None, FIXED_MAX=fixed_max,
                                  FAST_TANH=write_grad and fast_tanh_available(logits), WRITE_GRAD=write_grad,
-                                 WRITE_G8=g8 is not None, BLOCK=BLOCK_V, num_warps=NUM_WARPS)
+                                 WRITE_G8=g8 is not None, WRITE_DENSE=g8t is None, BLOCK=BLOCK_V,
+                                 num_warps=NUM_WARPS)
+        if g8t is not None:
+            _transpose_bytes_kernel[(triton.cdiv(n, TILE_M),)](g8.view(torch.uint8), g8t.view(torch.uint8), n, v,
+                                                                BLOCK_M=TILE_M, BLOCK=TILE_V, num_warps=NUM_WARPS)
         return loss
     # torch reference of the same computation (CPU, or no Triton)
     x = logits.float()
@@ -286,8 +235,8 @@ def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | N
 # for measurements
 FP8_INPUT_GRAD = True
 # with fp8=True (and FP8_INPUT_GRAD), also the head's weight gradient from FP8 operands: g^T h with g the kernel's
-# e5m2 copy written transposed (_scaled_mm contracts along contiguous rows; a separate transposing copy of the
-# [N, V] copy cost 12% of a speedrun step on an H100) and h the forward's e4m3 copy. The kernel then writes no
+# e5m2 copy transposed by a tiled Triton copy (_scaled_mm contracts along contiguous rows; torch's strided
+# .t().contiguous() of the [N, V] copy cost 12% of a speedrun step on an H100) and h the forward's e4m3 copy. The kernel then writes no
 # gradient in the compute dtype, and the logits buffer is freed after the forward. False: the weight gradient
 # g^T h in the compute dtype from the kernel's dense gradient. A module switch for measurements.
 FP8_WEIGHT_GRAD = True
