@@ -24,14 +24,18 @@ DOC = ROOT / "docs" / "benchmarks" / "gpt2.md"
 # what the page shows, newest first per section (the first speedrun/record run is the headline one);
 # a kind missing here falls back to its newest result file
 SHOWN = {
-    "speedrun": ["gpt2_speedrun_s6c_nvidia-h100-80gb-hbm3_20261126.json",
+    "speedrun": ["gpt2_speedrun_s7e_nvidia-h100-80gb-hbm3_20261126.json",
+                 "gpt2_speedrun_s7c_nvidia-h100-80gb-hbm3_20261126.json",
+                 "gpt2_speedrun_s7a_nvidia-h100-80gb-hbm3_20261126.json",
+                 "gpt2_speedrun_s6c_nvidia-h100-80gb-hbm3_20261126.json",
                  "gpt2_speedrun_s6d_nogain_nvidia-h100-80gb-hbm3_20261126.json",
                  "gpt2_speedrun_s6b_nvidia-h100-80gb-hbm3_20261126.json",
                  "gpt2_speedrun_s6a_nvidia-h100-80gb-hbm3_20261126.json",
                  "gpt2_speedrun_s5_nvidia-h100-80gb-hbm3_20261126.json",
                  "gpt2_speedrun_s4_fusedce_nvidia-h200_20261126.json", "gpt2_speedrun_s4_recipe_nvidia-h200_20261126.json",
                  "gpt2_speedrun_nvidia-h200_20261126.json", "gpt2_speedrun_nvidia-h100-80gb-hbm3_20261126.json"],
-    "record": ["gpt2_record_s6_nvidia-h100-80gb-hbm3_20261126.json",
+    "record": ["gpt2_record_s7_nvidia-h100-80gb-hbm3_20261126.json",
+               "gpt2_record_s6_nvidia-h100-80gb-hbm3_20261126.json",
                "gpt2_record_s6b_nogain_nvidia-h100-80gb-hbm3_20261126.json",
                "gpt2_record_s5_nvidia-h100-80gb-hbm3_20261126.json",
                "gpt2_record_s5_longprobe_nvidia-h200_20261126.json", "gpt2_record_s4_nvidia-h200_20261126.json",

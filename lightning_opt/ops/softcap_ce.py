@@ -16,7 +16,9 @@ maximum (one ``exp`` per logit, no running maximum); and the training sweep take
 below the bfloat16 rounding of a logit that size, while the cap's derivative ``1 - tanh^2`` is off by up to
 about 1e-3 absolute - a few percent of it only for logits beyond twice the cap, where the gradient through
 the cap is small anyway. Evaluation (no gradient) keeps the exact formula. With ``fp8=True`` the logits come
-from an FP8 matmul, and so does the head's input gradient (the kernel writes an e5m2 copy of the gradient).
+from an FP8 matmul, and so do the head's input and weight gradients: the kernel then writes the gradient as
+an e5m2 copy (times ``G8_MULT``) instead of over the logits, and a tiled Triton copy transposes it for the
+weight gradient (``FP8_INPUT_GRAD`` / ``FP8_WEIGHT_GRAD`` switch the two off for A/B measurements).
 
 The kernel runs on CUDA (or anywhere under ``TRITON_INTERPRET=1``); elsewhere the same function computes
 the same thing with torch ops. The call is kept out of ``torch.compile`` graphs (a graph break at the
@@ -312,10 +314,9 @@ def linear_softcap_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets:
         targets: ``[...]`` token ids; ``ignore_index`` entries do not count.
         softcap: the cap, or ``None`` for plain logits.
         fp8: compute the logits with an FP8 matmul (:func:`~lightning_opt.ops.fp8.fp8_matmul_t`, static
-            scales; GPUs of compute capability 8.9+), and the input gradient ``grad_h = g @ W`` from FP8 copies
-            of the logit gradient (e5m2, written by the loss kernel next to the bfloat16 one) and of ``W``; the
-            weight gradient ``g^T @ h`` stays in the compute dtype (in FP8 it would need ``g`` transposed,
-            a copy as large as the logits).
+            scales; GPUs of compute capability 8.9+), the input gradient ``grad_h = g @ W`` from FP8 copies
+            of the logit gradient (e5m2, written by the loss kernel) and of ``W``, and the weight gradient
+            ``g^T @ h`` from the transposed e5m2 copy and the forward's e4m3 copy of ``h``.
             Needs the row count, the width and the vocabulary to be multiples of 16.
 
     The matmuls run in the autocast dtype when autocast is on (bfloat16 in training), else in ``h``'s dtype.

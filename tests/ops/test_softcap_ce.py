@@ -106,8 +106,8 @@ def _e5m2_copies(monkeypatch, device):
 
 
 def _e5m2_copies_with_transpose(monkeypatch, device, n=40):
-    """With g8t: the multi-row kernel writes the same e5m2 copy as the row kernel, also transposed, and
-    leaves the logits as they were (n=40: the last 32-row tile is partly masked)."""
+    """With g8t: the same e5m2 copy as without, its exact transpose (a tiled copy), and the logits left as
+    they were (n=40: the transposing copy's last 32-row tile is partly masked)."""
     monkeypatch.setattr(softcap_ce, "BLOCK_V", 64)
     monkeypatch.setattr(softcap_ce, "TILE_V", 64)  # several sweeps per row, the last one masked
     torch.manual_seed(0)
@@ -122,7 +122,8 @@ def _e5m2_copies_with_transpose(monkeypatch, device, n=40):
     assert torch.equal(kept, logits)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     a, b = alone.float().cpu(), both.float().cpu()
-    # the same values up to the last bit of an e5m2 rounding (the two kernels sum the row in other orders)
+    # the same values (two compilations of the kernel, with and without the dense store: allow the last bit
+    # of an e5m2 rounding; this ran on the H100 as written)
     assert ((a - b).abs() <= 0.25 * b.abs() + 2.0**-30).all() and (a == b).float().mean() > 0.95
     assert torch.equal(g8t.view(torch.uint8).cpu(), alone.view(torch.uint8).t().cpu())
     assert (a[3] == 0).all()  # the ignored row's gradient
