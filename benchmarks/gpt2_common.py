@@ -605,5 +605,16 @@ def switched(module, **values):
             setattr(module, k, v)
 
 
+def switched_run(module, values: dict[str, Any], fn: Callable[[], Any]) -> Any:
+    """``fn()`` with module-level switches set (e.g. ``softcap_ce.FP8_WEIGHT_GRAD``), restored afterwards."""
+    with switched(module, **values):
+        return fn()
+
+
+def with_compile_options(spec: RunSpec, **options: Any) -> RunSpec:
+    """The spec with inductor settings merged into its (the recipe's) ``compile_options``."""
+    return replace(spec, compile_options={**(spec.compile_options or {}), **options})
+
+
 def with_model(spec: RunSpec, **model_changes: Any) -> RunSpec:
     return replace(spec, model=replace(spec.model, **model_changes))

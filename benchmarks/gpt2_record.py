@@ -58,6 +58,7 @@ from gpt2_common import (  # noqa: E402
     smoke_shard,
     train_bare,
     train_lightning,
+    with_compile_options,
     with_model,
     write_json,
 )
@@ -185,7 +186,7 @@ def apply_overrides(spec: RunSpec, overrides: dict[str, Any]) -> RunSpec:
     inductor settings (merged into the recipe's) under ``"compile_options"``."""
     overrides = dict(overrides)
     if "compile_options" in overrides:
-        spec = replace(spec, compile_options={**(spec.compile_options or {}), **overrides.pop("compile_options")})
+        spec = with_compile_options(spec, **overrides.pop("compile_options"))
     if "optim" in overrides:
         spec = replace(spec, optim=replace(spec.optim, **overrides.pop("optim")))
     return with_model(spec, **overrides)

@@ -78,9 +78,10 @@ from gpt2_common import (  # noqa: E402
     load_yaml_config,
     oom_retry,
     smoke_shard,
-    switched,
+    switched_run,
     train_bare,
     train_lightning,
+    with_compile_options,
     with_model,
     write_json,
 )
@@ -117,15 +118,9 @@ def make_specs(args: argparse.Namespace) -> dict[str, RunSpec]:
     return {"speedrun": speedrun, "classic": classic, "prev": prev, "unbatched": unbatched}
 
 
-def switched_run(module, values: dict[str, Any], fn):
-    """``fn()`` with module-level switches set (e.g. ``softcap_ce.FP8_WEIGHT_GRAD``), restored afterwards."""
-    with switched(module, **values):
-        return fn()
-
-
 def with_cdt(spec: RunSpec, on: bool) -> RunSpec:
     """The spec with inductor's ``coordinate_descent_tuning`` set on or off (other compile options kept)."""
-    return replace(spec, compile_options={**(spec.compile_options or {}), "coordinate_descent_tuning": on})
+    return with_compile_options(spec, coordinate_descent_tuning=on)
 
 
 def ratio(a: dict, b: dict, key: str = "tokens_per_s") -> float | None:

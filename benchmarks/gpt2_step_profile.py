@@ -44,6 +44,7 @@ from gpt2_common import (  # noqa: E402
     find_shards,
     load_yaml_config,
     switched,
+    switched_run,
     with_model,
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
@@ -142,10 +143,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     fp8mm64 = with_model(replace(base, micro_batch=64, accum=8), mlp_fp8="auto", attn_fp8="auto")
 
-    def _with(module, name, value, fn):
-        with switched(module, **{name: value}):
-            return fn()
-
     variants = {
         "base": lambda: run(base, data, profile=True),
         "cudnn": lambda: run(base, data, ctx=lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)),
@@ -159,10 +156,12 @@ def main(argv: list[str] | None = None) -> dict:
                                     profile=True),
         "fp8mlp128": lambda: run(with_model(replace(base, micro_batch=128, accum=4), mlp_fp8="auto"), data),
         "fp8mm64": lambda: run(fp8mm64, data),
-        "fp8mm64-bf16headgrad": lambda: _with(softcap_ce_mod, "FP8_INPUT_GRAD", False, lambda: run(fp8mm64, data)),
-        "fp8mm64-fastacc": lambda: _with(fp8_mod, "BACKWARD_FAST_ACCUM", True, lambda: run(fp8mm64, data)),
-        "fp8mm64-gradwlayout": lambda: _with(fp8_mod._FP8Linear, "backward",
-                                             staticmethod(_grad_w_own_layout_backward), lambda: run(fp8mm64, data)),
+        "fp8mm64-bf16headgrad": lambda: switched_run(softcap_ce_mod, {"FP8_INPUT_GRAD": False},
+                                                     lambda: run(fp8mm64, data)),
+        "fp8mm64-fastacc": lambda: switched_run(fp8_mod, {"BACKWARD_FAST_ACCUM": True}, lambda: run(fp8mm64, data)),
+        "fp8mm64-gradwlayout": lambda: switched_run(fp8_mod._FP8Linear,
+                                                    {"backward": staticmethod(_grad_w_own_layout_backward)},
+                                                    lambda: run(fp8mm64, data)),
         "nofp8mm64": lambda: run(with_model(replace(base, micro_batch=64, accum=8), mlp_fp8=False, attn_fp8=False),
                                  data),
         "fp8mm64prof": lambda: run(with_model(replace(base, micro_batch=64, accum=8), mlp_fp8="auto", attn_fp8="auto"),

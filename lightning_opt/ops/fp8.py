@@ -49,6 +49,11 @@ def to_e4m3(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (t / scale).clamp(-448.0, 448.0).to(_E4M3)
 
 
+def norm_input_scale(width: int) -> float:
+    """e4m3 scale of a normalised input (RMS 1, unit gain): no entry of such a row exceeds ``sqrt(width)``."""
+    return math.sqrt(width) / 448.0
+
+
 def mean_loss_grad_scale(rows: int) -> float:
     """e5m2 scale for the output gradient of a matmul feeding a loss averaged over ``rows`` tokens: its
     entries are then of order ``1 / rows``; a larger scale would let most of them underflow to zero."""
@@ -141,7 +146,7 @@ def fp8_matmul_t(x: torch.Tensor, w: torch.Tensor, x_scale: float | torch.Tensor
     if isinstance(x_scale, torch.Tensor):
         xs = x_scale
     else:
-        xs = _scale(x, math.sqrt(k) / 448.0 if x_scale is None else x_scale)
+        xs = _scale(x, norm_input_scale(k) if x_scale is None else x_scale)
     if x.dtype == _E4M3 and not isinstance(x_scale, torch.Tensor):
         raise ValueError("fp8_matmul_t: an e4m3 x needs the scale tensor it was cast with (x_scale)")
     ws = w_scale if isinstance(w_scale, torch.Tensor) else _scale(x, w_scale)
@@ -173,6 +178,6 @@ def fp8_linear(
         raise ValueError(f"fp8_linear: weight must be [out, {k}], got {tuple(weight.shape)}")
     rows = math.prod(x.shape[:-1])
     check_fp8_shapes(rows, k, weight.shape[0], x.device)
-    scale_x = math.sqrt(k) / 448.0 if x_scale is None else x_scale
+    scale_x = norm_input_scale(k) if x_scale is None else x_scale
     out = _FP8Linear.apply(x.reshape(rows, k), weight, scale_x, w_scale, grad_scale)
     return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -33,7 +33,7 @@ import torch
 
 from lightning_opt._optional import triton_runs_on
 from lightning_opt.ops import fp8 as _fp8
-from lightning_opt.ops.fp8 import HEAD_W_SCALE, check_fp8_shapes, fp8_matmul_t, to_e4m3
+from lightning_opt.ops.fp8 import HEAD_W_SCALE, check_fp8_shapes, fp8_matmul_t, norm_input_scale, to_e4m3
 
 try:  # optional dependency (the CUDA wheels of torch ship it)
     import triton
@@ -254,7 +254,7 @@ class _LinearSoftcapCE(torch.autograd.Function):
             if fp8:
                 w_scale = _fp8._scale(h, HEAD_W_SCALE)
                 w8 = to_e4m3(wc, w_scale)
-                h_scale = _fp8._scale(h, _head_x_scale(h))
+                h_scale = _fp8._scale(h, norm_input_scale(h.shape[-1]))
                 h8 = to_e4m3(hc, h_scale)
                 logits = fp8_matmul_t(h8, w8, x_scale=h_scale, w_scale=w_scale, out_dtype=dtype)
                 if need_grad and FP8_INPUT_GRAD:  # the input gradient's matmul in FP8 too: the kernel also writes the gradient as e5m2
@@ -289,17 +289,12 @@ class _LinearSoftcapCE(torch.autograd.Function):
             else:
                 grad_h = (grad_logits @ wc).float() * scale
             if g8t is not None:  # grad_w [V, d] = g^T [V, N] @ h [N, d], contracted along the N tokens
-                hs = _fp8._scale(g8, _head_x_scale(h8))
+                hs = _fp8._scale(g8, norm_input_scale(h8.shape[-1]))
                 grad_w = torch._scaled_mm(g8t, h8.t().contiguous().t(), scale_a=gs, scale_b=hs,
                                           out_dtype=torch.float32, use_fast_accum=fast) * scale
             else:
                 grad_w = (grad_logits.t() @ hc).float() * scale
         return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None, None
-
-
-def _head_x_scale(h: torch.Tensor) -> float:
-    # the head's input is RMS-normalised: entries up to sqrt(width) (fp8_matmul_t's default bound)
-    return math.sqrt(h.shape[-1]) / 448.0
 
 
 @torch.compiler.disable
