@@ -1,7 +1,7 @@
 """Generate ``docs/benchmarks/gpt2.md`` and its plot from the GPT-2 benchmark JSON files (no typed numbers).
 
-Reads the newest non-smoke ``benchmarks/results/gpt2_{speedrun,record,ablation}_*.json`` (or the files
-given), writes the markdown page and ``docs/benchmarks/img/gpt2_val_vs_time.png`` (val loss against
+Reads ``benchmarks/results/gpt2_{speedrun,record,ablation}_<device>.json`` (one current result per device;
+the newest run heads its section; or the files given), writes the markdown page and ``docs/benchmarks/img/gpt2_val_vs_time.png`` (val loss against
 training seconds, ours and the peers). A missing result leaves a "GPU figures: pending" line in its section.
 
     python benchmarks/gpt2_report.py
@@ -21,39 +21,11 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "benchmarks" / "gpt2.md"
 
 
-# what the page shows, newest first per section (the first speedrun/record run is the headline one);
-# a kind missing here falls back to its newest result file
-SHOWN = {
-    "speedrun": ["gpt2_speedrun_s7e_nvidia-h100-80gb-hbm3_20261126.json",
-                 "gpt2_speedrun_s7c_nvidia-h100-80gb-hbm3_20261126.json",
-                 "gpt2_speedrun_s7a_nvidia-h100-80gb-hbm3_20261126.json",
-                 "gpt2_speedrun_s6c_nvidia-h100-80gb-hbm3_20261126.json",
-                 "gpt2_speedrun_s6d_nogain_nvidia-h100-80gb-hbm3_20261126.json",
-                 "gpt2_speedrun_s6b_nvidia-h100-80gb-hbm3_20261126.json",
-                 "gpt2_speedrun_s6a_nvidia-h100-80gb-hbm3_20261126.json",
-                 "gpt2_speedrun_s5_nvidia-h100-80gb-hbm3_20261126.json",
-                 "gpt2_speedrun_s4_fusedce_nvidia-h200_20261126.json", "gpt2_speedrun_s4_recipe_nvidia-h200_20261126.json",
-                 "gpt2_speedrun_nvidia-h200_20261126.json", "gpt2_speedrun_nvidia-h100-80gb-hbm3_20261126.json"],
-    "record": ["gpt2_record_s7_nvidia-h100-80gb-hbm3_20261126.json",
-               "gpt2_record_s6_nvidia-h100-80gb-hbm3_20261126.json",
-               "gpt2_record_s6b_nogain_nvidia-h100-80gb-hbm3_20261126.json",
-               "gpt2_record_s5_nvidia-h100-80gb-hbm3_20261126.json",
-               "gpt2_record_s5_longprobe_nvidia-h200_20261126.json", "gpt2_record_s4_nvidia-h200_20261126.json",
-               "gpt2_record_s4_halfbatch_nvidia-h200_20261126.json",
-               "gpt2_record_nvidia-h100-80gb-hbm3_20261126.json"],
-    "ablation": ["gpt2_ablation_s4_nvidia-h200_20261126.json", "gpt2_ablation_s6_fp8_nvidia-h100-80gb-hbm3_20261126.json",
-                 "gpt2_ablation_nvidia-h100-80gb-hbm3_20261126.json"],
-}
-
-
 def shown(kind: str) -> list[Path | None]:
-    files = [RESULTS / f for f in SHOWN.get(kind, []) if (RESULTS / f).exists()]
-    return files or [newest(kind)]
-
-
-def newest(kind: str) -> Path | None:
+    """The ``gpt2_<kind>_<device>.json`` results (one per device), newest run first; ``[None]`` when there is none."""
     files = [f for f in RESULTS.glob(f"gpt2_{kind}_*.json") if "_smoke" not in f.name]
-    return max(files, key=lambda f: (f.stem.rsplit("_", 1)[-1], f.stat().st_mtime)) if files else None
+    return sorted(files, key=lambda f: (json.loads(f.read_text()).get("env", {}).get("date_utc", ""), f.name),
+                  reverse=True) or [None]
 
 
 def load(path: str | Path | None) -> tuple[dict[str, Any] | None, Path | None]:
@@ -252,17 +224,17 @@ def main(argv: list[str] | None = None) -> Path:
         "`.peers/` folder and never committed. See [docs/gpt2.md](../gpt2.md) for the model and recipe.", "",
     ]
     lines += speedrun_section(sp, sp_path, doc)
-    for i, (older, older_path) in enumerate(runs[1:], start=1):
-        lines += speedrun_section(older, older_path, doc, f"### Earlier run {i}: {older['env']['device']}")
+    for older, older_path in runs[1:]:
+        lines += speedrun_section(older, older_path, doc, f"### Throughput on {older['env']['device']}")
     lines += record_section(rc, rc_path, doc)
-    for i, (older, older_path) in enumerate(records[1:], start=1):
-        lines += record_section(older, older_path, doc, f"### Time to target, run {i + 1}: {older['env']['device']}")
+    for older, older_path in records[1:]:
+        lines += record_section(older, older_path, doc, f"### Time to target on {older['env']['device']}")
     lines += ["## Val loss vs training time", ""]
     lines += ([f"![val loss vs training seconds](img/{img.name})", ""] if has_plot
               else ["GPU figures: pending (the plot is drawn from the speedrun and record results).", ""])
     lines += ablation_section(ab, ab_path, doc)
-    for i, (older, older_path) in enumerate(ablations[1:], start=1):
-        lines += ablation_section(older, older_path, doc, f"### Ablation, earlier run {i}: {older['env']['device']}")
+    for older, older_path in ablations[1:]:
+        lines += ablation_section(older, older_path, doc, f"### Ablation on {older['env']['device']}")
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(lines))
     return doc
