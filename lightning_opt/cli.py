@@ -25,12 +25,15 @@ def device_name(trainer: L.Trainer | None = None) -> str:
 class RunSummary(Callback):
     """Prints the validation loss as it falls and writes ``metrics.json`` into the run directory.
 
-    Training wall time excludes validation (as the speedrun rules do). The clock is read at the
-    boundaries of validation and at the end of training only, after a device synchronisation there: no
-    per-step synchronisation.
+    Training wall time excludes validation (as the speedrun rules do), including a validation run after
+    ``fit``. The clock is read at the boundaries of validation and at the start and end of training only,
+    after a device synchronisation there: no per-step synchronisation.
 
-    Logged to ``metrics.json``: ``final_val_loss``, ``val_history``, ``tokens_seen``, ``steps``,
-    ``train_time_s``, ``wall_time_s``, ``tokens_per_s``, ``peak_memory_bytes``, ``device``, versions.
+    Logged to ``metrics.json``: ``final_val_loss``, ``val_history``, ``tokens_seen`` (all segments of a
+    resumed run), ``steps``, ``train_time_s`` (this segment), ``segment_tokens`` (trained in this
+    segment), ``tokens_per_s`` (``segment_tokens / train_time_s``: this segment's speed, also after a
+    resume), ``train_time_total_s`` (all segments: the earlier ones' time is carried in checkpoints),
+    ``wall_time_s``, ``peak_memory_bytes``, ``device``, versions.
     """
 
     def __init__(self) -> None:
@@ -39,6 +42,14 @@ class RunSummary(Callback):
         self._val_time = 0.0
         self._train_end: float | None = None
         self._start_wall = time.time()
+        self._tokens0 = 0  # tokens_seen when this segment's training started (restored on resume)
+        self._earlier_time = 0.0  # train time of the segments before a resume, from the checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"train_time_total_s": self._earlier_time + self.train_time()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._earlier_time = float(state_dict.get("train_time_total_s", 0.0))
 
     @staticmethod
     def _sync(trainer: L.Trainer) -> None:
@@ -50,6 +61,11 @@ class RunSummary(Callback):
         self._t0 = time.perf_counter()
         self._val_time = 0.0
         self._train_end = None
+        self._tokens0 = int(getattr(pl_module, "tokens_seen", 0))
+
+    def _in_training(self, trainer: L.Trainer) -> bool:
+        # validation inside fit (not the sanity check before it, nor trainer.validate after it)
+        return trainer.state.fn == "fit" and not trainer.sanity_checking and self._train_end is None
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._sync(trainer)
@@ -57,7 +73,8 @@ class RunSummary(Callback):
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._sync(trainer)
-        self._val_time += time.perf_counter() - self._val_start
+        if self._in_training(trainer):
+            self._val_time += time.perf_counter() - self._val_start
         if trainer.sanity_checking:
             return
         val = trainer.callback_metrics.get("val/loss")
@@ -72,6 +89,8 @@ class RunSummary(Callback):
         self._train_end = time.perf_counter()
 
     def train_time(self) -> float:
+        if not self._t0:  # training has not started
+            return 0.0
         end = self._train_end if self._train_end is not None else time.perf_counter()
         return max(0.0, end - self._t0 - self._val_time)
 
@@ -81,6 +100,7 @@ class RunSummary(Callback):
 
     def summary(self, trainer: L.Trainer, pl_module: L.LightningModule, **extra: Any) -> dict[str, Any]:
         tokens = int(getattr(pl_module, "tokens_seen", 0))
+        segment_tokens = tokens - self._tokens0
         train_time = self.train_time()
         dev = trainer.strategy.root_device
         final = self.val_history[-1]["val_loss"] if self.val_history else None
@@ -90,8 +110,10 @@ class RunSummary(Callback):
             "tokens_seen": tokens,
             "steps": trainer.global_step,
             "train_time_s": train_time,
+            "segment_tokens": segment_tokens,
+            "tokens_per_s": segment_tokens / train_time if train_time > 0 else None,
+            "train_time_total_s": self._earlier_time + train_time,
             "wall_time_s": time.time() - self._start_wall,
-            "tokens_per_s": tokens / train_time if train_time > 0 else None,
             "peak_memory_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
             "device": device_name(trainer),
             "world_size": trainer.world_size,
@@ -129,20 +151,6 @@ class RecipeCLI(LightningCLI):
         if data is not None and "vocab_size" in data and data.get("vocab_size") is None and model_cfg is not None:
             # refuse shards made with another tokenizer before training, not with an index error mid-run
             data.vocab_size = model_cfg.get("vocab_size")
-        if data is not None and "train_files" in data and data.get("train_files") in (None, "builtin"):
-            # the offline demo corpus: Python's own documentation, tokenized on first use and cached
-            from lightning_opt.data.corpus import default_corpus_shards
-            from lightning_opt.data.shards import read_shard
-
-            train, val = default_corpus_shards()
-            data.train_files = str(train)
-            if data.get("val_files") in (None, "builtin"):
-                data.val_files = str(val)
-                available = len(read_shard(val)) - 1
-                if data.get("val_tokens") is not None and data.val_tokens > available:
-                    print(f"note: the built-in corpus has {available} val tokens; val_tokens={data.val_tokens} "
-                          f"is lowered to all of them. Point data.val_files at your shards for a larger val set.")
-                    data.val_tokens = None
         callbacks = cfg.trainer.get("callbacks")
         has_bar = isinstance(callbacks, list) and any(
             str(getattr(c, "class_path", "")).endswith("ProgressBar") for c in callbacks
@@ -203,7 +211,10 @@ def run_recipe(cli: RecipeCLI, summary: RunSummary, **extra: Any) -> dict[str, A
     path = run_dir(trainer) / cli.config.get("metrics_file", "metrics.json")
     write_metrics(path, metrics)
     if trainer.is_global_zero:
-        print(f"final val/loss {metrics['final_val_loss']}  |  {metrics['tokens_per_s'] or 0:,.0f} tokens/s")
+        speed = metrics["tokens_per_s"]
+        speed_text = "n/a" if speed is None else f"{speed:,.0f}" if speed >= 100 else f"{speed:.3g}"
+        print(f"final val/loss {metrics['final_val_loss']}  |  {speed_text} tokens/s "
+              f"({metrics['segment_tokens']:,} tokens in {metrics['train_time_s']:.1f} s of training)")
         print(f"TensorBoard logs: {run_dir(trainer)}  (tensorboard --logdir {run_dir(trainer).parent})")
         print(f"metrics: {path}")
     return metrics

@@ -29,7 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--hf-dataset", help="Hugging Face dataset id to stream (needs the hf extra)")
     pr.add_argument("--out-dir", required=True, help="output folder")
     pr.add_argument("--tokenizer", choices=["gpt2", "byte"], default="gpt2")
-    pr.add_argument("--bpe-file", help="local r50k_base.tiktoken for offline GPT-2 tokenization")
+    pr.add_argument(
+        "--bpe-file",
+        help="local r50k_base.tiktoken for offline GPT-2 tokenization (default: $LIGHTNING_OPT_BPE_FILE, "
+        "else tiktoken's download)",
+    )
     pr.add_argument("--val-fraction", type=float, default=0.1, help="share of documents for validation")
     pr.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard")
     pr.add_argument("--prefix", default="data", help="shard names are PREFIX_{train,val}_NNNNNN.bin")

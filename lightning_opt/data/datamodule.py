@@ -217,6 +217,42 @@ class _TrainLoader:
             yield x, y
 
 
+BUILTIN = "builtin"
+
+
+def _builtin_corpus(train_files: Any, val_files: Any, val_tokens: int | None) -> tuple[Any, Any, int | None]:
+    """Replace ``"builtin"`` by the offline corpus's train/val shard (built and cached on first use).
+
+    A ``val_tokens`` larger than the built-in val shard is lowered to all of it, with a note.
+    """
+    if BUILTIN not in (train_files, val_files):
+        return train_files, val_files, val_tokens
+    from lightning_opt.data.corpus import default_corpus_shards
+
+    train, val = default_corpus_shards()
+    if val_files == BUILTIN:
+        if train_files != BUILTIN:
+            warnings.warn(
+                f"TokenShardDataModule: val_files is 'builtin' (the offline byte-level corpus, vocab 256) "
+                f"while train_files are {train_files!r}; the val loss is measured on the built-in corpus, "
+                f"which is only meaningful if your shards are byte-level too; pass val_files= (or "
+                f"--data.val_files) with your own validation shards",
+                stacklevel=3,
+            )
+        available = read_header(val) - 1
+        if val_tokens is not None and val_tokens > available:
+            warnings.warn(
+                f"TokenShardDataModule: the built-in corpus has {available} val tokens; val_tokens={val_tokens} "
+                f"is lowered to all of them. Point val_files at your shards for a larger val set.",
+                stacklevel=3,
+            )
+            val_tokens = None
+        val_files = os.fspath(val)
+    if train_files == BUILTIN:
+        train_files = os.fspath(train)
+    return train_files, val_files, val_tokens
+
+
 def _plain_paths(files: Any) -> Any:
     if files is None or isinstance(files, str):
         return files
@@ -246,13 +282,17 @@ class TokenShardDataModule(pl.LightningDataModule):
       copied on a side stream while the current step runs (no-op on CPU).
 
     Args:
-        train_files: shard path(s) or glob(s) for training.
-        val_files: shard path(s) or glob(s) for validation, or ``None`` for no validation.
+        train_files: shard path(s) or glob(s) for training, or ``"builtin"`` for the offline demo corpus
+            (Python's own docs, byte-level tokens; built and cached on first use). A file named twice is
+            read once (with a warning).
+        val_files: shard path(s) or glob(s) for validation, ``"builtin"`` for the offline corpus's val
+            shard (a ``val_tokens`` larger than it is lowered to all of it), or ``None`` for no
+            validation. Val shards that are also train shards give a warning.
         seq_len: tokens per sequence (``T``).
         batch_size: sequences per batch per rank (``B``).
         val_tokens: how many leading val tokens form the fixed val set; ``None`` uses all of them.
-        vocab_size: if given, the shards are checked for ids ``>= vocab_size`` at construction (full scan
-            of shards up to 16M tokens, 16 sampled 64K-token blocks of larger ones).
+        vocab_size: if given, every token of the shards is checked for ids ``>= vocab_size`` at
+            construction (a chunked scan of the memory maps; the error names the shard, offset and id).
         seed: seed of the per-epoch shuffle.
         shuffle: shuffle the window order each epoch (the speedrun reads in order: off).
         num_workers: DataLoader workers (0 reads in the main process; memory-mapped reads are cheap).
@@ -272,7 +312,7 @@ class TokenShardDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        train_files: PathLike | Sequence[PathLike],
+        train_files: PathLike | Sequence[PathLike] = BUILTIN,
         val_files: PathLike | Sequence[PathLike] | None = None,
         seq_len: int = 1024,
         batch_size: int = 8,
@@ -313,8 +353,23 @@ class TokenShardDataModule(pl.LightningDataModule):
         if vocab_size is not None and vocab_size <= 0:
             raise ValueError(f"TokenShardDataModule: vocab_size must be positive, got {vocab_size}")
 
+        if train_files is None:
+            raise ValueError(
+                "TokenShardDataModule: train_files is None; pass shard paths or globs, or 'builtin' for the "
+                "offline demo corpus"
+            )
+        train_files, val_files, val_tokens = _builtin_corpus(train_files, val_files, val_tokens)
         self.train_files = resolve_files(train_files)
         self.val_files = resolve_files(val_files) if val_files is not None else []
+        shared = {f.resolve() for f in self.train_files} & {f.resolve() for f in self.val_files}
+        if shared:
+            what = "are the train shards" if len(shared) == len(self.val_files) else "include train shards"
+            warnings.warn(
+                f"TokenShardDataModule: the val shards {what} ({', '.join(sorted(map(str, shared))[:3])}); "
+                f"the val loss would be measured on training data; pass separate val_files (e.g. the "
+                f"'*_val_*.bin' shards made by `lightning-opt-data prepare`)",
+                stacklevel=2,
+            )
         self.seq_len, self.batch_size = seq_len, batch_size
         self.val_batch_size = val_batch_size or batch_size
         self.seed, self.shuffle = seed, shuffle
@@ -342,6 +397,12 @@ class TokenShardDataModule(pl.LightningDataModule):
                         f"TokenShardDataModule: the val shards hold only {available} tokens, less than one "
                         f"window of seq_len+1={seq_len + 1}; use more validation data or a smaller seq_len"
                     )
+            if available < seq_len + 1:
+                raise ValueError(
+                    f"TokenShardDataModule: the val shards hold {available} tokens; one validation window needs "
+                    f"seq_len+1={seq_len + 1} tokens (the targets are the inputs shifted by one); use more "
+                    f"validation data, a smaller seq_len, or val_files=None for no validation"
+                )
             if val_tokens < seq_len:
                 raise ValueError(
                     f"TokenShardDataModule: val_tokens={val_tokens} is smaller than one window of seq_len={seq_len}; "
@@ -440,9 +501,15 @@ class TokenShardDataModule(pl.LightningDataModule):
         rank, world = self.rank_and_world()
         per_rank = self.num_val_windows // world
         if per_rank < 1:
+            need = world * self.seq_len
+            if self._val.total < need + 1:
+                fix = (f"the val shards hold {self._val.total} tokens, {world} windows need {need + 1} "
+                       f"(seq_len per window, plus one for the shifted targets); use more validation data")
+            else:
+                fix = f"raise val_tokens (now {self.val_tokens}) to at least {need}"
             raise ValueError(
                 f"TokenShardDataModule: {self.num_val_windows} validation windows cannot be split over {world} "
-                f"ranks; raise val_tokens to at least {world * self.seq_len}"
+                f"ranks; {fix}, lower seq_len, or pass val_files=None for no validation"
             )
         dataset = _ValBatches(self._val, self.seq_len, self.val_batch_size, rank * per_rank, per_rank)
         return _ValLoader(self._loader(dataset), len(dataset))

@@ -96,6 +96,9 @@ def write_documents(
     With exactly one document and ``val_fraction > 0``, its last ``val_fraction`` of tokens is the
     validation set instead (a document-level split would leave nothing for one side).
 
+    If it fails, the shards it wrote and the folders it created are removed (a folder that existed
+    before is left as it was, and nothing else in it is touched).
+
     Returns:
         The metadata also written to ``{prefix}_meta.json``.
     """
@@ -104,7 +107,31 @@ def write_documents(
     if shard_tokens <= 0:
         raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
     out = Path(out_dir).expanduser()
+    created = [d for d in (out, *out.parents) if not d.exists()]  # removed again if this run fails
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _write_documents(documents, out, tokenizer, val_fraction, shard_tokens, prefix, overwrite,
+                                source, batch_docs)
+    except BaseException:
+        for folder in created:  # deepest first; only folders this run made, and only if left empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _write_documents(
+    documents: Iterable[str],
+    out: Path,
+    tokenizer: ByteTokenizer | GPT2Tokenizer,
+    val_fraction: float,
+    shard_tokens: int,
+    prefix: str,
+    overwrite: bool,
+    source: str,
+    batch_docs: int,
+) -> dict[str, Any]:
     _check_out_dir(out, prefix, overwrite)
     writers = {s: ShardWriter(out, prefix, s, shard_tokens) for s in ("train", "val")}
     eot = np.array([tokenizer.eot], dtype=np.uint16)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Union
@@ -147,6 +148,7 @@ def write_shard(path: PathLike, tokens: Any) -> Path:
     # (e.g. several ranks building the same cache) never see a half-written file.
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a shard gets a normal file's mode
         with os.fdopen(fd, "wb") as f:
             f.write(header.tobytes())
             f.write(arr.astype("<u2", copy=False).tobytes())
@@ -159,6 +161,12 @@ def write_shard(path: PathLike, tokens: Any) -> Path:
         raise
     _fsync_dir(path.parent)
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only portable way to read it; set straight back
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -181,7 +189,8 @@ def resolve_files(patterns: PathLike | Sequence[PathLike]) -> list[Path]:
     """Expand shard paths and glob patterns into a list of files.
 
     Each glob's matches are sorted (so ``fineweb_train_*.bin`` is read in shard order); the order of
-    the patterns themselves is kept and duplicates are dropped. ``~`` is expanded.
+    the patterns themselves is kept. ``~`` is expanded. A file named twice (by two patterns, or by an
+    absolute and a relative path, or through a symlink) is read once, with a warning.
 
     Args:
         patterns: a path or glob, or a list of them.
@@ -201,7 +210,8 @@ def resolve_files(patterns: PathLike | Sequence[PathLike]) -> list[Path]:
             "no token shard files given; pass a path or glob such as 'data/*_train_*.bin'"
         )
     out: list[Path] = []
-    seen: set[Path] = set()
+    seen: dict[Path, Path] = {}  # resolved path -> the spelling kept
+    dropped: list[str] = []
     for pattern in patterns:
         text = os.path.expanduser(os.fspath(pattern))
         if _GLOB_CHARS & set(text):
@@ -216,9 +226,21 @@ def resolve_files(patterns: PathLike | Sequence[PathLike]) -> list[Path]:
             _check_is_file(path)
             matches = [path]
         for m in matches:
-            if m not in seen:
-                seen.add(m)
-                out.append(m)
+            real = m.resolve()
+            if real in seen:
+                if m != seen[real]:
+                    dropped.append(f"'{m}' (same file as '{seen[real]}')")
+                elif not _GLOB_CHARS & set(text):
+                    dropped.append(f"'{m}'")
+                continue
+            seen[real] = m
+            out.append(m)
+    if dropped:
+        warnings.warn(
+            f"token shards given more than once are read once: {', '.join(dropped[:5])}"
+            f"{' ...' if len(dropped) > 5 else ''}; remove the repeated paths or patterns",
+            stacklevel=2,
+        )
     return out
 
 
@@ -227,10 +249,10 @@ def max_token_id(
 ) -> int:
     """Largest token id in a shard: exact for shards up to ``full_scan_tokens``, sampled above.
 
-    Shards up to 16M tokens (32 MB) are scanned fully. A full scan of 100 FineWeb shards would read
-    20 GB on every rank, so above the threshold we read ``sample_blocks`` evenly spaced blocks of
-    ``block`` tokens (first and last included; 2 MB a shard by default), which catches a shard made with
-    another tokenizer (ids everywhere) but not a single stray id.
+    Shards up to 16M tokens (32 MB) are scanned fully. Above that, ``sample_blocks`` evenly spaced
+    blocks of ``block`` tokens are read (first and last included; 2 MB a shard by default): quick, and
+    enough to catch a shard made with another tokenizer, but not a single stray id (use
+    :func:`first_token_at_least` for an exact answer).
     """
     tokens = read_shard(path)
     n = tokens.shape[0]
@@ -242,13 +264,32 @@ def max_token_id(
     return int(max(int(tokens[s : s + block].max()) for s in starts))
 
 
-def check_vocab(files: Iterable[PathLike], vocab_size: int, full_scan_tokens: int = 1 << 24) -> None:
-    """Raise ``ValueError`` if a shard holds a token id ``>= vocab_size`` (see :func:`max_token_id`)."""
+def first_token_at_least(path: PathLike, limit: int, chunk: int = 1 << 24) -> tuple[int, int] | None:
+    """``(offset, id)`` of the first token id ``>= limit`` in a shard, or ``None``: an exact scan, read
+    in chunks of ``chunk`` tokens (one vectorised pass over the memory map, 32 MB at a time)."""
+    tokens = read_shard(path)
+    for lo in range(0, tokens.shape[0], chunk):
+        part = tokens[lo : lo + chunk]
+        if int(part.max()) >= limit:
+            i = int(np.argmax(part >= limit))
+            return lo + i, int(part[i])
+    return None
+
+
+def vocab_error(path: PathLike, offset: int, token: int, vocab_size: int) -> ValueError:
+    """The error for token id ``token >= vocab_size`` at token ``offset`` of shard ``path``."""
+    return ValueError(
+        f"token shard '{path}' contains token id {token} at token offset {offset}, which is >= vocab_size "
+        f"{vocab_size}; the shard was made with a different tokenizer, is corrupt, or vocab_size is too "
+        f"small (GPT-2 needs 50257, the byte-level corpus 256); re-create it with `lightning-opt-data "
+        f"prepare` using the model's tokenizer"
+    )
+
+
+def check_vocab(files: Iterable[PathLike], vocab_size: int) -> None:
+    """Raise ``ValueError`` naming the shard, the offset and the id if any shard holds a token id
+    ``>= vocab_size``. Every token is checked (see :func:`first_token_at_least`)."""
     for f in files:
-        top = max_token_id(f, full_scan_tokens=full_scan_tokens)
-        if top >= vocab_size:
-            raise ValueError(
-                f"token shard '{f}' contains token id {top}, which is >= vocab_size {vocab_size}; the shard "
-                f"was made with a different tokenizer, or vocab_size is too small (GPT-2 needs 50257, "
-                f"the byte-level corpus 256)"
-            )
+        found = first_token_at_least(f, vocab_size)
+        if found is not None:
+            raise vocab_error(f, found[0], found[1], vocab_size)

@@ -9,6 +9,8 @@ from typing import Any
 
 GPT2_EOT = 50256
 GPT2_VOCAB = 50257
+BPE_FILE_ENV = "LIGHTNING_OPT_BPE_FILE"  # a local r50k_base.tiktoken, used when no bpe_file is passed
+R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 # The r50k/gpt2 split pattern (as in tiktoken's openai_public; kept here so offline use needs no plugin).
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
@@ -67,8 +69,9 @@ def gpt2_encoding(bpe_file: str | os.PathLike | None = None) -> Any:
 
     Args:
         bpe_file: a ``.tiktoken`` mergeable-ranks file for r50k_base/gpt2 (base64 token, rank per line),
-            e.g. ``r50k_base.tiktoken``. ``None`` uses ``tiktoken.get_encoding("gpt2")``, which downloads
-            the vocabulary on first use (cached in ``TIKTOKEN_CACHE_DIR``).
+            e.g. ``r50k_base.tiktoken``. ``None`` uses ``$LIGHTNING_OPT_BPE_FILE`` when set, else
+            ``tiktoken.get_encoding("gpt2")``, which downloads the vocabulary on first use (cached in
+            ``TIKTOKEN_CACHE_DIR``).
 
     Raises:
         FileNotFoundError: ``bpe_file`` does not exist.
@@ -78,18 +81,23 @@ def gpt2_encoding(bpe_file: str | os.PathLike | None = None) -> Any:
     import tiktoken
 
     if bpe_file is None:
+        bpe_file = os.environ.get(BPE_FILE_ENV) or None
+    if bpe_file is None:
         try:
             return tiktoken.get_encoding("gpt2")
         except Exception as err:  # network errors come from requests/urllib/blobfile, so catch broadly
             raise RuntimeError(
                 f"could not load the GPT-2 BPE through tiktoken ({type(err).__name__}: {err}); this needs the "
-                f"internet on first use. Offline, pass a local BPE file with --bpe-file / bpe_file= (an "
-                f"r50k_base.tiktoken file, e.g. /work/shared/data/gpt2/r50k_base.tiktoken), or use the "
-                f"byte-level tokenizer (--tokenizer byte)"
+                f"internet on first use. Offline, supply a local GPT-2 BPE file (r50k_base.tiktoken, from "
+                f"{R50K_URL}): pass --bpe-file FILE (bpe_file=FILE in Python) or set the environment "
+                f"variable {BPE_FILE_ENV}=FILE; or use the byte-level tokenizer (--tokenizer byte)"
             ) from err
     path = Path(bpe_file).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"GPT-2 BPE file '{path}' does not exist; pass an r50k_base.tiktoken file")
+        raise FileNotFoundError(
+            f"GPT-2 BPE file '{path}' does not exist (from --bpe-file / bpe_file= or ${BPE_FILE_ENV}); "
+            f"pass the path of an r50k_base.tiktoken file (from {R50K_URL})"
+        )
     from tiktoken.load import load_tiktoken_bpe
 
     try:

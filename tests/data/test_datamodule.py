@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_opt.data.datamodule import TokenShardDataModule
-from lightning_opt.data.shards import write_shard
+from lightning_opt.data.shards import read_shard, write_shard
 
 T, B = 8, 4
 
@@ -200,7 +200,7 @@ def test_changed_layout_resumes_at_same_token_count_with_warning(tmp_path: Path)
         (dict(val_tokens=4), r"val_tokens=4 is smaller than one window of seq_len=8"),
         (dict(val_tokens=10_000), r"val_tokens=10000 but the val shards hold only 301"),
         (dict(batch_size=200), r"fewer than one batch of batch_size=200"),
-        (dict(vocab_size=300), r"t_000\.bin' contains token id 332.*vocab_size 300"),
+        (dict(vocab_size=300), r"t_000\.bin' contains token id 300 at token offset 300, which is >= vocab_size 300"),
         (dict(rank=2, world_size=2), "need 0 <= rank < world_size"),
     ],
 )
@@ -389,3 +389,60 @@ def test_shuffled_windows_hold_the_right_tokens_across_shard_boundaries(tmp_path
         expected = x[:, :1] + torch.arange(T)  # token value == stream position
         assert torch.equal(x, expected) and torch.equal(y, expected + 1)
         assert bool((x[:, 0] % T == 0).all())
+
+
+def test_val_shard_of_exactly_seq_len_tokens_is_refused_at_construction(tmp_path: Path) -> None:
+    train, _ = _shards(tmp_path)
+    val = write_shard(tmp_path / "short_val.bin", np.arange(64))
+    with pytest.raises(ValueError, match=r"val shards hold 64 tokens; one validation window needs seq_len\+1=65"):
+        TokenShardDataModule(train, val, seq_len=64, batch_size=1, val_tokens=64)
+    val = write_shard(tmp_path / "ok_val.bin", np.arange(65))  # one more token: one window
+    dm = TokenShardDataModule(train, val, seq_len=64, batch_size=1, val_tokens=64)
+    assert [x.shape for x, _ in dm.val_dataloader()] == [(1, 64)]
+
+
+def test_val_windows_too_few_for_the_ranks_says_what_to_raise(tmp_path: Path) -> None:
+    train, _ = _shards(tmp_path, n_train=4001)
+    val = write_shard(tmp_path / "val.bin", np.arange(16))  # 15 targets: one window of 8, not two
+    dm = TokenShardDataModule(train, val, seq_len=T, batch_size=1, rank=0, world_size=2)
+    with pytest.raises(ValueError, match=r"val shards hold 16 tokens, 2 windows need 17"):
+        dm.val_dataloader()
+    val = write_shard(tmp_path / "val.bin", np.arange(100))
+    dm = TokenShardDataModule(train, val, seq_len=T, batch_size=1, val_tokens=8, rank=0, world_size=2)
+    with pytest.raises(ValueError, match=r"raise val_tokens \(now 8\) to at least 16"):
+        dm.val_dataloader()
+    dm = TokenShardDataModule(train, val, seq_len=T, batch_size=1, val_tokens=16, rank=1, world_size=2)
+    assert [x[0, 0].item() for x, _ in dm.val_dataloader()] == [8]
+
+
+def test_builtin_corpus_without_the_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_opt.data.corpus import default_corpus_shards
+
+    monkeypatch.setenv("LIGHTNING_OPT_CACHE", str(tmp_path / "cache"))
+    train, val = default_corpus_shards()
+    dm = TokenShardDataModule("builtin", "builtin", seq_len=64, batch_size=4, val_tokens=4096, vocab_size=256)
+    assert dm.train_files == [train] and dm.val_files == [val] and dm.val_tokens == 4096
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (4, 64) and int(x.max()) < 256
+    assert dm.hparams.train_files == "builtin"  # the checkpoint records the name, not this machine's path
+    with pytest.warns(UserWarning, match=r"built-in corpus has \d+ val tokens; val_tokens=100000000 is lowered"):
+        dm = TokenShardDataModule("builtin", "builtin", seq_len=64, batch_size=4, val_tokens=100_000_000)
+    assert dm.val_tokens == read_shard(val).shape[0] - 1
+
+
+def test_own_train_shards_with_the_builtin_val_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTNING_OPT_CACHE", str(tmp_path / "cache"))
+    train, _ = _shards(tmp_path)
+    with pytest.warns(UserWarning, match=r"val_files is 'builtin'.*val loss is measured on the built-in corpus"):
+        dm = TokenShardDataModule(train, "builtin", seq_len=T, batch_size=B, val_tokens=64)
+    assert dm.num_val_windows == 8 and "pydoc_topics" in dm.val_files[0].name
+
+
+def test_val_files_that_are_the_train_files_warn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    train, _ = _shards(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(UserWarning, match=r"val shards are the train shards .*measured on training data"):
+        TokenShardDataModule(str(tmp_path / "t_*.bin"), ["t_000.bin", "t_001.bin", "t_002.bin"], seq_len=T,
+                             batch_size=B)
+    with pytest.warns(UserWarning, match=r"val shards include train shards .*t_001\.bin"):
+        TokenShardDataModule(train[:2], [train[1], tmp_path / "v_000.bin"], seq_len=T, batch_size=1)

@@ -15,9 +15,8 @@ from lightning_opt.data.download import DownloadError, download_fineweb, fineweb
 from lightning_opt.data.prepare import is_val_doc
 from lightning_opt.data.shards import read_shard, resolve_files, write_shard
 from lightning_opt.data.tokenizer import ByteTokenizer, gpt2_encoding
+from tests.data._shared import BPE, SHARED
 
-SHARED = Path("/work/shared/data")
-BPE = SHARED / "gpt2" / "r50k_base.tiktoken"
 RAW = SHARED / "novels" / "raw"
 
 DOCS = ["\ufeffFirst document.\r\nWith CRLF.\r\n", "Second: naïve café.", "Third one, the val doc."]
@@ -108,6 +107,7 @@ def test_prepare_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main(argv) == 1
     assert "give no validation document" in capsys.readouterr().err
     assert not list(Path(out).glob("*.bin")), "a failed run must not leave shards behind"
+    assert not Path(out).exists(), "a failed run must not leave the folder it created behind"
     (src / "bad.txt").write_bytes(b"\xff\xfe bad")
     assert main(["prepare", "--input", str(src / "bad.txt"), "--out-dir", out, "--tokenizer", "byte"]) == 1
     assert "bad.txt' is not valid UTF-8" in capsys.readouterr().err
@@ -208,3 +208,49 @@ def test_download_unreachable_hub_fails_fast(tmp_path: Path, monkeypatch: pytest
         "fineweb_train_000002.bin",
     ]
     assert main(["download-fineweb", "--out-dir", str(tmp_path / "fw"), "--num-train-shards", "200"]) == 1
+
+
+def test_failed_prepare_removes_only_the_folders_it_created(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = _texts(tmp_path / "texts", ["a", "b"])
+    argv = ["prepare", "--input", str(src / "*.txt"), "--tokenizer", "byte", "--shard-tokens", "1"]
+    assert main([*argv, "--out-dir", str(tmp_path / "new" / "deeper" / "out")]) == 1
+    assert "give no validation document" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["texts"]
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    assert main([*argv, "--out-dir", str(kept / "out")]) == 1
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
+    assert main([*argv, "--out-dir", str(kept)]) == 1
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]  # an existing folder stays, content and all
+
+
+def test_offline_gpt2_error_says_how_to_supply_the_bpe_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import tiktoken.registry
+
+    if "gpt2" in tiktoken.registry.ENCODINGS:
+        pytest.skip("tiktoken already holds the GPT-2 encoding in this process")
+    monkeypatch.delenv("LIGHTNING_OPT_BPE_FILE", raising=False)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty_cache"))
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # nothing listens on the discard port: no network
+    monkeypatch.setenv("https_proxy", "http://127.0.0.1:9")
+    src = _texts(tmp_path / "texts")
+    out = tmp_path / "out"
+    assert main(["prepare", "--input", str(src / "*.txt"), "--out-dir", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "--bpe-file FILE" in err and "LIGHTNING_OPT_BPE_FILE=FILE" in err and "r50k_base.tiktoken" in err, err
+    assert not out.exists()
+    monkeypatch.setenv("LIGHTNING_OPT_BPE_FILE", str(tmp_path / "missing.tiktoken"))
+    assert main(["prepare", "--input", str(src / "*.txt"), "--out-dir", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "missing.tiktoken' does not exist" in err and "$LIGHTNING_OPT_BPE_FILE" in err, err
+
+
+@pytest.mark.skipif(not BPE.exists(), reason="shared GPT-2 BPE file not present")
+def test_bpe_file_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTNING_OPT_BPE_FILE", str(BPE))
+    src = _texts(tmp_path / "texts")
+    assert main(["prepare", "--input", str(src / "*.txt"), "--out-dir", str(tmp_path / "o"), "--val-fraction", "0.34"]) == 0
+    assert int(read_shard(tmp_path / "o" / "data_train_000000.bin")[0]) == 50256

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -10,14 +12,16 @@ from lightning_opt.data.shards import (
     HEADER_BYTES,
     MAGIC,
     check_vocab,
+    first_token_at_least,
     max_token_id,
     read_header,
     read_shard,
     resolve_files,
     write_shard,
 )
+from tests.data._shared import SHARED as _SHARED
 
-SHARED = Path("/work/shared/data/novels")
+SHARED = _SHARED / "novels"
 
 
 def _raw_shard(path: Path, header: list[int], tokens: np.ndarray) -> Path:
@@ -119,7 +123,8 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_resolve_files_sorts_globs_and_keeps_pattern_order(tmp_path: Path) -> None:
     for name in ["b_002.bin", "b_000.bin", "b_001.bin", "a.bin"]:
         write_shard(tmp_path / name, [1])
-    got = resolve_files([tmp_path / "b_*.bin", str(tmp_path / "a.bin"), tmp_path / "b_000.bin"])
+    with pytest.warns(UserWarning, match=r"given more than once are read once: '.*b_000\.bin'"):
+        got = resolve_files([tmp_path / "b_*.bin", str(tmp_path / "a.bin"), tmp_path / "b_000.bin"])
     assert [p.name for p in got] == ["b_000.bin", "b_001.bin", "b_002.bin", "a.bin"]
     assert resolve_files(str(tmp_path / "a.bin")) == [tmp_path / "a.bin"]
 
@@ -136,6 +141,47 @@ def test_vocab_check(tmp_path: Path) -> None:
     assert max_token_id(path) == 300
     check_vocab([path], 301)
     with pytest.raises(ValueError, match=r"v\.bin.*token id 300.*vocab_size 256"):
+        check_vocab([path], 256)
+
+
+def test_shard_mode_follows_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        assert write_shard(tmp_path / "a.bin", [1, 2]).stat().st_mode & 0o777 == 0o644
+        os.umask(0o002)
+        assert write_shard(tmp_path / "b.bin", [1, 2]).stat().st_mode & 0o777 == 0o664
+        assert write_shard(tmp_path / "a.bin", [3]).stat().st_mode & 0o777 == 0o664  # replacing, too
+    finally:
+        os.umask(old)
+
+
+def test_resolve_files_reads_a_file_named_twice_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_shard(tmp_path / "a.bin", [1])
+    (tmp_path / "link.bin").symlink_to(tmp_path / "a.bin")
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(UserWarning, match=r"read once: 'a\.bin' \(same file as '.*a\.bin'\)"):
+        assert resolve_files([tmp_path / "a.bin", "a.bin"]) == [tmp_path / "a.bin"]
+    with pytest.warns(UserWarning, match=r"'.*link\.bin' \(same file as 'a\.bin'\)"):
+        assert resolve_files(["a.bin", tmp_path / "link.bin"]) == [Path("a.bin")]
+    with pytest.warns(UserWarning, match=r"'link\.bin' \(same file as 'a\.bin'\)"):
+        assert resolve_files(["*.bin"]) == [Path("a.bin")]  # a glob matching a file and a link to it
+    (tmp_path / "link.bin").unlink()
+    write_shard(tmp_path / "b.bin", [2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # distinct files: no warning
+        assert resolve_files(["*.bin"]) == [Path("a.bin"), Path("b.bin")]
+
+
+def test_vocab_check_finds_one_stray_id_anywhere_in_a_large_shard(tmp_path: Path) -> None:
+    n = (1 << 24) + 4096  # larger than max_token_id's full-scan size: its sampling misses the stray id
+    tokens = np.zeros(n, dtype=np.uint16)
+    tokens[(1 << 23) + 12345] = 300
+    path = write_shard(tmp_path / "big.bin", tokens)
+    assert max_token_id(path) == 0  # sampled: quick, but not a check
+    assert first_token_at_least(path, 256) == ((1 << 23) + 12345, 300)
+    assert first_token_at_least(path, 256, chunk=1000) == ((1 << 23) + 12345, 300)
+    assert first_token_at_least(path, 301) is None
+    with pytest.raises(ValueError, match=rf"big\.bin' contains token id 300 at token offset {(1 << 23) + 12345}"):
         check_vocab([path], 256)
 
 

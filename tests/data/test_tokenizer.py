@@ -8,9 +8,8 @@ import pytest
 from lightning_opt.data.prepare import normalize_text
 from lightning_opt.data.shards import read_shard
 from lightning_opt.data.tokenizer import ByteTokenizer, get_tokenizer, gpt2_encoding
+from tests.data._shared import BPE, SHARED
 
-SHARED = Path("/work/shared/data")
-BPE = SHARED / "gpt2" / "r50k_base.tiktoken"
 needs_bpe = pytest.mark.skipif(not BPE.exists(), reason="shared GPT-2 BPE file not present")
 
 

@@ -79,6 +79,15 @@ def too_small(d: Path) -> Path:
     return write_shard(d / "s.bin", GOOD_TOKENS[:20])
 
 
+STRAY_AT = (1 << 24) + 777  # past the first 16M tokens of a shard larger than 16M tokens
+
+
+def _stray(path: Path) -> Path:
+    tokens = np.resize(GOOD_TOKENS, STRAY_AT + 1000)
+    tokens[STRAY_AT] = 64
+    return write_shard(path, tokens)
+
+
 # (fault kind, make the bad input, the DataModule keyword it goes to, every needle must be in the message)
 # (a dict of needles per role: the message is about the shards' total, so it need not name a file)
 CASES: list[tuple[str, Callable[[Path], object], dict, list[str] | dict[str, list[str]]]] = [
@@ -95,7 +104,9 @@ CASES: list[tuple[str, Callable[[Path], object], dict, list[str] | dict[str, lis
     ("too few tokens", too_small, {}, {"train": ["20 tokens", "fewer than one batch", "smaller seq_len/batch_size"],
                                         "val": ["hold only 20 tokens", "lower val_tokens"]}),
     ("token ids out of vocab range", lambda d: write_shard(d / "s.bin", GOOD_TOKENS + 100), {"vocab_size": 64},
-     ["token id 163", ">= vocab_size 64", "different tokenizer"]),
+     ["token id 100 at token offset 0", ">= vocab_size 64", "different tokenizer"]),
+    ("one stray token id in a large shard", lambda d: _stray(d / "s.bin"), {"vocab_size": 64},
+     [f"token id 64 at token offset {STRAY_AT}", ">= vocab_size 64"]),
 ]
 
 
@@ -141,3 +152,16 @@ def test_recipe_names_missing_data(fault, tmp_path, monkeypatch, capsys):
     fault.shown(message, "matches no files")
     assert ok, message[-2000:]
 
+
+
+def test_val_shard_of_exactly_seq_len_tokens_is_refused_at_construction(fault, tmp_path):
+    fault("bad data: val shard of seq_len tokens", "a val shard one token short of one window (seq_len+1)")
+    good = write_shard(tmp_path / "good.bin", GOOD_TOKENS)
+    val = write_shard(tmp_path / "val.bin", GOOD_TOKENS[:64])
+    with pytest.raises(ValueError) as info:
+        TokenShardDataModule(good, val, seq_len=64, batch_size=4, val_tokens=64)
+    msg = str(info.value)
+    ok = "hold 64 tokens" in msg and "seq_len+1=65" in msg
+    fault.trial(ok, note=msg[:200])
+    fault.shown(msg)
+    assert ok, msg
