@@ -15,7 +15,8 @@ Layouts (the contract with ``lightning_opt.strategies``; see also docs/clt.md):
   feature f) is ``(l * N + n) * F + f``. Sparse activations are ``(flat_indices, values)`` in that layout.
 * untied decoder: ``W_dec`` is an ``nn.ParameterList`` and ``W_dec[l]`` is ``[F, L - l, d_out]`` (source l to
   targets l..L-1, circuit-tracer's ``W_dec_l``); ``b_dec`` is ``[L, d_out]``. ``d_out = d_model`` unless
-  :meth:`CLT.shard_decoder_` sliced the last (d_model) axis for decoder sharding.
+  the model holds a shard (:class:`CLTShardSpec`, :meth:`CLT.shard_`): then the last (d_model) axis is the
+  spec's ``d_out`` columns, and with ``features`` the encoder's last (feature) axis is sliced too.
 * tied decoders: ``per_source`` keeps ``W_dec[l]`` as ``[F, 1, d_out]`` (one vector per feature for all
   targets), ``per_target`` keeps ``W_dec_tgt`` ``[L, F, d_out]`` (target t reads the sum of the features of
   layers <= t).
@@ -30,6 +31,13 @@ calls ``lightning_opt.ops.sparse_decode.sparse_decode`` once per source layer wi
 and ``W_dec[l].reshape(F, (L - l) * d_out)``; ``CLT.sparse_decode_impl`` is its backend (``auto``: Triton
 on CUDA, ``embedding_bag`` otherwise).
 
+Sharding: :meth:`CLT.shard_` slices the parameters to a :class:`CLTShardSpec` (this rank's output columns and,
+optionally, features, plus the process groups of the data x model mesh); ``forward``, ``decode`` and
+``decode_sparse`` then compute this rank's shard and issue the collectives it needs (the sparse activations'
+gradient summed over the decoder group; with feature-sharded encoders the selection over the group and the
+gather of the kept entries). :func:`clip_grad_norm_` clips with the norm of the whole model.
+``lightning_opt.strategies.DecoderShardingStrategy`` builds the groups and shards the model at setup.
+
 Normalisation: the model owns ``in_shift/in_scale`` and ``out_shift/out_scale`` buffers (``[L, d_model]``);
 :meth:`CLT.encode` normalises inputs, :meth:`CLT.decode` predicts *normalised* targets, and
 :meth:`CLT.denormalize` maps back. :meth:`CLT.folded_weights` folds them into the weights for export.
@@ -38,7 +46,7 @@ Normalisation: the model owns ``in_shift/in_scale`` and ``out_shift/out_scale`` 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
@@ -50,6 +58,7 @@ from lightning_opt.ops.topk import batch_topk_rows, jumprelu, scatter_dense, tok
 
 __all__ = [
     "CLTConfig",
+    "CLTShardSpec",
     "CLT",
     "CLTOutput",
     "ACTIVATIONS",
@@ -61,6 +70,7 @@ __all__ = [
     "tanh_sparsity_penalty_sparse",
     "save_circuit_tracer",
     "load_circuit_tracer",
+    "clip_grad_norm_",
 ]
 
 ACTIVATIONS = ("relu", "topk", "batchtopk", "batchtopk_global", "jumprelu")
@@ -127,6 +137,84 @@ class CLTConfig:
         return asdict(self)
 
 
+SELECTIONS = ("padded_pool", "synced_pool", "general")
+
+
+@dataclass(frozen=True)
+class CLTShardSpec:
+    """Which part of a :class:`CLT` this rank holds, and the process groups of the mesh.
+
+    Ranks form a ``data x model`` mesh, ``rank = data_rank * model_size + model_rank``: the ``model_size``
+    ranks of a *decoder group* see the same tokens and each holds the output columns ``d_out`` of every
+    decoder (and, with ``features``, the features ``features`` of every layer's encoder); the ``data_size``
+    ranks of a *data group* hold the same slices and see different tokens. :meth:`CLT.shard_` slices the
+    parameters to it; :meth:`CLT.forward`, :meth:`CLT.decode` and :meth:`CLT.decode_sparse` then compute this
+    rank's shard and issue the collectives the shard needs (``lightning_opt.strategies.DecoderShardingStrategy``
+    builds the groups and sets the spec).
+
+    Args:
+        d_out: ``(start, stop)``: decoder output columns (d_model axis) held here; the recon is
+            ``[N, L, stop - start]`` and matches ``y[..., start:stop]``.
+        features: ``(start, stop)``: features of every layer whose encoder columns (``W_enc[..., start:stop]``,
+            ``b_enc[..., start:stop]``) are held here; ``None``: the encoder is replicated. Needs
+            ``activation="batchtopk_global"`` and ``model_group``.
+        model_group: process group of the decoder group; ``None``: a local slice without collectives (the
+            decoder then gets the gradient of its columns only).
+        model_size, model_rank: size of the decoder group and this rank's place in it.
+        data_group, data_size, data_rank: the data-parallel axis (ranks holding the same slices). The model
+            uses it only through ``CLT.topk_group`` (BatchTopK over the data group); gradient averaging is the
+            strategy's.
+        mesh_group: all ranks of the mesh in mesh order (``None``: the default group). Feature-sharded encoders
+            select over it when ``CLT.topk_group`` is set (one budget over the mesh's tokens and features).
+        selection: feature-sharded encoders within one decoder group: ``"padded_pool"`` (every rank's
+            candidates gathered in fixed-size buffers, the same ``K`` picked on every rank, one host sync at the
+            decode's layer bounds; the synced pool when the buffers were too small), ``"synced_pool"`` (the
+            candidate counts read first, then a gather of exactly the candidates) or ``"general"`` (selection
+            collectives, then a gather of the kept entries; always used when the budget spans the data group).
+        gather_output: :meth:`CLT.forward` all-gathers the recon over the decoder group (full-width outputs, for
+            evaluation; its backward keeps this rank's columns, right when every rank computes the same loss).
+        phase_hook: optional ``callable(name)`` called after ``encode``, ``select``, ``gather`` and ``decode`` of
+            the feature-sharded forward (benchmarks time the phases).
+    """
+
+    d_out: tuple[int, int]
+    features: tuple[int, int] | None = None
+    model_group: Any = None
+    model_size: int = 1
+    model_rank: int = 0
+    data_group: Any = None
+    data_size: int = 1
+    data_rank: int = 0
+    mesh_group: Any = None
+    selection: str = "padded_pool"
+    gather_output: bool = False
+    phase_hook: Callable[[str], None] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("model_size", "data_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"CLTShardSpec.{name} must be a positive int, got {v!r}")
+        if not 0 <= self.model_rank < self.model_size or not 0 <= self.data_rank < self.data_size:
+            raise ValueError(
+                f"ranks out of range: model_rank={self.model_rank} of {self.model_size}, "
+                f"data_rank={self.data_rank} of {self.data_size}"
+            )
+        for name in ("d_out", "features"):
+            v = getattr(self, name)
+            if v is not None and (len(v) != 2 or not 0 <= v[0] < v[1]):
+                raise ValueError(f"CLTShardSpec.{name} must be (start, stop) with 0 <= start < stop, got {v!r}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"CLTShardSpec.selection={self.selection!r} is unknown; choose one of {SELECTIONS}")
+        if self.features is not None and self.model_group is None:
+            raise ValueError("feature-sharded encoders (features=...) need the decoder group (model_group)")
+
+    @property
+    def collective(self) -> bool:
+        """Whether the decoder group spans ranks (collectives in forward and backward)."""
+        return self.model_group is not None
+
+
 class CLTOutput(NamedTuple):
     """What :meth:`CLT.forward` returns.
 
@@ -162,7 +250,7 @@ class CLT(nn.Module):
         # plain dense matmul (False). On by default: faster module steps on an H200 at 8192 and 16384
         # features (42.0 vs 45.2 ms, 80.7 vs 85.9 ms; benchmarks/results/clt_step.json, module*)
         self.dense_sparse_grad = True
-        self.d_out_slice: tuple[int, int] | None = None
+        self.shard: CLTShardSpec | None = None  # the part this rank holds (shard_), None: the whole model
         self.W_enc = nn.Parameter(torch.empty(L, d, nf))
         self.b_enc = nn.Parameter(torch.zeros(L, nf))
         if config.decoder_tying == "per_target":
@@ -200,6 +288,12 @@ class CLT(nn.Module):
     def d_out(self) -> int:
         return self.b_dec.shape[-1]
 
+    @property
+    def d_out_slice(self) -> tuple[int, int] | None:
+        """``(start, stop)`` of the output columns :meth:`forward` returns (``None``: all of ``d_model``)."""
+        spec = self.shard
+        return None if spec is None or spec.gather_output else spec.d_out
+
     @torch.no_grad()
     def set_normalization(self, stats: dict[str, Any]) -> None:
         """Set the normalisation buffers from activation statistics.
@@ -211,6 +305,8 @@ class CLT(nn.Module):
         mode = self.config.normalization
         if mode == "none":
             return
+        if self.shard is not None:
+            raise RuntimeError("set_normalization must be called before shard_ (or shard_decoder_)")
         L, d = self.config.n_layers, self.config.d_model
         dev = self.in_shift.device
 
@@ -233,27 +329,77 @@ class CLT(nn.Module):
                 shift, scale = torch.zeros(L, d, device=dev), (norm / math.sqrt(d))[:, None].expand(L, d)
             getattr(self, f"{side}_shift").copy_(shift)
             getattr(self, f"{side}_scale").copy_(scale)
-        if self.d_out_slice is not None:
-            raise RuntimeError("set_normalization must be called before shard_decoder_")
 
     @torch.no_grad()
     def shard_decoder_(self, start: int, stop: int) -> CLT:
-        """Keep only output dimensions ``[start, stop)`` of the decoder (decoder sharding over d_model).
+        """Keep only output dimensions ``[start, stop)`` of the decoder, locally (no process group).
 
         After this, decode methods return ``[N, L, stop - start]``; compare them with ``y[..., start:stop]``.
+        Same as ``shard_(CLTShardSpec(d_out=(start, stop)))``.
         """
-        d = self.config.d_model
-        if self.d_out_slice is not None:
-            raise RuntimeError(f"decoder already sharded to {self.d_out_slice}")
-        if not (0 <= start < stop <= d):
-            raise ValueError(f"need 0 <= start < stop <= d_model={d}, got ({start}, {stop})")
-        for p in self.decoder_params():
-            p.data = p.data[..., start:stop].contiguous()
-        self.b_dec.data = self.b_dec.data[:, start:stop].contiguous()
-        self.out_shift = self.out_shift[:, start:stop].contiguous()
-        self.out_scale = self.out_scale[:, start:stop].contiguous()
-        self.d_out_slice = (start, stop)
+        return self.shard_(CLTShardSpec(d_out=(start, stop)))
+
+    def _shard_slots(self, spec: CLTShardSpec) -> list[tuple[nn.Module, str, tuple[int, int]]]:
+        """``(owner, name, (start, stop))`` of every parameter ``spec`` slices (always its last axis)."""
+        slots: list[tuple[nn.Module, str, tuple[int, int]]] = []
+        if self.W_dec_tgt is not None:
+            slots.append((self, "W_dec_tgt", spec.d_out))
+        slots += [(self.W_dec, str(i), spec.d_out) for i in range(len(self.W_dec))]
+        slots.append((self, "b_dec", spec.d_out))
+        if spec.features is not None:
+            slots += [(self, "W_enc", spec.features), (self, "b_enc", spec.features)]
+        return slots
+
+    @torch.no_grad()
+    def shard_(self, spec: CLTShardSpec) -> CLT:
+        """Hold only the part of the model ``spec`` names: new (smaller) parameters, sliced on their last axis.
+
+        Call it before an optimizer is built over the parameters. :meth:`forward`, :meth:`decode` and
+        :meth:`decode_sparse` then compute this rank's shard (see :class:`CLTShardSpec`); :meth:`unshard_`
+        gathers the whole model back.
+        """
+        cfg = self.config
+        if self.shard is not None:
+            raise RuntimeError(f"this CLT already holds a shard ({self.shard.d_out} of the outputs)")
+        if spec.d_out[1] > cfg.d_model:
+            raise ValueError(f"need 0 <= start < stop <= d_model={cfg.d_model}, got {spec.d_out}")
+        if spec.collective and cfg.decoder_tying != "untied":
+            raise ValueError(
+                f"decoders sharded over ranks must be untied, got decoder_tying={cfg.decoder_tying!r}"
+            )
+        if spec.features is not None:
+            if cfg.activation != "batchtopk_global":
+                raise ValueError(
+                    f"feature-sharded encoders need activation='batchtopk_global' (one budget over all "
+                    f"features), got {cfg.activation!r}"
+                )
+            if spec.features[1] > cfg.n_features:
+                raise ValueError(f"features {spec.features} exceed n_features={cfg.n_features}")
+        for owner, name, (start, stop) in self._shard_slots(spec):
+            full = getattr(owner, name)
+            part = full.detach()[..., start:stop].clone(memory_format=torch.contiguous_format)
+            setattr(owner, name, nn.Parameter(part, requires_grad=full.requires_grad))
+        self.shard = spec
         return self
+
+    @torch.no_grad()
+    def unshard_(self) -> CLT:
+        """Gather the shards of the decoder group back into whole parameters (new ``Parameter`` objects)."""
+        spec = self.shard
+        if spec is None:
+            return self
+        if not spec.collective:
+            raise RuntimeError("a local shard (no model_group) cannot be gathered back")
+        for owner, name, _ in self._shard_slots(spec):
+            part = getattr(owner, name)
+            full = _all_gather_last(part.detach(), spec.model_group, spec.model_size)
+            setattr(owner, name, nn.Parameter(full, requires_grad=part.requires_grad))
+        self.shard = None
+        return self
+
+    def sharded_parameters(self) -> list[nn.Parameter]:
+        """The parameters that hold a slice (empty when the model is whole)."""
+        return [] if self.shard is None else [getattr(o, n) for o, n, _ in self._shard_slots(self.shard)]
 
     # --------------------------------------------------------------- encoding
     def _check_input(self, x: torch.Tensor, what: str = "x") -> None:
@@ -275,9 +421,13 @@ class CLT(nn.Module):
         return (y - self.out_shift) / self.out_scale
 
     def denormalize(self, recon: torch.Tensor) -> torch.Tensor:
+        """Raw-space outputs of a normalised recon (the output columns :meth:`forward` returns)."""
         if self.config.normalization == "none":
             return recon
-        return recon * self.out_scale + self.out_shift
+        cols = self.d_out_slice
+        if cols is None:
+            return recon * self.out_scale + self.out_shift
+        return recon * self.out_scale[:, cols[0] : cols[1]] + self.out_shift[:, cols[0] : cols[1]]
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Pre-activations ``[L, N, F]`` of raw inputs ``x`` ``[N, L, d_model]``."""
@@ -321,7 +471,15 @@ class CLT(nn.Module):
 
     # --------------------------------------------------------------- decoding
     def decode(self, acts: torch.Tensor) -> torch.Tensor:
-        """Dense reference decode: ``acts`` ``[L, N, F]`` -> normalised reconstruction ``[N, L, d_out]``."""
+        """Dense reference decode: ``acts`` ``[L, N, F]`` -> normalised reconstruction ``[N, L, d_out]``.
+
+        With a decoder group (:class:`CLTShardSpec`), dense activations go through :meth:`decode_sparse`, so
+        only the ``nnz`` gradient values cross ranks (``nonzero`` syncs with the host once).
+        """
+        if self.shard is not None and self.shard.collective:
+            flat = acts.reshape(-1)
+            idx = torch.nonzero(flat.detach()).squeeze(1)
+            return self.decode_sparse(idx, flat[idx], acts.shape[1])
         L, N, nf = acts.shape
         d = self.d_out
         tying = self.config.decoder_tying
@@ -342,7 +500,19 @@ class CLT(nn.Module):
         path; tied decoders fall back to the dense decode. ``layer_bounds`` (host ints, ``L + 1``): where each
         source layer's entries start in ``indices``, when the caller read them already (saves the decode's
         host sync).
+
+        With a decoder group (:class:`CLTShardSpec`) the backward sums the gradient of ``values`` over the group
+        (each rank decoded its own columns from the same entries), so the encoder gets its full gradient.
         """
+        if self.shard is not None and self.shard.collective:
+            from lightning_opt.strategies._collectives import sum_backward
+
+            values = sum_backward(values, self.shard.model_group)
+        return self._decode_sparse_local(indices, values, n_tokens, layer_bounds)
+
+    def _decode_sparse_local(self, indices: torch.Tensor, values: torch.Tensor, n_tokens: int,
+                             layer_bounds: list[int] | None = None) -> torch.Tensor:
+        """:meth:`decode_sparse` of this rank's columns, without collectives."""
         L, nf = self.config.n_layers, self.config.n_features
         if self.config.decoder_tying != "untied":
             dense = scatter_dense(indices, values, torch.empty(L, n_tokens, nf, device="meta"))
@@ -357,8 +527,19 @@ class CLT(nn.Module):
         Args:
             x: MLP inputs of every layer.
             dense: decode from dense activations (True) or from the sparse ``(indices, values)`` (False).
-                None picks dense; sparse decoding only applies to top-k activations.
+                None picks dense; sparse decoding only applies to top-k activations. Feature-sharded encoders
+                (:class:`CLTShardSpec` ``features``) always decode sparsely.
         """
+        out = self._forward_shard(x, dense)
+        spec = self.shard
+        if spec is not None and spec.gather_output and spec.collective:
+            out = out._replace(recon=_GatherColumns.apply(out.recon, spec.model_group, spec.model_size,
+                                                          spec.model_rank))
+        return out
+
+    def _forward_shard(self, x: torch.Tensor, dense: bool | None) -> CLTOutput:
+        if self.shard is not None and self.shard.features is not None:
+            return self._forward_feature_sharded(x)
         pre = self.encode(x)
         acts, idx, vals = self.activate(pre)
         N = x.shape[0]
@@ -368,8 +549,8 @@ class CLT(nn.Module):
         if acts is None:
             acts = scatter_dense(idx, vals, pre)
         if (idx is not None and self.dense_sparse_grad and self.config.decoder_tying == "untied"
-                and "decode" not in vars(self)):
-            # not when a strategy wrapped decode (decoder sharding): it must see the dense call
+                and (self.shard is None or not self.shard.collective)):
+            # not with a decoder group: decode routes dense activations through the sparse path
             return CLTOutput(self._decode_dense_sparse_grad(acts, idx, vals), pre, acts, idx, vals)
         return CLTOutput(self.decode(acts), pre, acts, idx, vals)
 
@@ -382,6 +563,124 @@ class CLT(nn.Module):
         # it waits for is short.
         bounds = torch.searchsorted(idx, torch.arange(L + 1, device=idx.device) * (N * nf)).tolist()
         return _DenseDecodeSparseGrad.apply(vals, acts.detach(), idx, bounds, *ws) + self.b_dec
+
+    def _forward_feature_sharded(self, x: torch.Tensor) -> CLTOutput:
+        """Encode this rank's features, select exactly over the group's union, decode from the gathered entries.
+
+        The returned ``pre`` is this rank's ``[L, N, F / M]``; ``indices`` (global flat indices into
+        ``[L, N, F]``, ascending) and ``values`` are every kept entry of the decoder group.
+        """
+        from lightning_opt.ops.global_topk import batch_topk_threshold_sparse
+        from lightning_opt.strategies._collectives import gather_sparse
+
+        spec = self.shard
+        assert spec is not None and spec.features is not None
+        mark = spec.phase_hook or _no_mark
+        pre = self.encode(x)  # [L, N, F / M]: this rank's features of every layer
+        n_layers, n_tokens, width = pre.shape
+        n_features = self.config.n_features
+        mark("encode")
+        if self.topk_group is None and spec.selection != "general":
+            return self._select_in_group(pre, mark, padded=spec.selection == "padded_pool")
+        first = 0
+        if self.topk_group is not None:
+            # one budget over the mesh: every rank's tokens (data groups) and features (decoder groups)
+            import torch.distributed as dist
+
+            count = pre.new_tensor(float(n_tokens))
+            dist.all_reduce(count, group=self.topk_group)
+            mesh = spec.mesh_group if spec.mesh_group is not None else dist.group.WORLD
+            group, tokens_total = mesh, int(count)
+            first = spec.data_rank * spec.model_size  # this decoder group's ranks in the mesh
+        else:
+            group, tokens_total = spec.model_group, n_tokens
+        assert self.config.k is not None
+        idx, vals, counts = batch_topk_threshold_sparse(
+            pre.reshape(n_tokens, n_layers * width),
+            self.config.k,
+            group=group,
+            tokens_total=tokens_total,
+            return_counts=True,
+            # equal feature shards: every token has n_layers * n_features entries over the group, so the
+            # selection needs no host sync to size itself
+            numel_total=tokens_total * n_layers * n_features,
+        )
+        mark("select")
+        # Local flat index in [L, N, F/M] -> global flat index in [L, N, F].
+        layer_token = torch.div(idx, width, rounding_mode="floor")
+        feature = idx - layer_token * width + spec.features[0]
+        all_idx, all_vals = gather_sparse(
+            layer_token * n_features + feature,
+            F.relu(vals),
+            spec.model_group,
+            spec.model_size,
+            counts=counts[first : first + spec.model_size],
+        )
+        all_idx, order = torch.sort(all_idx)  # rank-order runs -> ascending (the decode's layout)
+        all_vals = all_vals[order]
+        mark("gather")
+        # the gather's backward sums the values' gradient over the group: the local decode, no sum_backward
+        recon = self._decode_sparse_local(all_idx, all_vals, n_tokens)
+        mark("decode")
+        return CLTOutput(recon, pre, None, all_idx, all_vals)
+
+    def _select_in_group(self, pre: torch.Tensor, mark: Callable[[str], None], padded: bool) -> CLTOutput:
+        """BatchTopK over one decoder group (same tokens, features split): gather candidates, select on every rank.
+
+        One gather of every rank's candidates (about ``1.1 K`` entries over the group) replaces the value
+        gather, tie-count gather and kept-entry gather of the general path; each rank then finds the same
+        ``K`` entries in the pool (sort cut-off, fixed output size). ``padded``: fixed-size candidate buffers
+        and no host sync before the decode's layer bounds, read together with the pool's exactness flag
+        (false: the selection reruns with ``padded=False``, the synced candidate step).
+        """
+        from lightning_opt.ops.global_topk import shard_candidates, shard_candidates_padded, top_positions
+        from lightning_opt.strategies._collectives import gather_padded, take_masked, take_unique
+
+        spec = self.shard
+        assert spec is not None and spec.features is not None and self.config.k is not None
+        n_layers, n_tokens, width = pre.shape
+        n_features, k = self.config.n_features, self.config.k
+        group, world = spec.model_group, spec.model_size
+        padded_out = shard_candidates_padded(pre, k, group, n_tokens) if padded else None
+        if padded_out is not None:
+            # No host sync until the decode's layer bounds: candidates in fixed-size buffers (-1 past the count)
+            idx, _, ok = padded_out
+            valid = idx >= 0
+            idx = idx.clamp(min=0)
+            values, counts = take_masked(pre.reshape(-1), idx, valid), [idx.numel()] * world
+        else:
+            idx, counts = shard_candidates(pre, k, group, n_tokens)
+            values, ok = take_unique(pre.reshape(-1), idx), None
+        mark("select")
+        # Local flat index in [L, N, F / M] -> global flat index in [L, N, F] (int32 when it fits: fewer
+        # bytes to gather and a 4-byte sort).
+        layer_token = torch.div(idx, width, rounding_mode="floor")
+        global_idx = idx + layer_token * (n_features - width) + spec.features[0]
+        if n_layers * n_tokens * n_features < 2**31:
+            global_idx = global_idx.to(torch.int32)
+        if ok is not None:
+            global_idx = torch.where(valid, global_idx, -1)  # padding: the receivers' valid mask
+        pool_idx, pool_vals, pool_valid = gather_padded(global_idx, values, group, world, counts)
+        big_k = k * n_tokens if ok is not None else min(k * n_tokens, sum(counts))
+        pos = top_positions(pool_vals.detach(), pool_valid, big_k)
+        # rank-major pool -> ascending global indices (grouped by layer, then token: the decode's layout)
+        all_idx, order = torch.sort(pool_idx[pos])
+        all_vals = F.relu(take_unique(pool_vals, pos[order]))
+        all_idx = all_idx.long()
+        layer_bounds = None
+        if ok is not None:
+            # the one host sync of the forward: the decode's layer bounds, and whether the padded pool held the
+            # exact top-K (else, rarely, redo with the synced path)
+            edges = torch.arange(n_layers + 1, device=all_idx.device) * (n_tokens * n_features)
+            host = torch.cat([torch.searchsorted(all_idx, edges), ok.long().view(1)]).tolist()
+            if not host[-1]:
+                return self._select_in_group(pre, mark, padded=False)
+            layer_bounds = host[:-1]
+        mark("gather")
+        # the pool gather's backward returns each rank its candidates' summed gradient: no sum_backward here
+        recon = self._decode_sparse_local(all_idx, all_vals, n_tokens, layer_bounds=layer_bounds)
+        mark("decode")
+        return CLTOutput(recon, pre, None, all_idx, all_vals)
 
     # ----------------------------------------------------------- norms, misc
     def decoder_norms(self) -> torch.Tensor:
@@ -476,8 +775,8 @@ class CLT(nn.Module):
         Returns lists over layers: ``W_enc`` ``[F, d]``, ``b_enc`` ``[F]``, ``threshold`` ``[F]``,
         ``b_dec`` ``[d]``, ``W_dec`` ``[F, L-l, d]`` (float32).
         """
-        if self.d_out_slice is not None:
-            raise RuntimeError("export a sharded decoder after gathering it (d_out_slice is set)")
+        if self.shard is not None:
+            raise RuntimeError("export a sharded CLT after gathering it (unshard_; the shard spec is set)")
         L, nf = self.config.n_layers, self.config.n_features
         out: dict[str, list[torch.Tensor]] = {k: [] for k in ("W_enc", "b_enc", "threshold", "b_dec", "W_dec")}
         th = self.threshold
@@ -550,6 +849,65 @@ def _gather_dot(feat: torch.Tensor, tok: torch.Tensor, g: torch.Tensor, w: torch
         f, t = feat[i : i + step], tok[i : i + step]
         out[i : i + step] = (g[t].float() * w[f].float()).sum(-1)
     return out
+
+
+def _no_mark(name: str) -> None:
+    pass
+
+
+def _all_gather_last(t: torch.Tensor, group: Any, world: int) -> torch.Tensor:
+    """Concatenate every rank's ``t`` along the last axis, in rank order (no gradient)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class _GatherColumns(torch.autograd.Function):
+    """Forward: every rank's output columns concatenated (full width). Backward: this rank's columns of the
+    gradient (every rank of the group computes the same function of the full output)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any, world: int, rank: int) -> torch.Tensor:
+        ctx.width, ctx.rank = t.shape[-1], rank
+        return _all_gather_last(t, group, world)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        start = ctx.rank * ctx.width
+        return grad[..., start : start + ctx.width].contiguous(), None, None, None
+
+
+def clip_grad_norm_(module: nn.Module, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """:func:`torch.nn.utils.clip_grad_norm_` with the norm of the whole model when CLTs in ``module`` are sharded.
+
+    The squared norms of the sharded parameters (:meth:`CLT.sharded_parameters` of every CLT with a decoder
+    group) are summed over the decoder group; every other parameter is replicated in the group and counts once.
+    Without sharded CLTs this is ``torch.nn.utils.clip_grad_norm_``. Call it from
+    ``LightningModule.configure_gradient_clipping`` (as :class:`~lightning_opt.modules.clt.CLTModule` does);
+    the norm stays on the device (no host sync). Returns the total norm.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    clts = [m for m in module.modules() if isinstance(m, CLT) and m.shard is not None and m.shard.collective]
+    if not clts:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    groups = {id(c.shard.model_group) for c in clts if c.shard is not None}
+    if len(groups) > 1:
+        raise ValueError("the sharded CLTs of one module must share one decoder group")
+    if not params:
+        return torch.zeros(())
+    import torch.distributed as dist
+
+    sharded = {id(p) for c in clts for p in c.sharded_parameters()}
+    zero = params[0].grad.new_zeros((), dtype=torch.float32)
+    sq_sharded = sum((p.grad.detach().float().pow(2).sum() for p in params if id(p) in sharded), zero)
+    sq_shared = sum((p.grad.detach().float().pow(2).sum() for p in params if id(p) not in sharded), zero)
+    dist.all_reduce(sq_sharded, group=clts[0].shard.model_group)
+    total = (sq_sharded + sq_shared).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_([p.grad for p in params], coef)
+    return total
 
 
 class _TriangularSum(torch.autograd.Function):
@@ -787,8 +1145,9 @@ def auxk_loss(
     top = torch.topk(masked, kk, dim=2, sorted=False)
     vals = torch.where(torch.isfinite(top.values), F.relu(top.values), torch.zeros_like(top.values))
     e = residual.float()
-    wrapped = "decode_sparse" in vars(model)  # a strategy (decoder sharding) wraps decode_sparse: go through it
-    if capped and not wrapped and model.config.decoder_tying == "untied":
+    # a decoder group: decode_sparse sums the values' gradient over the group, so go through it
+    grouped = model.shard is not None and model.shard.collective
+    if capped and not grouped and model.config.decoder_tying == "untied":
         e_hat = _decode_columns(model, cols, top.indices, vals, sparse_decoder_grad)
     else:
         feat = top.indices if cols is None else cols[:, None, :].expand(L, N, max_dead).gather(2, top.indices)

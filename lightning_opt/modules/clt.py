@@ -15,6 +15,7 @@ from lightning_opt.models.clt import (
     CLT,
     CLTConfig,
     auxk_loss,
+    clip_grad_norm_,
     fvu_per_layer,
     preactivation_loss,
     tanh_sparsity_penalty,
@@ -271,9 +272,9 @@ class CLTModule(TrainingModule):
         return bool(flag)
 
     def _publish_dead(self, dead_next: torch.Tensor) -> None:
-        # Only when no collective runs inside AuxK (a wrapped decode_sparse all-reduces in backward): ranks
+        # Only when no collective runs inside AuxK (a sharded decode_sparse all-reduces in backward): ranks
         # must never disagree about running it.
-        if "decode_sparse" in vars(self.model) or (self._trainer is not None and self.trainer.world_size > 1):
+        if self.model.shard is not None or (self._trainer is not None and self.trainer.world_size > 1):
             self._any_dead = None
             return
         anyd = dead_next.any()
@@ -354,6 +355,16 @@ class CLTModule(TrainingModule):
         self.log("train/loss", loss.detach(), on_step=True, on_epoch=False)
         self.count_tokens(n)
         return loss
+
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        """Norm clipping of a sharded CLT (decoder sharding) uses the norm of the whole model
+        (:func:`~lightning_opt.models.clt.clip_grad_norm_`); otherwise the base module's clipping."""
+        if gradient_clip_val and gradient_clip_algorithm != "value" and self.model.shard is not None:
+            clip_grad_norm_(self, (p for g in optimizer.param_groups for p in g["params"]), gradient_clip_val)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     # ------------------------------------------------------------- evaluation
     def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:

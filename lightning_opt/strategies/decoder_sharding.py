@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from contextlib import suppress
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,33 +16,14 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_opt.strategies._collectives import (
-    all_reduce_grads,
-    gather_padded,
-    gather_sparse,
-    sum_backward,
-    sum_forward,
-    take_masked,
-    take_unique,
-)
+from lightning_opt.models.clt import CLT, SELECTIONS, CLTShardSpec
+from lightning_opt.strategies._collectives import all_reduce_grads, sum_forward
 from lightning_opt.strategies._sigterm import install_cpu_sigterm_check, new_cpu_group
 from lightning_opt.strategies.global_batch_topk import attach_topk_group
 
 __all__ = ["DecoderShardingStrategy"]
 
-
-def _no_mark(name: str) -> None:
-    pass
-
-
 _FORMATS = ("consolidated", "sharded")
-# Feature-sharded encoders within one decoder group: gather the candidates and select on every rank (True)
-# or the general path (selection collectives, then a gather of the kept entries). benchmarks/clt_scaling.py
-# compares them.
-_POOL_SELECT = True
-# the pool selection without a host sync before the gather (fixed-size candidate buffers, checked at the
-# decode's bounds sync); False: the synced candidate step (benchmarks/clt_scaling.py's A/B)
-_PADDED_POOL = True
 
 
 def _shard_file(model_rank: int, model_size: int) -> str:
@@ -65,10 +46,18 @@ class DecoderShardingStrategy(DDPStrategy):
     group, which equals the full-width mean exactly. Ratio losses use :meth:`loss_sum` / :meth:`data_sum`
     instead (docs/strategies.md); the strategy then leaves the loss alone.
 
+    The strategy builds the process groups, slices every :class:`~lightning_opt.models.clt.CLT` of the module
+    at setup (before the optimizers exist) and gives it a :class:`~lightning_opt.models.clt.CLTShardSpec`; the
+    CLT's own ``forward``/``decode`` compute its shard. Evaluation (validation, test, predict) runs sharded too,
+    with the spec's ``gather_output`` on, so the module sees full-width outputs. Norm clipping needs the
+    module's ``configure_gradient_clipping`` to call :func:`lightning_opt.models.clt.clip_grad_norm_` (the norm
+    of the whole model; :class:`~lightning_opt.modules.clt.CLTModule` does); a module that keeps Lightning's
+    default hook is refused when ``gradient_clip_val`` is set.
+
     Checkpoints: ``"consolidated"`` (default) gathers the shards so the file holds full-width tensors and loads
     in one process with any strategy; ``"sharded"`` writes a directory with one file per decoder shard. Both
     load back into this strategy with the same ``M`` (a consolidated one with any ``M``). After ``fit``, the
-    decoders are gathered back, so the module is whole again.
+    shards are gathered back into whole parameters, so the module is whole again.
 
     Args:
         model_parallel_size: ``M``, ranks per decoder group (default: all ranks, i.e. no data parallelism).
@@ -77,6 +66,9 @@ class DecoderShardingStrategy(DDPStrategy):
         shard_encoder: also shard the encoders over features (``n_features / M`` per rank and layer): each
             rank encodes its features, BatchTopK runs over the union (exact), and the sparse activations are
             all-gathered inside the decoder group. Needs ``activation="batchtopk_global"``.
+        selection: how feature-sharded encoders select within one decoder group (``CLTShardSpec.selection``):
+            ``"padded_pool"`` (default, no host sync before the decode), ``"synced_pool"`` or ``"general"``.
+            With ``D > 1`` and ``global_topk`` the budget spans the data group and the general path runs.
         cpu_sigterm_check: run Lightning's per-step SIGTERM flag exchange over a gloo group instead of the
             device, so it does not wait for the GPU every step (see ``strategies/_sigterm.py``).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (e.g. ``start_method``);
@@ -97,6 +89,7 @@ class DecoderShardingStrategy(DDPStrategy):
         global_topk: bool = True,
         shard_encoder: bool = False,
         cpu_sigterm_check: bool = True,
+        selection: str = "padded_pool",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -110,21 +103,24 @@ class DecoderShardingStrategy(DDPStrategy):
             )
         if checkpoint_format not in _FORMATS:
             raise ValueError(f"checkpoint_format must be one of {_FORMATS}, got {checkpoint_format!r}")
+        if selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
         self.model_parallel_size = model_parallel_size
         self.checkpoint_format = checkpoint_format
         self.global_topk = global_topk
         self.shard_encoder = shard_encoder
         self.cpu_sigterm_check = cpu_sigterm_check
+        self.selection = selection
         self._cpu_group: Any = None
         self._model_group: Any = None
         self._data_group: Any = None
         self._sharded: dict[str, tuple[int, ...]] = {}  # state-dict key -> full shape
-        self._clts: list[torch.nn.Module] = []
+        self._clts: list[CLT] = []
         self._loss_sum_calls = 0
-        self._full_now = False  # module temporarily whole (evaluation inside fit)
         self._failed = False
         self.grad_bytes_per_step = 0
-        # Optional callable(name) called after each phase of the sharded forward (benchmarks time phases).
+        # Optional callable(name) called after each phase of the feature-sharded forward (benchmarks time
+        # phases); passed to the CLTs' specs at setup.
         self.phase_hook: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ layout
@@ -179,15 +175,13 @@ class DecoderShardingStrategy(DDPStrategy):
         self.model_to_device()
         self._broadcast_from_rank_zero()
         self._shard()
+        self._check_clipping(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         install_cpu_sigterm_check(trainer, self._cpu_group)
-        if self.mp_size > 1:
-            # Norm clipping must see the norm of the whole model, not of this rank's shards.
-            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
 
     @override
     def configure_ddp(self) -> None:
@@ -202,7 +196,7 @@ class DecoderShardingStrategy(DDPStrategy):
         assert self.lightning_module is not None
         with torch.no_grad():
             for t in [*self.lightning_module.parameters(), *self.lightning_module.buffers()]:
-                dist.broadcast(t.data, src=0)
+                dist.broadcast(t.detach(), src=0)
 
     def _slice(self, full_last: int) -> tuple[int, int]:
         width = full_last // self.mp_size
@@ -211,11 +205,11 @@ class DecoderShardingStrategy(DDPStrategy):
     def _shard(self) -> None:
         module = self.lightning_module
         assert module is not None
-        self._clts = [m for m in module.modules() if hasattr(m, "shard_decoder_")]
+        self._clts = [m for m in module.modules() if isinstance(m, CLT)]
         if not self._clts:
             raise ValueError(
-                f"DecoderShardingStrategy found no submodule with `shard_decoder_` in {type(module).__name__}; "
-                "it shards lightning_opt.models.clt.CLT decoders."
+                f"DecoderShardingStrategy found no lightning_opt.models.clt.CLT in {type(module).__name__}; "
+                "it shards CLT decoders."
             )
         before = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         for clt in self._clts:
@@ -231,246 +225,86 @@ class DecoderShardingStrategy(DDPStrategy):
                     "model_parallel_size that divides d_model."
                 )
             if self.mp_size > 1:
-                clt.shard_decoder_(*self._slice(cfg.d_model))
-                if self.shard_encoder:
-                    self._shard_encoder(clt)
-                self._wrap_decode(clt)
+                clt.shard_(self._spec(clt))
             if self.global_topk and self.dp_size > 1:
                 attach_topk_group(clt, self._data_group)
         after = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         self._sharded = {k: before[k] for k in after if after[k] != before[k]}
 
-    def _shard_encoder(self, clt: torch.nn.Module) -> None:
+    def _spec(self, clt: CLT) -> CLTShardSpec:
+        """This rank's part of ``clt``: its output columns (and features), and the mesh's groups."""
         cfg = clt.config
-        if cfg.activation != "batchtopk_global":
-            raise ValueError(
-                f"shard_encoder=True needs activation='batchtopk_global' (one budget over all features), got "
-                f"{cfg.activation!r}; use shard_encoder=False."
-            )
-        if cfg.n_features % self.mp_size:
-            raise ValueError(
-                f"n_features={cfg.n_features} is not divisible by model_parallel_size={self.mp_size}."
-            )
-        start, stop = self._slice(cfg.n_features)
-        with torch.no_grad():
-            clt.W_enc.data = clt.W_enc.data[..., start:stop].contiguous()
-            clt.b_enc.data = clt.b_enc.data[..., start:stop].contiguous()
-
-    def _wrap_forward(self, clt: torch.nn.Module) -> None:
-        """Forward with feature-sharded encoders: local encode, exact global BatchTopK, gather sparse acts."""
-        from lightning_opt.models.clt import CLTOutput
-        from lightning_opt.ops.global_topk import batch_topk_threshold_sparse
-
-        decode_sparse = type(clt).decode_sparse.__get__(clt)  # unwrapped: the gather sums the gradients
-        strategy = self
-
-        def sharded_forward(x: torch.Tensor, dense: bool | None = None) -> Any:
-            pre = clt.encode(x)  # [L, N, F / M]: this rank's features of every layer
-            n_layers, n_tokens, width = pre.shape
-            n_features = clt.config.n_features
-            mark = strategy.phase_hook or _no_mark
-            mark("encode")
-            if _POOL_SELECT and not (strategy.global_topk and strategy.dp_size > 1):
-                return strategy._select_in_group(clt, pre, decode_sparse, mark)
-            first = 0
-            if strategy.global_topk and strategy.dp_size > 1:
-                group, tokens_total = (
-                    dist.group.WORLD,
-                    int(strategy.data_sum(pre.new_tensor(float(n_tokens)))),
-                )
-                first = strategy.data_rank * strategy.mp_size  # this decoder group's ranks in WORLD
-            else:
-                group, tokens_total = strategy._model_group, n_tokens
-            idx, vals, counts = batch_topk_threshold_sparse(
-                pre.reshape(n_tokens, n_layers * width),
-                clt.config.k,
-                group=group,
-                tokens_total=tokens_total,
-                return_counts=True,
-                # equal feature shards: every token has n_layers * n_features entries over the group, so the
-                # selection needs no host sync to size itself
-                numel_total=tokens_total * n_layers * n_features,
-            )
-            mark("select")
-            # Local flat index in [L, N, F/M] -> global flat index in [L, N, F].
-            layer_token = torch.div(idx, width, rounding_mode="floor")
-            feature = idx - layer_token * width + strategy.model_rank * width
-            all_idx, all_vals = gather_sparse(
-                layer_token * n_features + feature,
-                torch.relu(vals),
-                strategy._model_group,
-                strategy.mp_size,
-                counts=counts[first : first + strategy.mp_size],
-            )
-            all_idx, order = torch.sort(all_idx)  # rank-order runs -> ascending (the decode's layout)
-            all_vals = all_vals[order]
-            mark("gather")
-            recon = decode_sparse(all_idx, all_vals, n_tokens)
-            mark("decode")
-            return CLTOutput(recon, pre, None, all_idx, all_vals)
-
-        clt.forward = sharded_forward
-
-    def _select_in_group(
-        self,
-        clt: torch.nn.Module,
-        pre: torch.Tensor,
-        decode_sparse: Callable[..., Any],
-        mark: Callable[[str], None],
-        padded: bool | None = None,
-    ) -> Any:
-        """BatchTopK over one decoder group (same tokens, features split): gather candidates, select on every rank.
-
-        One gather of every rank's candidates (about ``1.1 K`` entries over the group) replaces the
-        value gather, tie-count gather and kept-entry gather of the general path; each rank then finds the
-        same ``K`` entries in the pool (sort cut-off, fixed output size). ``padded`` (default ``_PADDED_POOL``):
-        fixed-size candidate buffers and no host sync before the decode's layer bounds, read together with
-        the pool's exactness flag (false: this method reruns with ``padded=False``, the synced candidate step).
-        """
-        from lightning_opt.models.clt import CLTOutput
-        from lightning_opt.ops.global_topk import shard_candidates, shard_candidates_padded, top_positions
-
-        n_layers, n_tokens, width = pre.shape
-        n_features, k = clt.config.n_features, clt.config.k
-        group, world = self._model_group, self.mp_size
-        if padded is None:
-            padded = _PADDED_POOL
-        padded_out = shard_candidates_padded(pre, k, group, n_tokens) if padded else None
-        if padded_out is not None:
-            # No host sync until the decode's layer bounds: candidates in fixed-size buffers (-1 past the count)
-            idx, _, ok = padded_out
-            valid = idx >= 0
-            idx = idx.clamp(min=0)
-            values, counts = take_masked(pre.reshape(-1), idx, valid), [idx.numel()] * world
-        else:
-            idx, counts = shard_candidates(pre, k, group, n_tokens)
-            values, ok = take_unique(pre.reshape(-1), idx), None
-        mark("select")
-        # Local flat index in [L, N, F / M] -> global flat index in [L, N, F] (int32 when it fits: fewer
-        # bytes to gather and a 4-byte sort).
-        layer_token = torch.div(idx, width, rounding_mode="floor")
-        global_idx = idx + layer_token * (n_features - width) + self.model_rank * width
-        if n_layers * n_tokens * n_features < 2**31:
-            global_idx = global_idx.to(torch.int32)
-        if ok is not None:
-            global_idx = torch.where(valid, global_idx, -1)  # padding: the receivers' valid mask
-        pool_idx, pool_vals, pool_valid = gather_padded(global_idx, values, group, world, counts)
-        big_k = k * n_tokens if ok is not None else min(k * n_tokens, sum(counts))
-        pos = top_positions(pool_vals.detach(), pool_valid, big_k)
-        # rank-major pool -> ascending global indices (grouped by layer, then token: the decode's layout)
-        all_idx, order = torch.sort(pool_idx[pos])
-        all_vals = torch.relu(take_unique(pool_vals, pos[order]))
-        all_idx = all_idx.long()
-        layer_bounds = None
-        if ok is not None:
-            # the one host sync of the forward: the decode's layer bounds, and whether the padded pool held the
-            # exact top-K (else, rarely, redo with the synced path)
-            edges = torch.arange(n_layers + 1, device=all_idx.device) * (n_tokens * n_features)
-            host = torch.cat([torch.searchsorted(all_idx, edges), ok.long().view(1)]).tolist()
-            if not host[-1]:
-                return self._select_in_group(clt, pre, decode_sparse, mark, padded=False)
-            layer_bounds = host[:-1]
-        mark("gather")
-        recon = decode_sparse(all_idx, all_vals, n_tokens, layer_bounds=layer_bounds)
-        mark("decode")
-        return CLTOutput(recon, pre, None, all_idx, all_vals)
-
-    def _wrap_decode(self, clt: torch.nn.Module) -> None:
-        decode_sparse = clt.decode_sparse
-        group = self._model_group
-
-        def sharded_decode_sparse(indices: torch.Tensor, values: torch.Tensor, n_tokens: int) -> torch.Tensor:
-            # Backward sums d(loss)/d(values) over the decoder group: the encoder gets the full gradient.
-            return decode_sparse(indices, sum_backward(values, group), n_tokens)
-
-        def sharded_decode(acts: torch.Tensor) -> torch.Tensor:
-            # Dense activations go through the sparse path so only nnz gradient values cross ranks.
-            # nonzero syncs with the host once (the count sizes the sparse form).
-            flat = acts.reshape(-1)
-            idx = torch.nonzero(flat.detach()).squeeze(1)
-            return sharded_decode_sparse(idx, flat[idx], acts.shape[1])
-
-        clt.decode_sparse = sharded_decode_sparse
-        clt.decode = sharded_decode
+        features = None
         if self.shard_encoder:
-            self._wrap_forward(clt)
+            if cfg.activation != "batchtopk_global":
+                raise ValueError(
+                    f"shard_encoder=True needs activation='batchtopk_global' (one budget over all features), "
+                    f"got {cfg.activation!r}; use shard_encoder=False."
+                )
+            if cfg.n_features % self.mp_size:
+                raise ValueError(
+                    f"n_features={cfg.n_features} is not divisible by model_parallel_size={self.mp_size}."
+                )
+            features = self._slice(cfg.n_features)
+        return CLTShardSpec(
+            d_out=self._slice(cfg.d_model),
+            features=features,
+            model_group=self._model_group,
+            model_size=self.mp_size,
+            model_rank=self.model_rank,
+            data_group=self._data_group,
+            data_size=self.dp_size,
+            data_rank=self.data_rank,
+            mesh_group=dist.group.WORLD,
+            selection=self.selection,
+            phase_hook=self.phase_hook,
+        )
 
-    def _set_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Point the sharded entries at ``tensors`` (parameters keep their identity for the optimizer)."""
+    def _check_clipping(self, trainer: pl.Trainer) -> None:
+        """Norm clipping of shards needs the module's hook to compute the whole model's norm."""
         module = self.lightning_module
-        assert module is not None
-        with torch.no_grad():
-            for name, value in tensors.items():
-                owner_name, _, attr = name.rpartition(".")
-                owner = module.get_submodule(owner_name) if owner_name else module
-                current = getattr(owner, attr)
-                if isinstance(current, torch.nn.Parameter):
-                    current.data = value
-                else:
-                    setattr(owner, attr, value)
-
-    def _gather_full(self) -> None:
-        """Make the module whole: gather every decoder shard; decode runs unsharded."""
-        module = self.lightning_module
-        if module is None or not self._sharded or self._full_now:
+        if self.mp_size == 1 or not trainer.gradient_clip_val or trainer.gradient_clip_algorithm == "value":
             return
-        state = module.state_dict(keep_vars=True)
-        self._set_tensors({name: self._gather_last(state[name].detach()) for name in self._sharded})
+        from lightning_opt.modules.base import TrainingModule
+
+        hook = type(module).configure_gradient_clipping
+        if hook in (pl.LightningModule.configure_gradient_clipping, TrainingModule.configure_gradient_clipping):
+            raise ValueError(
+                f"gradient_clip_val with DecoderShardingStrategy(model_parallel_size={self.mp_size}): "
+                f"{type(module).__name__}.configure_gradient_clipping would clip each rank's shards by their own "
+                "norm. Override it to call lightning_opt.models.clt.clip_grad_norm_(self, params, "
+                "gradient_clip_val) (the norm of the whole model), as CLTModule does."
+            )
+
+    def _set_gather_output(self, gather: bool) -> None:
         for clt in self._clts:
-            clt.d_out_slice = None
-            for attr in ("decode", "decode_sparse", "forward"):
-                with suppress(AttributeError):
-                    delattr(clt, attr)
-        self._full_now = True
+            if clt.shard is not None and clt.shard.gather_output != gather:
+                clt.shard = replace(clt.shard, gather_output=gather)
 
-    def _reshard(self) -> None:
-        """Back to this rank's slice after an evaluation on the whole module."""
-        module = self.lightning_module
-        if module is None or not self._full_now:
-            return
-        state = module.state_dict(keep_vars=True)
-        sliced = {}
-        for name, full in self._sharded.items():
-            start, stop = self._slice(full[-1])
-            sliced[name] = state[name].detach()[..., start:stop].contiguous()
-        self._set_tensors(sliced)
-        for clt in self._clts:
-            clt.d_out_slice = self._slice(clt.config.d_model)
-            self._wrap_decode(clt)
-        self._full_now = False
-
-    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        """``clip_grad_norm_`` with the global norm: shard norms summed over the decoder group, once each."""
-        assert self.lightning_module is not None
-        sharded = {id(p) for n, p in self.lightning_module.named_parameters() if n in self._sharded}
-        params = [p for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
-        if not params:
-            return
-        zero = params[0].grad.new_zeros((), dtype=torch.float32)
-        sq_sharded = sum((p.grad.detach().float().pow(2).sum() for p in params if id(p) in sharded), zero)
-        sq_shared = sum((p.grad.detach().float().pow(2).sum() for p in params if id(p) not in sharded), zero)
-        dist.all_reduce(sq_sharded, group=self._model_group)
-        coef = (clip_val / ((sq_sharded + sq_shared).sqrt() + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_([p.grad for p in params], coef)
-
-    # Evaluation runs on the whole module: the module's metrics compare with full-width targets.
+    # Evaluation runs sharded with full-width outputs: the module's metrics compare with full-width targets.
     @override
     def on_validation_start(self) -> None:
-        self._gather_full()
+        self._set_gather_output(True)
 
     @override
     def on_validation_end(self) -> None:
-        assert self.lightning_module is not None
-        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            self._reshard()
+        self._set_gather_output(False)
 
     @override
     def on_test_start(self) -> None:
-        self._gather_full()
+        self._set_gather_output(True)
+
+    @override
+    def on_test_end(self) -> None:
+        self._set_gather_output(False)
 
     @override
     def on_predict_start(self) -> None:
-        self._gather_full()
+        self._set_gather_output(True)
+
+    @override
+    def on_predict_end(self) -> None:
+        self._set_gather_output(False)
 
     # ---------------------------------------------------------------- training
     @override
@@ -539,9 +373,7 @@ class DecoderShardingStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
         state = self.lightning_module.state_dict()
-        if self.checkpoint_format == "consolidated":
-            return state if self._full_now else self._gather_state(state)
-        return self._slice_state(state) if self._full_now else state
+        return self._gather_state(state) if self.checkpoint_format == "consolidated" else state
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -555,7 +387,6 @@ class DecoderShardingStrategy(DDPStrategy):
         for idx, entry in state["state"].items():
             name = names[idx]
             if name in self._sharded:
-                # Optimizer moments stay sharded even while the module is whole for evaluation.
                 full = self._sharded[name]
                 shard_shape = torch.Size((*full[:-1], full[-1] // self.mp_size))
                 entry = {
@@ -625,8 +456,9 @@ class DecoderShardingStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         if not self._failed and dist.is_available() and dist.is_initialized():
-            self._gather_full()
+            for clt in self._clts:
+                clt.unshard_()  # whole parameters again (the optimizers are done with the shards)
         for clt in self._clts:
             attach_topk_group(clt, None)
-        self._sharded, self._full_now = {}, False
+        self._sharded = {}
         super().teardown()

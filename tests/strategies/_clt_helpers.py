@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_opt.models.clt import CLT, CLTConfig
+from lightning_opt.models.clt import CLT, CLTConfig, clip_grad_norm_
 
 N_LAYERS, D_MODEL, N_FEATURES, K = 3, 8, 16, 4
 
@@ -96,6 +96,15 @@ class TinyCLTModule(pl.LightningModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(TensorDataset(*make_data()), batch_size=self.batch_size)
+
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        # the documented hook: a sharded CLT clips with the norm of the whole model
+        if gradient_clip_val and gradient_clip_algorithm != "value" and self.clt.shard is not None:
+            clip_grad_norm_(self, (p for g in optimizer.param_groups for p in g["params"]), gradient_clip_val)
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_kind == "adam":
