@@ -7,8 +7,11 @@ Every speedrun idea is one :class:`GPTConfig` field, so an ablation is a config 
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lightning_opt.ops.attention import BACKENDS, FLEX_BLOCK, attention, resolve_backend
+from lightning_opt.ops.attention import BACKENDS, FLEX_BLOCK, attention, build_mask, resolve_backend
 from lightning_opt.ops.cross_entropy import linear_cross_entropy
 from lightning_opt.ops.fp8 import fp8_linear, fp8_wanted, mean_loss_grad_scale
 from lightning_opt.ops.softcap_ce import linear_softcap_cross_entropy
@@ -73,6 +76,10 @@ class GPTConfig:
         moe_aux_weight: weight of the load-balancing loss.
         attn_backend: ``auto``, ``flash``, ``sdpa`` or ``math`` (see :mod:`lightning_opt.ops.attention`).
         init_std: standard deviation of the normal initialisation.
+        dropout: dropout probability in training, as in nanoGPT: on the embedding, on the attention weights
+            and on the attention and MLP outputs before they join the residual stream (``0.0``: none, the
+            pretraining default; ``0.1`` is common for fine-tuning). Training with dropout attends through
+            PyTorch SDPA (``attn_backend`` ``auto``, ``sdpa`` or ``math``).
         loss_impl: ``torch`` (logits, then ``F.cross_entropy``) or ``chunked``
             (:func:`~lightning_opt.ops.cross_entropy.linear_cross_entropy`: never holds all float32 logits)
             or ``chunked_fp8`` (the same with the head matmuls in FP8 via ``torch._scaled_mm``; H100-class
@@ -135,6 +142,7 @@ class GPTConfig:
     moe_aux_weight: float = 0.01
     attn_backend: str = "auto"
     init_std: float = 0.02
+    dropout: float = 0.0
     loss_impl: str = "torch"
     loss_chunk_size: int = 4096
     grad_checkpoint: bool = False
@@ -206,6 +214,11 @@ class GPTConfig:
             raise bad("head_fp8", self.head_fp8, "needs tie_embeddings=False, loss_impl 'torch' or 'fused', and n_embd "
                       f"and the padded vocabulary divisible by 16 (got {self.n_embd} and {self.padded_vocab_size}; "
                       "set vocab_multiple to 128)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise bad("dropout", self.dropout, "must be in [0, 1)")
+        if self.dropout and self.attn_backend in ("flash", "flex"):
+            raise bad("dropout", self.dropout, f"needs attn_backend 'auto', 'sdpa' or 'math' (not "
+                      f"{self.attn_backend!r}: its kernel here takes no attention dropout)")
         if self.loss_chunk_size <= 0:
             raise bad("loss_chunk_size", self.loss_chunk_size, "must be a positive integer")
         self.skip_attn_layers = tuple(int(i) for i in self.skip_attn_layers)  # YAML gives lists
@@ -285,9 +298,9 @@ class Rotary(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, H, T, D]
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:  # x: [B, H, T, D] at positions start..
         t = x.shape[2]
-        cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
+        cos, sin = self.cos[start : start + t].to(x.dtype), self.sin[start : start + t].to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
@@ -321,6 +334,7 @@ class CausalSelfAttention(nn.Module):
         ve: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
         window: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
         fp8 = fp8_wanted(self.cfg.attn_fp8, x, self.training, compiled_only=True)
@@ -334,11 +348,19 @@ class CausalSelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
-        y = attention(
-            q, k, v, window=self.cfg.window_size if window is None else window, doc_ids=doc_ids,
-            backend=self.cfg.attn_backend
-        )
+            start = 0 if kv_cache is None else kv_cache.length
+            q, k = self.rotary(q, start), self.rotary(k, start)
+        window = self.cfg.window_size if window is None else window
+        gqa = self.n_kv != self.n_head
+        if kv_cache is not None:  # these positions attend to everything cached before them, and to themselves
+            k, v = kv_cache.update(self.layer, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=kv_cache.mask, enable_gqa=gqa)
+        elif self.training and self.cfg.dropout:
+            mask = None if window is None and doc_ids is None else build_mask(t, x.device, window, doc_ids)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.cfg.dropout,
+                                               is_causal=mask is None, enable_gqa=gqa)
+        else:
+            y = attention(q, k, v, window=window, doc_ids=doc_ids, backend=self.cfg.attn_backend)
         return linear_maybe_fp8(self.c_proj, y.transpose(1, 2).reshape(b, t, -1), fp8, x_scale=1.0)
 
 
@@ -403,6 +425,10 @@ class Block(nn.Module):
         self.ln_2 = make_norm(cfg, cfg.n_embd)
         self.mlp = MoE(cfg) if cfg.moe_experts else MLP(cfg)
         self.x0_lambdas = nn.Parameter(torch.tensor([1.0, 0.0])) if cfg.x0_mix else None
+        self.dropout = cfg.dropout
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.dropout, self.training) if self.dropout else x
 
     def forward(
         self,
@@ -411,12 +437,114 @@ class Block(nn.Module):
         doc_ids: torch.Tensor | None = None,
         x0: torch.Tensor | None = None,
         window: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         if self.x0_lambdas is not None and x0 is not None:
             x = self.x0_lambdas[0] * x + self.x0_lambdas[1] * x0
         if self.attn is not None:
-            x = x + self.attn(self.ln_1(x), ve, doc_ids, window)
-        return x + self.mlp(self.ln_2(x))
+            x = x + self._drop(self.attn(self.ln_1(x), ve, doc_ids, window, kv_cache))
+        return x + self._drop(self.mlp(self.ln_2(x)))
+
+
+class KVCache:
+    """The keys and values of every attention layer for a batch of sequences, preallocated to ``max_len``.
+
+    ``model(idx, kv_cache=cache)`` gives ``idx`` the next ``idx.shape[1]`` positions of each sequence: they
+    attend to the cached keys and values (and to each other, causally, within the model's sliding window and
+    documents) and are appended. Computed this way the logits equal those of the full forward pass over the
+    whole sequence, to float rounding: every other part of the model (positions, value embeddings, U-net
+    skips, ``x0`` mixing, normalisation, MLPs) is per token. :meth:`GPT.generate` uses it.
+
+    Args:
+        model: the :class:`GPT` whose layers are cached (layers in ``skip_attn_layers`` need no cache).
+        batch_size: sequences decoded together.
+        max_len: positions to hold, at most ``block_size`` (positions and RoPE tables end there).
+    """
+
+    def __init__(self, model: GPT, batch_size: int, max_len: int) -> None:
+        cfg = model.config
+        if not 0 < max_len <= cfg.block_size:
+            raise ValueError(f"KVCache max_len={max_len} must be in [1, block_size={cfg.block_size}]")
+        self.batch_size, self.max_len = batch_size, max_len
+        self.length = 0  # positions filled
+        self.layers = [i for i, blk in enumerate(model.blocks) if blk.attn is not None]
+        self.keys: dict[int, torch.Tensor] = {}  # allocated at the first update, in the keys' dtype and device
+        self.values: dict[int, torch.Tensor] = {}
+        self.doc_ids: torch.Tensor | None = None  # [B, max_len] with doc_causal
+        self.mask: torch.Tensor | None = None  # the current call's [T, S] or [B, 1, T, S] attention mask
+
+    def reset(self) -> None:
+        """Forget the cached positions (the buffers are kept for the next sequences)."""
+        self.length = 0
+
+    def begin(self, idx: torch.Tensor, window: int | torch.Tensor | None, doc_ids: torch.Tensor | None) -> None:
+        """Prepare a call on ``idx`` ``[B, T]``: check the room left, and build its attention mask."""
+        b, t = idx.shape
+        start, end = self.length, self.length + t
+        if b != self.batch_size:
+            raise ValueError(f"the KVCache holds {self.batch_size} sequences, the input has {b}")
+        if end > self.max_len:
+            raise ValueError(f"the KVCache holds {start} of at most {self.max_len} positions: {t} more do not fit; "
+                             "start a new cache (or reset() it) with the last block_size tokens")
+        q_pos = torch.arange(start, end, device=idx.device)
+        k_pos = torch.arange(end, device=idx.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            mask = mask & (q_pos[:, None] - k_pos[None, :] < window)
+        if doc_ids is not None:  # documents continue across calls: ids count separators from position 0
+            if self.doc_ids is None:
+                self.doc_ids = torch.zeros(b, self.max_len, dtype=doc_ids.dtype, device=idx.device)
+            before = self.doc_ids[:, start - 1 : start] if start else 0
+            self.doc_ids[:, start:end] = doc_ids + before
+            same_doc = self.doc_ids[:, start:end, None] == self.doc_ids[:, None, :end]
+            mask = (mask[None] & same_doc)[:, None]
+        self.mask = mask
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``layer``'s keys and values ``[B, H_kv, T, D]`` of the current call; all of its cached ones."""
+        if layer not in self.keys:
+            shape = (self.batch_size, k.shape[1], self.max_len, k.shape[3])
+            self.keys[layer] = k.new_zeros(shape)
+            self.values[layer] = v.new_zeros(shape)
+        start, end = self.length, self.length + k.shape[2]
+        self.keys[layer][:, :, start:end] = k
+        self.values[layer][:, :, start:end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Pick the next token ``[B]`` from ``logits`` ``[B, V]``.
+
+    ``greedy`` (or ``temperature=0``) takes the argmax. Otherwise the logits are divided by ``temperature``,
+    cut to the ``top_k`` largest (ties with the k-th kept) and then to the smallest set of most likely tokens
+    whose probability reaches ``top_p`` (nucleus sampling; the most likely token always stays), and a token
+    is drawn from what is left with ``generator``.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k} must be >= 1 (or None for no cut)")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1] (or None for no cut)")
+    if greedy or temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        beyond = probs.cumsum(dim=-1) - probs >= top_p  # the tokens before these already reach top_p
+        logits = logits.masked_fill(beyond.scatter(-1, order, beyond), float("-inf"))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
 
 
 class GPT(nn.Module):
@@ -527,18 +655,51 @@ class GPT(nn.Module):
         ]
 
     # ----------------------------------------------------------------------------------------------
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """Logits ``[B, T, vocab_size]``, or the loss with ``targets``.
+
+        With ``kv_cache`` (a :class:`KVCache`), ``idx`` continues the sequences the cache holds: its tokens
+        take the next positions, attend to the cached keys and values, and are appended to the cache.
+        """
+        cfg = self.config
+        if kv_cache is not None and targets is not None:
+            raise ValueError("kv_cache is for inference: call the model with targets and no kv_cache to get a loss")
+        h = self._hidden(idx, kv_cache)
+        if targets is None:  # logits for the caller: never FP8 (its gradient scale assumes a mean loss)
+            return self._logits(h, fp8=False)[..., : cfg.vocab_size]
+        loss = self._loss(h, targets)
+        if not self.training:  # evaluation reports the plain next-token loss, comparable across options
+            return loss
+        if self.mtp:
+            aux = [self._loss(head(h)[:, :-j], targets[:, j:]) for j, head in enumerate(self.mtp, start=1)]
+            loss = loss + cfg.mtp_weight * torch.stack(aux).mean()
+        if cfg.moe_experts:
+            loss = loss + cfg.moe_aux_weight * torch.stack([blk.mlp.aux_loss for blk in self.blocks]).mean()
+        return loss
+
+    def _hidden(self, idx: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """The final-norm hidden states ``[B, T, n_embd]`` of ``idx`` (continuing ``kv_cache``'s sequences)."""
         cfg = self.config
         b, t = idx.shape
         if t > cfg.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size={cfg.block_size}; shorten the input")
+        start = 0
+        doc_ids = (idx == cfg.eot_token).cumsum(dim=1) if cfg.doc_causal else None
+        if kv_cache is not None:
+            start = kv_cache.length
+            window = self.attn_window if self.attn_window is not None else cfg.window_size
+            kv_cache.begin(idx, window, doc_ids)
+            doc_ids = None  # the cache's mask holds the documents
         x = self.wte(idx)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(t, device=idx.device))
+            x = x + self.wpe(torch.arange(start, start + t, device=idx.device))
         if cfg.embed_norm:
             x = F.rms_norm(x, (x.shape[-1],))
+        if cfg.dropout:
+            x = F.dropout(x, cfg.dropout, self.training)
         x0 = x if cfg.x0_mix else None
-        doc_ids = (idx == cfg.eot_token).cumsum(dim=1) if cfg.doc_causal else None
 
         ves: list[torch.Tensor | None] = [None] * cfg.n_layer
         for i, emb in enumerate(self.value_embeds):
@@ -554,22 +715,12 @@ class GPT(nn.Module):
             if cfg.grad_checkpoint and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, ves[i], doc_ids, x0, self.attn_window, use_reentrant=False)
             else:
-                x = block(x, ves[i], doc_ids, x0, self.attn_window)
+                x = block(x, ves[i], doc_ids, x0, self.attn_window, kv_cache)
             if self.skip_weights is not None and i < half:
                 skips.append(x)
-        h = self.ln_f(x)
-
-        if targets is None:  # logits for the caller: never FP8 (its gradient scale assumes a mean loss)
-            return self._logits(h, fp8=False)[..., : cfg.vocab_size]
-        loss = self._loss(h, targets)
-        if not self.training:  # evaluation reports the plain next-token loss, comparable across options
-            return loss
-        if self.mtp:
-            aux = [self._loss(head(h)[:, :-j], targets[:, j:]) for j, head in enumerate(self.mtp, start=1)]
-            loss = loss + cfg.mtp_weight * torch.stack(aux).mean()
-        if cfg.moe_experts:
-            loss = loss + cfg.moe_aux_weight * torch.stack([blk.mlp.aux_loss for blk in self.blocks]).mean()
-        return loss
+        if kv_cache is not None:
+            kv_cache.length += t
+        return self.ln_f(x)
 
     def _head_fp8(self, h: torch.Tensor) -> bool:
         """Whether this training call's head matmul runs in FP8 (see ``GPTConfig.head_fp8``)."""
@@ -594,6 +745,69 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 
     # ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        greedy: bool = False,
+        eos_token: int | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+    ) -> torch.Tensor:
+        """Continue the token sequences ``idx`` ``[B, T]`` by up to ``max_new_tokens``; returns ``[B, T + n]``.
+
+        The model runs in eval mode (no dropout) and returns to its mode afterwards. With ``use_cache`` the
+        prompt is run once into a :class:`KVCache` (``T + max_new_tokens`` positions, at most ``block_size``)
+        and each step runs only the newest token. A sequence longer than ``block_size`` is cut to its last
+        ``block_size`` tokens, as the model was trained; once the cache is full, each step recomputes that
+        window from scratch, exactly as ``use_cache=False`` (the full forward pass every step) does.
+
+        Args:
+            idx: prompt token ids (at least one per sequence).
+            max_new_tokens: tokens to append.
+            temperature, top_k, top_p, greedy, generator: how each token is picked, see :func:`sample_next`.
+            eos_token: a sequence that produces it stops (it is padded with ``eos_token`` while others go on);
+                generation ends early when every sequence has stopped.
+            use_cache: ``False`` recomputes the whole context each step (the reference the cache must match).
+        """
+        cfg = self.config
+        if idx.ndim != 2 or idx.shape[1] == 0:
+            raise ValueError(f"generate needs prompt token ids [batch, length >= 1], got shape {tuple(idx.shape)}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        was_training = self.training
+        self.eval()
+        try:
+            out, cache = idx, None
+            done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+            for step in range(max_new_tokens):
+                if not use_cache:
+                    h = self._hidden(out[:, -cfg.block_size :])
+                elif cache is not None and cache.length < cache.max_len:
+                    h = self._hidden(out[:, -1:], cache)
+                else:  # the first step, or a full cache: run the last block_size tokens into an empty one
+                    context = out[:, -cfg.block_size :]
+                    if cache is None:
+                        room = min(context.shape[1] + max_new_tokens - step, cfg.block_size)
+                        cache = KVCache(self, idx.shape[0], room)
+                    cache.reset()
+                    h = self._hidden(context, cache)
+                logits = self._logits(h[:, -1], fp8=False)[:, : cfg.vocab_size]
+                nxt = sample_next(logits, temperature, top_k, top_p, greedy, generator)
+                if eos_token is not None:
+                    nxt = torch.where(done, torch.full_like(nxt, eos_token), nxt)
+                    done = done | (nxt == eos_token)
+                out = torch.cat([out, nxt[:, None]], dim=1)
+                if eos_token is not None and bool(done.all()):
+                    break
+        finally:
+            self.train(was_training)
+        return out
+
     @classmethod
     def from_hf(cls, model_or_state_dict: Any, config: GPTConfig | None = None) -> GPT:
         """Build a classic GPT-2 from a ``transformers`` ``GPT2LMHeadModel`` or its state dict.
@@ -640,10 +854,101 @@ class GPT(nn.Module):
             if expected[k].shape != v.shape:
                 raise ValueError(f"shape mismatch for {k}: checkpoint {tuple(v.shape)} vs model {tuple(expected[k].shape)}")
         missing, _ = model.load_state_dict(ours, strict=False)
-        missing = [k for k in missing if not k.endswith(("rotary.cos", "rotary.sin"))]
+        missing = [k for k in missing if not k.endswith(("rotary.cos", "rotary.sin")) and k != "attn_window"]
         if missing:
             raise ValueError(f"GPT-2 state dict is missing {missing[:5]}")
         return model
+
+    @classmethod
+    def from_pretrained(cls, source: str | os.PathLike, config: GPTConfig | None = None) -> GPT:
+        """A classic GPT-2 with Hugging Face GPT-2 weights, for fine-tuning or sampling.
+
+        Args:
+            source: a local directory with ``config.json`` and ``model.safetensors`` (or ``pytorch_model.bin``,
+                read with ``torch.load(weights_only=True)``), as ``save_pretrained`` writes it; or a hub id
+                (``gpt2``, ``gpt2-medium``, ``openai-community/gpt2-large``, ...), downloaded with
+                ``huggingface_hub`` (``pip install 'lightning-opt[hf]'``) into its cache.
+            config: the model to build (``dropout``, ``loss_impl`` and the other settings that do not change
+                what the weights mean are free). Its shape must be the files' and its architecture the classic
+                one; ``block_size`` may be below the files' ``n_positions`` (the first positions are kept).
+                Default: the classic config of the files' shape.
+        """
+        directory, weights_file = _hf_gpt2_files(source)
+        hf = json.loads((directory / "config.json").read_text())
+        act = hf.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh") or hf.get("scale_attn_by_inverse_layer_idx"):
+            raise ValueError(f"{source}: this GPT-2 variant (activation {act!r}, scale_attn_by_inverse_layer_idx="
+                             f"{hf.get('scale_attn_by_inverse_layer_idx')}) does not map onto GPT's classic blocks")
+        if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
+            raise ValueError(f"{source}: MLP width n_inner={hf['n_inner']} is not 4 x n_embd, which GPT's classic MLP has")
+        shape = {"vocab_size": hf["vocab_size"], "n_layer": hf["n_layer"], "n_head": hf["n_head"],
+                 "n_embd": hf["n_embd"], "norm_eps": hf.get("layer_norm_epsilon", 1e-5)}
+        if config is None:
+            config = GPTConfig(**shape, block_size=hf["n_positions"])
+        wrong = {k: (v, getattr(config, k)) for k, v in shape.items() if getattr(config, k) != v}
+        wrong.update({k: (v, getattr(config, k)) for k, v in _HF_GPT2_ARCH.items() if getattr(config, k) != v})
+        if config.block_size > hf["n_positions"]:
+            wrong["block_size"] = (f"<= {hf['n_positions']}", config.block_size)
+        if config.kv_heads != config.n_head:
+            wrong["n_kv_head"] = (None, config.n_kv_head)
+        if config.padded_vocab_size != config.vocab_size:  # extra head rows would start at logit 0 in the loss
+            wrong["vocab_multiple"] = (1, config.vocab_multiple)
+        if wrong:
+            raise ValueError(
+                f"the model config does not match the Hugging Face GPT-2 in {source}: set "
+                + ", ".join(f"{k}: {v[0]!r} (not {v[1]!r})" for k, v in wrong.items())
+            )
+        if weights_file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            sd = load_file(str(weights_file))
+        else:
+            sd = torch.load(weights_file, map_location="cpu", weights_only=True)
+        sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
+        if "wpe.weight" in sd:
+            sd["wpe.weight"] = sd["wpe.weight"][: config.block_size]
+        return cls.from_hf(sd, config)
+
+
+# the GPTConfig values under which GPT computes what Hugging Face's GPT-2 does with the same weights
+_HF_GPT2_ARCH: dict[str, Any] = {
+    "pos_emb": "learned", "norm": "layernorm", "norm_weight": True, "bias": True, "qk_norm": False, "mlp": "gelu",
+    "mlp_ratio": 4.0, "tie_embeddings": True, "n_value_embeds": 0, "unet_skips": False, "x0_mix": False,
+    "embed_norm": False, "skip_attn_layers": (), "logit_softcap": None, "mtp_heads": 0, "moe_experts": 0,
+}
+
+
+def _hf_gpt2_files(source: str | os.PathLike) -> tuple[Path, Path]:
+    """The directory holding ``config.json`` and the weights file of a local or hub Hugging Face GPT-2."""
+    names = ("model.safetensors", "pytorch_model.bin")
+    path = Path(source).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"'{path}' has no config.json: pass a directory that save_pretrained wrote")
+        for name in names:
+            if (path / name).is_file():
+                return path, path / name
+        raise FileNotFoundError(f"'{path}' has neither {names[0]} nor {names[1]}; a single-file GPT-2 checkpoint is "
+                                "needed (merge sharded weights with save_pretrained(max_shard_size='100GB'))")
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError as err:
+        raise FileNotFoundError(
+            f"'{source}' is not a local directory, and hub ids need huggingface_hub: pip install 'lightning-opt[hf]' "
+            "(or pass a directory with config.json and model.safetensors)"
+        ) from err
+    try:
+        directory = Path(hf_hub_download(str(source), "config.json")).parent
+        try:
+            weights = hf_hub_download(str(source), names[0])
+        except Exception:  # a repository with only the older format
+            weights = hf_hub_download(str(source), names[1])
+    except Exception as err:  # network and hub errors come in many types
+        raise RuntimeError(
+            f"could not download the GPT-2 '{source}' from the Hugging Face hub ({type(err).__name__}: {err}); "
+            "check the id and the network, or pass a local directory with config.json and model.safetensors"
+        ) from err
+    return directory, Path(weights)
 
 
 def _config_from_state_dict(sd: dict[str, torch.Tensor]) -> GPTConfig:
