@@ -186,8 +186,8 @@ def _build_module(
             clt = self.clt
             N = x.shape[0]
             phases.mark("lightning")  # batch start -> training_step: zero_grad, hooks, the strategy's wrapper
-            if "forward" in vars(clt):  # a strategy replaced the forward (feature-sharded encoders)
-                out = clt(x, dense=False)  # marks encode, select, gather, decode (strategy.phase_hook)
+            if clt.shard is not None and clt.shard.features is not None:  # feature-sharded encoders
+                out = clt(x, dense=False)  # marks encode, select, gather, decode (the spec's phase_hook)
                 idx, recon = out.indices, out.recon
             else:
                 pre = clt.encode(x)
@@ -310,18 +310,12 @@ def _run_ours(
     elif kind == _AB_KIND:  # A/B: Lightning's own per-step SIGTERM broadcast on the GPU (+ .item())
         strategy = DecoderShardingStrategy(shard_encoder=True, cpu_sigterm_check=False)
         tokens_per_rank = args.tokens
-    elif kind == _AB_SYNCED_KIND:
-        import lightning_opt.strategies.decoder_sharding as ds
-
-        ds._PADDED_POOL = False
-        strategy = DecoderShardingStrategy(shard_encoder=True)
+    elif kind == _AB_SYNCED_KIND:  # A/B: the candidate counts read on the host before the pool's gather
+        strategy = DecoderShardingStrategy(shard_encoder=True, selection="synced_pool")
         tokens_per_rank = args.tokens
     elif kind == _AB_SELECT_KIND:
         # A/B: the general selection path (tie counts, then a gather of kept entries)
-        import lightning_opt.strategies.decoder_sharding as ds
-
-        ds._POOL_SELECT = False
-        strategy = DecoderShardingStrategy(shard_encoder=True)
+        strategy = DecoderShardingStrategy(shard_encoder=True, selection="general")
         tokens_per_rank = args.tokens
     else:
         strategy, tokens_per_rank = "auto", args.tokens
@@ -354,9 +348,6 @@ def _run_ours(
     finally:
         if counter is not None:
             counter.close()
-        import lightning_opt.strategies.decoder_sharding as ds
-
-        ds._POOL_SELECT, ds._PADDED_POOL = True, True
     step_ms = timer.step_ms()
     n_params = sum(p.numel() for p in module.parameters())
     l0 = module.l0[-1]

@@ -9,6 +9,7 @@ from lightning_opt.models.clt import (
     ACTIVATIONS,
     CLT,
     CLTConfig,
+    CLTShardSpec,
     auxk_loss,
     fvu,
     fvu_per_layer,
@@ -348,6 +349,42 @@ def test_shard_decoder_gives_the_slice_of_the_full_output() -> None:
         x = torch.randn(N, L, D)
         torch.testing.assert_close(shard(x).recon, full(x).recon[..., 2:6])
         torch.testing.assert_close(shard(x, dense=False).recon, full(x).recon[..., 2:6], rtol=1e-5, atol=1e-6)
+
+
+def test_a_local_shard_is_the_class_forward_on_new_parameters_with_sliced_outputs() -> None:
+    torch.manual_seed(1)
+    x, y = torch.randn(N, L, D) * 2 + 1, torch.randn(N, L, D) - 0.5
+    full = make(normalization="mean_std")
+    full.set_normalization(_stats(x, y))
+    shard = make(normalization="mean_std")
+    shard.set_normalization(_stats(x, y))
+    old = dict(shard.named_parameters())
+    shard.shard_(CLTShardSpec(d_out=(2, 6)))
+    assert shard.d_out_slice == (2, 6) and "forward" not in vars(shard)
+    assert shard.b_dec is not old["b_dec"] and shard.W_enc is old["W_enc"]  # new sliced parameters only
+    assert [tuple(p.shape) for p in shard.sharded_parameters()] == [(NF, 3, 4), (NF, 2, 4), (NF, 1, 4), (L, 4)]
+    # the normalisation buffers stay whole; denormalize uses the recon's columns
+    got = shard.denormalize(shard(x).recon)
+    torch.testing.assert_close(got, full.denormalize(full(x).recon)[..., 2:6])
+    with pytest.raises(RuntimeError, match="already holds a shard"):
+        shard.shard_(CLTShardSpec(d_out=(0, 4)))
+    with pytest.raises(RuntimeError, match="cannot be gathered"):
+        shard.unshard_()
+    with pytest.raises(RuntimeError, match="before shard_"):
+        shard.set_normalization(_stats(x, y))
+
+
+def test_shard_spec_checks_its_fields() -> None:
+    with pytest.raises(ValueError, match="need the decoder group"):
+        CLTShardSpec(d_out=(0, 4), features=(0, 8))
+    with pytest.raises(ValueError, match="selection"):
+        CLTShardSpec(d_out=(0, 4), selection="fast")
+    with pytest.raises(ValueError, match="start < stop"):
+        CLTShardSpec(d_out=(4, 4))
+    with pytest.raises(ValueError, match="ranks out of range"):
+        CLTShardSpec(d_out=(0, 4), model_size=2, model_rank=2)
+    with pytest.raises(ValueError, match="d_model=8"):
+        make().shard_(CLTShardSpec(d_out=(0, 9)))
 
 
 def test_all_activations_train_step() -> None:

@@ -68,9 +68,13 @@ class TinyCLTModule(pl.LightningModule):
         self.batch_size = batch_size
         self.losses: list[float] = []
         self.val_shapes: list[tuple[int, ...]] = []
+        self.overrides: set[str] = set()  # instance attributes that shadow the CLT's or the plugin's methods
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
+        plugin = self.trainer.strategy.precision_plugin
+        self.overrides |= {k for k in vars(self.clt) if callable(getattr(type(self.clt), k, None))}
+        self.overrides |= {f"precision.{k}" for k in vars(plugin) if callable(getattr(type(plugin), k, None))}
         out = self.clt(x)
         if self.clt.d_out_slice is not None:
             start, stop = self.clt.d_out_slice

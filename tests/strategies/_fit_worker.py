@@ -33,6 +33,53 @@ def _state(module: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+def _model_shard_checks(rank: int) -> dict[str, Any]:
+    """A CLT sharded by its spec on this rank (no Trainer) against the whole CLT in this process."""
+    import torch.distributed as dist
+    from _clt_helpers import D_MODEL, N_FEATURES, make_clt, make_data
+
+    from lightning_opt.models.clt import CLT, CLTShardSpec, clip_grad_norm_
+
+    x, _ = make_data()
+    w = torch.randn(x.shape[0], x.shape[1], D_MODEL, generator=torch.Generator().manual_seed(3))
+    cols = (rank * D_MODEL // WORLD, (rank + 1) * D_MODEL // WORLD)
+    checks: dict[str, Any] = {}
+    features_here = (rank * N_FEATURES // WORLD, (rank + 1) * N_FEATURES // WORLD)
+    for name, features in (("replicated", None), ("features", features_here)):
+        full, part = make_clt(), make_clt()
+        before = list(part.parameters())
+        spec = CLTShardSpec(d_out=cols, features=features, model_group=dist.group.WORLD, model_size=WORLD,
+                            model_rank=rank)
+        part.shard_(spec)
+        out_full, out = full(x), part(x)
+        (out_full.recon * w).sum().backward()
+        (out.recon * w[..., cols[0] : cols[1]]).sum().backward()  # each rank's columns: the ranks' sum is the loss
+        err = (out.recon - out_full.recon[..., cols[0] : cols[1]]).abs().max()
+        for (n, p_full), p in zip(full.named_parameters(), part.parameters()):
+            start, stop = cols if n.startswith(("W_dec", "b_dec")) else (features or (0, N_FEATURES))
+            sliced = p_full.grad[..., start:stop] if p.shape != p_full.shape else p_full.grad
+            err = torch.maximum(err, (p.grad - sliced).abs().max())
+        total = torch.nn.utils.clip_grad_norm_(list(full.parameters()), 1e-3)
+        total_part = clip_grad_norm_(part, list(part.parameters()), 1e-3)
+        with torch.no_grad():
+            part.shard = CLTShardSpec(**{**vars(spec), "gather_output": True})
+            gathered = part(x).recon
+        checks[name] = {
+            "max_err": float(err),
+            "norm_err": float((total - total_part).abs()),
+            "gathered_err": float((gathered - out_full.recon).abs().max()),
+            "own_methods": [k for k in ("forward", "decode", "decode_sparse", "encode") if k in vars(part)],
+            "forward_is_the_class": type(part).forward is CLT.forward,
+            "new_parameters": all(p is not q for p in part.sharded_parameters() for q in before),
+            "shapes": [tuple(p.shape) for p in part.sharded_parameters()],
+        }
+        part.unshard_()
+        checks[name]["whole_again"] = part.shard is None and all(
+            torch.equal(a, b) for a, b in zip(part.state_dict().values(), make_clt().state_dict().values())
+        )
+    return checks
+
+
 def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
     from _clt_helpers import TinyCLTModule
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -84,6 +131,13 @@ def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
         _fit(m, GlobalBatchTopKStrategy(), root)
         return {"state": _state(m)}
 
+    def model_owns_its_shard() -> dict[str, Any]:
+        import torch.distributed as dist
+
+        per_rank: list[Any] = [None] * WORLD
+        dist.all_gather_object(per_rank, _model_shard_checks(dist.get_rank()))
+        return {"per_rank": per_rank}
+
     def sharded_mse_consolidated() -> dict[str, Any]:
         m = TinyCLTModule(loss="mse", optimizer="adam", lr=0.01, batch_size=8)
         ckpt = ModelCheckpoint(dirpath=root / "consolidated", every_n_train_steps=2, save_top_k=-1)
@@ -92,6 +146,7 @@ def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
             "state": _state(m),
             "ckpt": str(root / "consolidated" / "epoch=0-step=2.ckpt"),
             "val_shapes": m.val_shapes,
+            "overrides": m.overrides,
         }
 
     def sharded_encoder() -> dict[str, Any]:
@@ -104,6 +159,7 @@ def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
             "state": _state(m),
             "ckpt": str(root / "encoder" / "epoch=0-step=2.ckpt"),
             "val_shapes": m.val_shapes,
+            "overrides": m.overrides,
         }
 
     def sharded_encoder_fallback() -> dict[str, Any]:
@@ -131,7 +187,19 @@ def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
     def sharded_fvu() -> dict[str, Any]:
         m = TinyCLTModule(loss="fvu", batch_size=8)
         _fit(m, DecoderShardingStrategy(), root, gradient_clip_val=CLIP)
-        return {"state": _state(m)}
+        return {"state": _state(m), "overrides": m.overrides}
+
+    def clipping_needs_the_hook() -> dict[str, Any]:
+        import lightning.pytorch as pl
+
+        class DefaultClipping(TinyCLTModule):
+            configure_gradient_clipping = pl.LightningModule.configure_gradient_clipping
+
+        try:
+            _fit(DefaultClipping(loss="fvu"), DecoderShardingStrategy(), root, gradient_clip_val=CLIP)
+        except ValueError as err:
+            return {"error_message": str(err)}
+        return {"error_message": None}
 
     def sharded_checkpoint_resume() -> dict[str, Any]:
         m = TinyCLTModule(loss="mse", optimizer="adam", lr=0.01, batch_size=8)
@@ -181,10 +249,12 @@ def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
         "sharded_encoder_fallback": sharded_encoder_fallback,
         "global_mse": global_mse,
         "global_fvu": global_fvu,
+        "model_owns_its_shard": model_owns_its_shard,
         "sharded_mse_consolidated": sharded_mse_consolidated,
         "sharded_fvu": sharded_fvu,
         "sharded_checkpoint_resume": sharded_checkpoint_resume,
         "data_parallel_via_sharding_strategy": data_parallel_via_sharding_strategy,
+        "clipping_needs_the_hook": clipping_needs_the_hook,
     }
 
 

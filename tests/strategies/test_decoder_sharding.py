@@ -62,11 +62,37 @@ def test_pure_data_parallel_layout_matches_big_batch(strategy_runs: dict, tmp_pa
     assert_states_close(strategy_runs["data_parallel_via_sharding_strategy"]["state"], reference)
 
 
+def test_the_model_computes_its_own_shard_like_the_whole_model(strategy_runs: dict) -> None:
+    # CLT.shard_ on 2 gloo ranks, no Trainer: recon columns, every gradient slice, the clipping norm and the
+    # gathered (evaluation) output equal the whole CLT in one process; the forward is the class's own
+    for rank, checks in enumerate(strategy_runs["model_owns_its_shard"]["per_rank"]):
+        for name, c in checks.items():
+            where = f"rank {rank}, {name}"
+            assert c["max_err"] < 1e-5 and c["norm_err"] < 1e-5 and c["gathered_err"] < 1e-5, (where, c)
+            assert c["own_methods"] == [] and c["forward_is_the_class"], where
+            assert c["new_parameters"] and c["whole_again"], where
+        assert checks["replicated"]["shapes"][-1] == (3, 4)  # b_dec: [L, d_model / 2]
+        assert checks["features"]["shapes"][-2:] == [(3, 8, 8), (3, 8)]  # W_enc, b_enc: half the features
+
+
+def test_strategy_sets_a_spec_and_overrides_no_method(strategy_runs: dict) -> None:
+    # no instance attribute shadows a method of the CLT or of the precision plugin during training
+    for name in ("sharded_mse_consolidated", "sharded_encoder", "sharded_fvu"):
+        assert strategy_runs[name]["overrides"] == set(), name
+
+
+def test_norm_clipping_of_shards_refuses_lightnings_default_hook(strategy_runs: dict) -> None:
+    message = strategy_runs["clipping_needs_the_hook"]["error_message"]
+    assert message is not None and "clip_grad_norm_" in message
+
+
 def test_bad_arguments_raise() -> None:
     with pytest.raises(ValueError, match="checkpoint_format"):
         DecoderShardingStrategy(checkpoint_format="zip")
     with pytest.raises(ValueError, match="model_parallel_size"):
         DecoderShardingStrategy(model_parallel_size=0)
+    with pytest.raises(ValueError, match="selection"):
+        DecoderShardingStrategy(selection="fastest")
 
 
 def test_project_clt_module_trains_sharded_like_one_process(strategy_runs: dict, tmp_path) -> None:
