@@ -56,6 +56,12 @@ class GPT2SpeedrunModule(TrainingModule):
         compile: wrap the model in ``torch.compile``.
         compile_options: inductor settings for that compile (``torch.compile(options=...)``), e.g.
             ``{"coordinate_descent_tuning": True}``: longer compile, faster kernels. Needs ``compile=True``.
+        init_from: start from Hugging Face GPT-2 weights (fine-tuning): a local directory with ``config.json``
+            and ``model.safetensors`` (or ``pytorch_model.bin``) or a hub id such as ``gpt2`` (needs the ``hf``
+            extra); see :meth:`~lightning_opt.models.gpt2.GPT.from_pretrained`. ``model_config`` must be the
+            classic architecture of that shape (``vocab_multiple: 1``; ``dropout`` and ``block_size`` up to the
+            files' ``n_positions`` are free). The weights are read when a Trainer first sets the module up; a
+            checkpoint (``ckpt_path``, ``load_from_checkpoint``) replaces them and needs no HF files.
 
     Logged keys: ``train/loss``, ``val/loss``, ``val/ppl``, ``tokens_seen``, ``lr/group{i}`` (the last two on
     the steps the logger writes, ``Trainer(log_every_n_steps=...)``: logging a Python number syncs the GPU).
@@ -69,6 +75,7 @@ class GPT2SpeedrunModule(TrainingModule):
         schedule: ScheduleConfig | None = None,
         compile: bool = False,
         compile_options: dict[str, Any] | None = None,
+        init_from: str | None = None,
     ) -> None:
         super().__init__(optim, schedule)
         self.model_config = model_config or GPTConfig()
@@ -77,6 +84,8 @@ class GPT2SpeedrunModule(TrainingModule):
         self.model = GPT(self.model_config)
         self.compile_model = compile
         self.compile_options = dict(compile_options) if compile_options else None
+        self.init_from = init_from
+        self._init_loaded = init_from is None  # HF weights are read at the first setup, unless a checkpoint came
         self.val_loss = MeanMetric()
         self.flops_per_batch: float | None = None
 
@@ -88,6 +97,14 @@ class GPT2SpeedrunModule(TrainingModule):
                 f"data.seq_len={seq_len} exceeds the model's context model_config.block_size="
                 f"{self.model_config.block_size}; lower data.seq_len or raise block_size"
             )
+        if not self._init_loaded:  # before Lightning restores a ckpt_path, which then wins
+            self.load_init_weights()
+
+    def load_init_weights(self) -> None:
+        """Copy the Hugging Face GPT-2 weights named by ``init_from`` into the model."""
+        pretrained = GPT.from_pretrained(self.init_from, self.model_config)
+        self.model.load_state_dict(pretrained.state_dict())
+        self._init_loaded = True
 
     def configure_model(self) -> None:
         if self.compile_model and not getattr(self, "_compiled", False):
@@ -121,6 +138,7 @@ class GPT2SpeedrunModule(TrainingModule):
                 + ", ".join(f"{k}={v[0]!r} vs {v[1]!r}" for k, v in diffs.items())
                 + ". Use the checkpoint's model_config (see its hyper_parameters) or train from scratch."
             )
+        self._init_loaded = True  # the checkpoint's weights, not init_from's
         super().on_load_checkpoint(checkpoint)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,100 @@
+"""Sample text from a GPT-2 recipe checkpoint (``recipes/gpt2_speedrun.py``).
+
+    python recipes/sample.py --ckpt_path runs/gpt2-demo/version_0 \
+        --prompt "The for statement" --max_new_tokens 200 --temperature 0.8 --top_k 50 --seed 0
+
+``--ckpt_path`` is a checkpoint file or a run directory (its ``last.ckpt``, else its newest checkpoint), read
+with ``torch.load(weights_only=True)``: no code runs from it. The tokenizer is the run's: byte-level tokens
+(vocab 256) for runs on the built-in corpus or with a vocabulary of at most 256 tokens, else the GPT-2 BPE
+(tiktoken; offline, pass ``--bpe_file r50k_base.tiktoken``); ``--tokenizer`` overrides the choice. Generation
+uses the model's KV cache (``GPT.generate``) and stops at the tokenizer's document separator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from lightning_opt.cli import check_checkpoint_file  # noqa: E402
+from lightning_opt.data.tokenizer import ByteTokenizer, GPT2Tokenizer, get_tokenizer  # noqa: E402
+from lightning_opt.modules.gpt2 import GPT2SpeedrunModule  # noqa: E402
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt_path", required=True,
+                   help="a checkpoint written by recipes/gpt2_speedrun.py, or its run directory (newest checkpoint)")
+    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    p.add_argument("--max_new_tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (argmax)")
+    p.add_argument("--top_k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top_p", type=float, default=None, help="sample among the most likely tokens reaching this mass")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num_samples", type=int, default=1, help="continuations of the same prompt")
+    p.add_argument("--tokenizer", choices=("auto", "byte", "gpt2"), default="auto")
+    p.add_argument("--bpe_file", default=None, help="local r50k_base.tiktoken file for the GPT-2 BPE (offline)")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    return p
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """``path`` itself, or in a directory its ``last.ckpt`` (else its most recently written ``*.ckpt``)."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    found = sorted(path.rglob("*.ckpt"), key=lambda p: (p.name == "last.ckpt", p.stat().st_mtime))
+    if not found:
+        raise FileNotFoundError(f"no *.ckpt file under '{path}'; pass a checkpoint file or a run directory with one")
+    return found[-1]
+
+
+def run_tokenizer(checkpoint: dict[str, Any], vocab_size: int, choice: str = "auto",
+                  bpe_file: str | None = None) -> ByteTokenizer | GPT2Tokenizer:
+    """The tokenizer a run used: byte-level for the built-in corpus or a vocabulary of at most 256, else GPT-2."""
+    if choice != "auto":
+        return get_tokenizer(choice, bpe_file)
+    data = checkpoint.get("datamodule_hyper_parameters") or {}
+    builtin = "builtin" in (data.get("train_files"), data.get("val_files"))
+    if builtin or vocab_size <= ByteTokenizer.vocab_size:
+        return ByteTokenizer()
+    return GPT2Tokenizer(bpe_file)
+
+
+def main(args: list[str] | None = None) -> list[str]:
+    """Print and return ``--num_samples`` continuations of ``--prompt`` (prompt included)."""
+    ns = parser().parse_args(args)
+    ckpt_path = find_checkpoint(ns.ckpt_path)
+    check_checkpoint_file(ckpt_path)
+    device = torch.device(ns.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    module = GPT2SpeedrunModule.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True)
+    model = module.model.to(device).eval()
+    cfg = model.config
+    # the data settings the run saved beside the weights (read lazily: only that entry is looked at)
+    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    tokenizer = run_tokenizer(checkpoint, cfg.vocab_size, ns.tokenizer, ns.bpe_file)
+    ids = tokenizer.encode(ns.prompt)
+    if not ids:
+        raise ValueError("--prompt is empty; give at least one character to continue")
+    if max(ids) >= cfg.vocab_size:
+        raise ValueError(f"the {tokenizer.name} tokenizer gives ids up to {max(ids)}, beyond the model's vocab_size="
+                         f"{cfg.vocab_size}; pass the tokenizer the run used (--tokenizer byte or gpt2)")
+    idx = torch.tensor([ids] * ns.num_samples, dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(ns.seed)
+    out = model.generate(idx, ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p,
+                         eos_token=tokenizer.eot, generator=generator)
+    texts = [tokenizer.decode(row.tolist()) for row in out]
+    for i, text in enumerate(texts):
+        if ns.num_samples > 1:
+            print(f"--- sample {i}")
+        print(text, flush=True)
+    return texts
+
+
+if __name__ == "__main__":
+    main()
