@@ -1,6 +1,6 @@
 """CLT training step: lightning_opt vs crosslayer-coding, side by side in one run.
 
-Shapes (issue 9): 12 layers x 768, 4096 tokens per step, global BatchTopK k=200, bf16 autocast, AdamW,
+Shapes: 12 layers x 768, 4096 tokens per step, global BatchTopK k=200, bf16 autocast, AdamW,
 synthetic activations; 4096 / 8192 / 16384 / 32768 features per layer. Per feature count it measures:
 
 * ``ours_dense``: ``CLT`` forward (batched encoder, exact global BatchTopK), dense decode (its default plain
@@ -20,7 +20,7 @@ synthetic activations; 4096 / 8192 / 16384 / 32768 features per layer. Per featu
   the top ops, and op-call counts (``aten::copy_``, ``aten::index``, all ops).
 * ``select_ours`` / ``select_torch_topk`` / ``select_global_topk``: the BatchTopK selection alone on the bf16
   pre-activations ``[12 * 4096 * F]`` (ours = ``ops.topk.batch_topk_rows``; ``torch.topk`` of k*tokens; the
-  strategies helper's ``global_batch_topk`` with ``group=None``). ``select_path`` says which path
+  single-process ``global_batch_topk`` with ``group="local"``). ``select_path`` says which path
   ``select_ours`` took (``triton_2pass``: ``_topk_triton.select_16bit``; ``candidates``: candidate step +
   threshold step). Also the candidate path (``select_ours_candidates``), with the top-k threshold step
   (``select_ours_topk_threshold``) and with torch candidates, the candidate phase alone, and a sweep of the
@@ -299,18 +299,9 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
 
     from lightning_opt.ops import topk as topk_mod
 
-    def with_setting(name: str, value: Any, fn: Callable[[], Any], mod: Any = topk_mod) -> Callable[[], Any]:
-        def run() -> Any:
-            old = getattr(mod, name)
-            setattr(mod, name, value)
-            try:
-                return fn()
-            finally:
-                setattr(mod, name, old)
-        return run
-
-    def with_backend(backend: str, fn: Callable[[], Any]) -> Callable[[], Any]:
-        return with_setting("CANDIDATES_BACKEND", backend, fn)
+    def select(rows: int = 1, x: torch.Tensor = pre, n: int = n_keep, **paths: Any) -> Callable[[], Any]:
+        """``batch_topk_rows`` on ``x`` as ``rows`` rows, with its path options ``paths``."""
+        return lambda: batch_topk_rows(x.view(rows, -1), n, **paths)
 
     lo = topk_mod._row_lower_bounds(pre.view(1, -1), n_keep).to(pre.dtype)
     out["select_candidates_backend"] = "triton" if _triton_ok(pre) else "torch"
@@ -321,25 +312,20 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
     if caught:
         out["select_warnings"] = [str(w.message)[:300] for w in caught]
 
-    def candidates_path(fn: Callable[[], Any]) -> Callable[[], Any]:
-        return with_setting("SELECT_BACKEND", "candidates", fn)
-
     variants: dict[str, Callable[[], Any]] = {
-        "select_ours": lambda: batch_topk_rows(pre.view(1, -1), n_keep),
-        "select_ours_candidates": candidates_path(lambda: batch_topk_rows(pre.view(1, -1), n_keep)),
-        "select_ours_torch_candidates": candidates_path(
-            with_backend("torch", lambda: batch_topk_rows(pre.view(1, -1), n_keep))),
-        "select_ours_topk_threshold": candidates_path(with_setting(
-            "THRESHOLD_METHOD", "topk", lambda: batch_topk_rows(pre.view(1, -1), n_keep))),
-        "select_ours_per_layer": lambda: batch_topk_rows(pre.view(args.layers, -1), n_keep),
+        "select_ours": select(),
+        "select_ours_candidates": select(select_backend="candidates"),
+        "select_ours_torch_candidates": select(select_backend="candidates", candidates_backend="torch"),
+        "select_ours_topk_threshold": select(select_backend="candidates", threshold_method="topk"),
+        "select_ours_per_layer": select(args.layers),
         "phase_candidates": lambda: topk_mod.candidates_ge(pre, lo, pre.numel()),
-        "phase_candidates_torch": with_backend("torch", lambda: topk_mod.candidates_ge(pre, lo, pre.numel())),
+        "phase_candidates_torch": lambda: topk_mod.candidates_ge(pre, lo, pre.numel(), backend="torch"),
         "select_torch_topk": lambda: torch.topk(pre, n_keep, sorted=False),
     }
     try:
         from lightning_opt.ops.global_topk import global_batch_topk
 
-        variants["select_global_topk"] = lambda: global_batch_topk(pre.view(args.tokens, -1), args.k)
+        variants["select_global_topk"] = lambda: global_batch_topk(pre.view(args.tokens, -1), args.k, group="local")
     except ImportError as err:
         out["select_global_topk"] = {"error": repr(err)}
     for name, fn in variants.items():
@@ -350,11 +336,20 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
     if _triton_ok(pre) and out["select_path"] == "triton_2pass":  # the two passes' launch shape (default marked)
         from lightning_opt.ops import _topk_triton as kt
 
+        def with_launch(block: int, warps: int, fn: Callable[[], Any]) -> Callable[[], Any]:
+            def run() -> Any:  # the kernels' launch constants for this timing only
+                old = kt.BLOCK, kt.NUM_WARPS
+                kt.BLOCK, kt.NUM_WARPS = block, warps
+                try:
+                    return fn()
+                finally:
+                    kt.BLOCK, kt.NUM_WARPS = old
+            return run
+
         sweep = {}
         for block in (1024, 2048, 4096, 8192):
             for warps in (4, 8):
-                fn = with_setting("BLOCK", block, with_setting(
-                    "NUM_WARPS", warps, lambda: batch_topk_rows(pre.view(1, -1), n_keep), kt), kt)
+                fn = with_launch(block, warps, select())
                 try:
                     sweep[f"{block}x{warps}"] = round(time_fn(fn, dev, 2, args.select_steps)["median_ms"], 4)
                 except Exception as err:
@@ -372,14 +367,14 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
         others = [variants[v]()[0] for v in ("select_ours_candidates", "select_ours_torch_candidates",
                                              "select_ours_topk_threshold")]
         layer_rows = variants["select_ours_per_layer"]()[0]
-        layer_rows_c = candidates_path(variants["select_ours_per_layer"])()[0]
+        layer_rows_c = select(args.layers, select_backend="candidates")()[0]
         out["select_backends_agree"] = bool(all(torch.equal(a, b) for b in others)
                                             and torch.equal(layer_rows, layer_rows_c))
         # ties: coarse values (many equal to the cut-off) against a stable-sort reference of the tie rule
         coarse = (pre[: 1 << 24].float() * 4).round().to(pre.dtype)
         n_small = min(1 << 14, coarse.numel() // 4)
-        got = batch_topk_rows(coarse.view(1, -1), n_small)[0]
-        got_c = candidates_path(lambda: batch_topk_rows(coarse.view(1, -1), n_small))()[0]
+        got = select(x=coarse, n=n_small)()[0]
+        got_c = select(x=coarse, n=n_small, select_backend="candidates")()[0]
         ref = torch.sort(coarse.float(), descending=True, stable=True).indices[:n_small].sort().values
         out["select_ties_exact"] = bool(torch.equal(got, ref) and torch.equal(got_c, ref))
     except Exception as err:

@@ -45,7 +45,7 @@ from lightning_opt.optim.schedules import ScheduleConfig  # noqa: E402
 
 H100_BF16_PEAK_FLOPS = 989.4e12  # H100 SXM dense bf16
 DATA_DIR = ROOT / ".data" / "novels"
-SHARED_DATA_DIR = Path("/work/shared/data/novels")
+DATA_DIR_ENV = "LIGHTNING_OPT_DATA_DIR"  # the novels shards' folder when --data-dir is not given
 VAL_TOKENS = 1_048_576
 
 
@@ -99,14 +99,15 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 
 
 def find_shards(data_dir: str | None = None) -> tuple[Path, Path]:
-    """The novels shards: ``--data-dir``, else ``.data/novels``, else the shared folder."""
-    for d in [Path(data_dir)] if data_dir else [DATA_DIR, SHARED_DATA_DIR]:
-        train, val = d / "novels_train_000000.bin", d / "novels_val_000000.bin"
-        if train.exists() and val.exists():
-            return train, val
+    """The novels shards in ``data_dir`` (``--data-dir``), else in ``$LIGHTNING_OPT_DATA_DIR``, else in the
+    repository's ``.data/novels``."""
+    d = Path(data_dir or os.environ.get(DATA_DIR_ENV) or DATA_DIR)
+    train, val = d / "novels_train_000000.bin", d / "novels_val_000000.bin"
+    if train.exists() and val.exists():
+        return train, val
     raise FileNotFoundError(
-        f"novels shards not found in {data_dir or [str(DATA_DIR), str(SHARED_DATA_DIR)]}: copy "
-        "novels_{train,val}_000000.bin there or pass --data-dir"
+        f"novels shards novels_{{train,val}}_000000.bin not found in {d}: pass --data-dir DIR, set "
+        f"{DATA_DIR_ENV}=DIR, or copy them to {DATA_DIR}"
     )
 
 
@@ -124,7 +125,8 @@ class Deadline:
 def add_common_args(p, deadline_s: float) -> None:
     """The arguments every GPT-2 benchmark takes."""
     p.add_argument("--smoke", action="store_true", help="tiny models on CPU; proves the script end to end")
-    p.add_argument("--data-dir", default=None, help="folder with novels_{train,val}_000000.bin")
+    p.add_argument("--data-dir", default=None, help=f"folder with novels_{{train,val}}_000000.bin (default: "
+                   f"${DATA_DIR_ENV}, else .data/novels)")
     p.add_argument("--deadline-s", type=float, default=deadline_s, help="skip work that would end past this")
     p.add_argument("--end-unix", type=float, default=None, help="absolute end time (overrides --deadline-s)")
     p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/<name>_<device>_<date>.json)")
@@ -590,25 +592,6 @@ def _importable(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
-
-
-@contextlib.contextmanager
-def switched(module, **values):
-    """Set module-level switches (e.g. ``fp8.BACKWARD_FAST_ACCUM``) for one variant, then restore them."""
-    old = {k: getattr(module, k) for k in values}
-    for k, v in values.items():
-        setattr(module, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(module, k, v)
-
-
-def switched_run(module, values: dict[str, Any], fn: Callable[[], Any]) -> Any:
-    """``fn()`` with module-level switches set (e.g. ``softcap_ce.FP8_WEIGHT_GRAD``), restored afterwards."""
-    with switched(module, **values):
-        return fn()
 
 
 def with_compile_options(spec: RunSpec, **options: Any) -> RunSpec:

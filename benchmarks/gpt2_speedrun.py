@@ -10,9 +10,9 @@ tokens per step = 32 x 1024 x 16 = 524,288, like nanoGPT's train.py and the spee
 - ``ours-speedrun-torchce-bare`` / ``-lightning``: the recipe with ``loss_impl="torch"`` instead of its
   ``fused`` loss (head matmul, then one Triton kernel for the soft-capped loss and its logit gradient,
   :mod:`lightning_opt.ops.softcap_ce`): the soft-cap and cross-entropy inside the compiled graph;
-- ``ours-speedrun-prev-bare``: the recipe as it was before session 4 (RoPE base 10000, soft-cap 30, no x0
+- ``ours-speedrun-prev-bare``: the recipe without the record-parity settings (RoPE base 10000, soft-cap 30, no x0
   mixing, no embedding norm, attention in every layer, Muon one matrix at a time with q/k/v as one matrix
-  and no momentum warmup); ``ours-speedrun-unbatchedmuon-bare``: today's recipe with Muon one matrix at a
+  and no momentum warmup); ``ours-speedrun-unbatchedmuon-bare``: the recipe with Muon one matrix at a
   time (isolates the batched Newton-Schulz);
 - ``ours-classic-bare`` / ``ours-classic-lightning``: ``gpt2-124m-classic`` (fused AdamW, clip 1.0);
 - ``nanogpt``: Karpathy's nanoGPT ``model.py`` trained as its ``bench.py`` does (see
@@ -22,15 +22,12 @@ tokens per step = 32 x 1024 x 16 = 524,288, like nanoGPT's train.py and the spee
 - ``ours-speedrun-nofp8mm-mb64-lightning`` / ``-bare``: the recipe without its ``mlp_fp8: auto`` and
   ``attn_fp8: auto`` (the MLP and attention projection matmuls in bfloat16 instead of FP8), at 64 x 1024;
 - ``ours-speedrun-nonormw-mb64-lightning``: the recipe without learned norm gains (``norm_weight: false``, as the
-  record script), at 64 x 1024 (session 6 measured it faster per step and worse in loss);
+  record script), at 64 x 1024;
   ``ours-speedrun-qkgain-mb64-lightning`` / ``-mb128-lightning``: gains in QK-norm only (``norm_weight: qk``);
-- ``ours-speedrun-densewgrad-mb64-lightning``: the recipe with the output head's weight gradient in bfloat16
-  from the loss kernel's dense gradient (``softcap_ce.FP8_WEIGHT_GRAD = False``; before session 7) instead of
-  FP8 from its e5m2 copy;
 - ``ours-speedrun-cdt-mb64-lightning`` / ``-cdt-mb128-lightning`` / ``-nocdt-mb128-lightning``: the recipe with
   inductor's ``coordinate_descent_tuning`` on / off (``model.compile_options`` in the YAML);
 - ``ours-speedrun-fp8mlp-lightning`` / ``-fp8mlp-mb64-lightning``: ``mlp_fp8: auto`` set explicitly (the
-  recipe has it since session 6; before, these were the candidate runs);
+  recipe's own setting);
 - ``ours-speedrun-mb64-bare`` / ``-lightning`` and ``nanogpt-mb64``: micro-batches of 64 x 1024 with half
   the accumulation (same tokens per step), ``*-mb128``: 128 x 1024 with a quarter; the goal compares the
   fastest geometry of each;
@@ -78,7 +75,6 @@ from gpt2_common import (  # noqa: E402
     load_yaml_config,
     oom_retry,
     smoke_shard,
-    switched_run,
     train_bare,
     train_lightning,
     with_compile_options,
@@ -86,8 +82,6 @@ from gpt2_common import (  # noqa: E402
     write_json,
 )
 from nanogpt_runner import train_nanogpt  # noqa: E402
-
-from lightning_opt.ops import softcap_ce  # noqa: E402
 
 SMOKE_SHAPE = dict(n_layer=2, n_head=2, n_embd=64)
 SMOKE_VOCAB = 512
@@ -109,7 +103,7 @@ def make_specs(args: argparse.Namespace) -> dict[str, RunSpec]:
         speedrun = with_model(speedrun, **small, n_value_embeds=1,
                               skip_attn_layers=(1,))
         classic = with_model(classic, **small)
-    # the recipe as it was before session 4 (for a same-run attribution of what changed)
+    # the recipe without its record-parity settings (for a same-run attribution of what they do)
     prev = with_model(speedrun, rope_base=10000.0, rope_truncate=False, logit_softcap=30.0, x0_mix=False,
                       embed_norm=False, skip_attn_layers=(), loss_impl="torch", head_fp8=False)
     prev = replace(prev, optim=replace(prev.optim, muon_momentum_start=None, muon_momentum_warmup_steps=0,
@@ -189,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ours-speedrun-nofp8-lightning": lambda: oom_retry(lightning, with_model(sp, head_fp8=False)),
         "ours-speedrun-fp8mlp-lightning": lambda: oom_retry(lightning, with_model(sp, mlp_fp8="auto")),
         "ours-speedrun-fp8mlp-mb64-lightning": lambda: oom_retry(lightning, with_model(mbx(sp, 2), mlp_fp8="auto")),
-        # the recipe without its FP8 MLP and attention projections (the session-5 recipe)
+        # the recipe without its FP8 MLP and attention projections
         "ours-speedrun-nofp8mm-mb64-lightning": lambda: oom_retry(
             lightning, with_model(mbx(sp, 2), mlp_fp8=False, attn_fp8=False)),
         # the recipe without learned gains in its norms (as the record script)
@@ -197,9 +191,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             lightning, with_model(mbx(sp, 2), norm_weight=False)),
         # gains in QK-norm only (candidate: most of the speed of no gains, the attention temperature kept)
         "ours-speedrun-qkgain-mb64-lightning": lambda: oom_retry(lightning, with_model(mbx(sp, 2), norm_weight="qk")),
-        # the head's weight gradient in the compute dtype from the loss kernel's dense gradient (before session 7)
-        "ours-speedrun-densewgrad-mb64-lightning": lambda: switched_run(
-            softcap_ce, {"FP8_WEIGHT_GRAD": False}, lambda: oom_retry(lightning, mbx(sp, 2))),
         "ours-speedrun-qkgain-mb128-lightning": lambda: oom_retry(
             lightning, with_model(mbx(sp, 4), norm_weight="qk")),
         # inductor's coordinate-descent tuning of its generated kernels (longer compile) on / off

@@ -13,9 +13,8 @@ steps, in one process on one GPU:
 - ``mb64prof``: ``mb64`` with the kernel profile; ``mb128``: micro-batches of 128 x 1024 (4 per step);
 - ``fp8mlp64prof`` / ``fp8mlp128``: ``mlp_fp8="auto"`` (both MLP matmuls in FP8) at 64 (profiled) / 128 x 1024;
 - ``nofp8mm64`` / ``fp8mm64prof``: at 64 x 1024, without / with (profiled) FP8 MLP and attention projections;
-- ``fp8mm64`` and its A/B variants: ``-bf16headgrad`` (the head's input gradient in bfloat16, not from the FP8
-  copies), ``-fastacc`` (FP8 backward matmuls with fast accumulation), ``-gradwlayout`` (the FP8 linear's weight
-  gradient computed in the weight's layout, ``g^T x``, instead of transposed, ``x^T g``).
+- ``fp8mm64`` and ``fp8mm64-fastacc`` (FP8 backward matmuls with fast accumulation,
+  ``GPTConfig.fp8_backward_fast_accum``).
 
     python benchmarks/gpt2_step_profile.py --data-dir .data/novels --only base,cudnn,mb64   # GPU, ~40 s each
 
@@ -43,26 +42,9 @@ from gpt2_common import (  # noqa: E402
     build_model_and_optimizer,
     find_shards,
     load_yaml_config,
-    switched,
-    switched_run,
     with_model,
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-
-
-def _grad_w_own_layout_backward(ctx, grad_out):
-    """The FP8 linear backward with the weight gradient computed in the weight's own layout (``g^T x``, a
-    first try of session 6) instead of transposed (``x^T g``, returned as a view): the A/B of that choice."""
-    from lightning_opt.ops.fp8 import _E5M2, _scale
-
-    x8, w8 = ctx.saved_tensors
-    x_scale, w_scale, grad_scale = ctx.scales
-    xs, ws, gs = _scale(x8, x_scale), _scale(x8, w_scale), _scale(x8, grad_scale)
-    g8 = (grad_out / gs).clamp(-57344.0, 57344.0).to(_E5M2)
-    grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16)
-    grad_w = torch._scaled_mm(g8.t().contiguous(), x8.t().contiguous().t(), scale_a=gs, scale_b=xs,
-                              out_dtype=torch.float32)
-    return grad_x, grad_w.to(ctx.w_dtype), None, None, None
 
 
 def run(spec: RunSpec, data: Tokens, ctx=contextlib.nullcontext, profile: bool = False,
@@ -73,7 +55,7 @@ def run(spec: RunSpec, data: Tokens, ctx=contextlib.nullcontext, profile: bool =
     dev = data.device
     torch._dynamo.reset()
     restore = contextlib.ExitStack()
-    restore.enter_context(switched(ic, **(inductor or {})))  # inductor settings for this variant only
+    restore.enter_context(ic.patch(inductor or {}))  # inductor settings for this variant only
     try:
         model, opt, sched = build_model_and_optimizer(spec, dev)
         model.compile(dynamic=False)
@@ -126,7 +108,7 @@ def run(spec: RunSpec, data: Tokens, ctx=contextlib.nullcontext, profile: bool =
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-dir", default=".data/novels")
+    p.add_argument("--data-dir", default=None, help="novels shards (default: $LIGHTNING_OPT_DATA_DIR, else .data/novels)")
     p.add_argument("--only", default="base,cudnn,mb64,torchce,fp8head,cdt")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "g1_probe.json"))
     a = p.parse_args(argv)
@@ -138,9 +120,6 @@ def main(argv: list[str] | None = None) -> dict:
     base = RunSpec(m, o, s, steps=20, micro_batch=32, accum=16)
     tr, va = find_shards(a.data_dir)
     data = Tokens(tr, va, dev, val_tokens=65536)
-    from lightning_opt.ops import fp8 as fp8_mod
-    from lightning_opt.ops import softcap_ce as softcap_ce_mod
-
     fp8mm64 = with_model(replace(base, micro_batch=64, accum=8), mlp_fp8="auto", attn_fp8="auto")
 
     variants = {
@@ -156,12 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
                                     profile=True),
         "fp8mlp128": lambda: run(with_model(replace(base, micro_batch=128, accum=4), mlp_fp8="auto"), data),
         "fp8mm64": lambda: run(fp8mm64, data),
-        "fp8mm64-bf16headgrad": lambda: switched_run(softcap_ce_mod, {"FP8_INPUT_GRAD": False},
-                                                     lambda: run(fp8mm64, data)),
-        "fp8mm64-fastacc": lambda: switched_run(fp8_mod, {"BACKWARD_FAST_ACCUM": True}, lambda: run(fp8mm64, data)),
-        "fp8mm64-gradwlayout": lambda: switched_run(fp8_mod._FP8Linear,
-                                                    {"backward": staticmethod(_grad_w_own_layout_backward)},
-                                                    lambda: run(fp8mm64, data)),
+        "fp8mm64-fastacc": lambda: run(with_model(fp8mm64, fp8_backward_fast_accum=True), data),
         "nofp8mm64": lambda: run(with_model(replace(base, micro_batch=64, accum=8), mlp_fp8=False, attn_fp8=False),
                                  data),
         "fp8mm64prof": lambda: run(with_model(replace(base, micro_batch=64, accum=8), mlp_fp8="auto", attn_fp8="auto"),

@@ -6,8 +6,8 @@ dense ``acts[l] @ W_dec[l]`` (what a dense CLT does) vs ``clt_sparse_decode`` wi
 with the ``embedding_bag`` fallback; forward and forward+backward.
 
 Part 2 (selection): ``global_batch_topk`` (single process) on ``[4096, 12 * 8192]`` with k=200 (K = 819,200
-of 402,653,184 entries) vs ``torch.topk(x.flatten(), K)``, float32 and bfloat16; threshold by topk and by
-sort; dense output and sparse ``(indices, values)`` output.
+of 402,653,184 entries) vs ``torch.topk(x.flatten(), K)``, float32 and bfloat16; dense output and sparse
+``(indices, values)`` output.
 
 Every variant is timed in this process with CUDA events (median of ``--iters`` after ``--warmup``); a failing
 variant is recorded with its error and the others still run.
@@ -150,25 +150,10 @@ def topk_variants(args: argparse.Namespace, device: torch.device) -> list[dict[s
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(n, features, device=device, dtype=dtype)
-
-        def with_method(method: str, fn: Callable[[], Any]) -> Callable[[], Any]:
-            def run() -> Any:
-                old = global_topk._KTH_METHOD
-                global_topk._KTH_METHOD = method
-                try:
-                    return fn()
-                finally:
-                    global_topk._KTH_METHOD = old
-
-            return run
-
         variants: dict[str, Callable[[], Any]] = {
             "torch.topk(flat, K) [baseline]": lambda x=x: torch.topk(x.view(-1), budget, sorted=False),
-            "global_batch_topk dense (kth=topk)": with_method("topk", lambda x=x: global_batch_topk(x, k)),
-            "global_batch_topk dense (kth=sort)": with_method("sort", lambda x=x: global_batch_topk(x, k)),
-            "batch_topk_threshold_sparse (kth=topk)": with_method(
-                "topk", lambda x=x: batch_topk_threshold_sparse(x, k)
-            ),
+            "global_batch_topk dense": lambda x=x: global_batch_topk(x, k, group="local"),
+            "batch_topk_threshold_sparse": lambda x=x: batch_topk_threshold_sparse(x, k, group="local"),
         }
         variants["alternative: bisection on float bits (32 count passes)"] = lambda x=x: (
             bisection_kth_largest(x, budget)

@@ -54,7 +54,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_opt.ops.topk import batch_topk_rows, jumprelu, scatter_dense, token_topk
+from lightning_opt.ops.topk import (
+    CandidatesBackend,
+    SelectBackend,
+    ThresholdMethod,
+    batch_topk_rows,
+    check_topk_options,
+    jumprelu,
+    scatter_dense,
+    token_topk,
+)
 
 __all__ = [
     "CLTConfig",
@@ -98,6 +107,10 @@ class CLTConfig:
             (per-layer scalar so the mean norm is sqrt(d_model)); statistics come from the data.
         jumprelu_threshold: initial JumpReLU threshold (in normalised units).
         jumprelu_bandwidth: straight-through rectangle width for the threshold gradient.
+        topk_select_backend, topk_candidates_backend, topk_threshold_method: which path the BatchTopK
+            selection takes (``select_backend``, ``candidates_backend``, ``threshold_method`` of
+            :func:`~lightning_opt.ops.topk.batch_topk_rows`; the candidate step also of the global selection
+            across ranks). Every path selects the same entries; ``"auto"`` is the fastest measured.
     """
 
     n_layers: int
@@ -109,6 +122,9 @@ class CLTConfig:
     normalization: str = "none"
     jumprelu_threshold: float = 0.03
     jumprelu_bandwidth: float = 0.01
+    topk_select_backend: SelectBackend = "auto"
+    topk_candidates_backend: CandidatesBackend = "auto"
+    topk_threshold_method: ThresholdMethod = "auto"
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_features"):
@@ -132,6 +148,7 @@ class CLTConfig:
             raise ValueError(f"CLTConfig.normalization={self.normalization!r} is unknown; choose one of {_NORMS}")
         if self.jumprelu_threshold <= 0 or self.jumprelu_bandwidth <= 0:
             raise ValueError("jumprelu_threshold and jumprelu_bandwidth must be > 0")
+        check_topk_options(self.topk_select_backend, self.topk_candidates_backend, self.topk_threshold_method)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -459,14 +476,17 @@ class CLT(nn.Module):
 
             # the k * N_total largest over every rank's [L, N, F] block (viewed as N rows of L * F: only the
             # total count matters), as flat indices into [L, N, F] like the local selections: sparse decode
-            idx, vals = batch_topk_threshold_sparse(pre.reshape(N, L * nf), cfg.k, group=self.topk_group)
+            idx, vals = batch_topk_threshold_sparse(pre.reshape(N, L * nf), cfg.k, group=self.topk_group,
+                                                    candidates_backend=cfg.topk_candidates_backend)
             return None, idx, F.relu(vals)
+        paths = dict(select_backend=cfg.topk_select_backend, candidates_backend=cfg.topk_candidates_backend,
+                     threshold_method=cfg.topk_threshold_method)
         if act == "topk":
             idx, vals = token_topk(pre, cfg.k)
         elif act == "batchtopk":
-            idx, vals = batch_topk_rows(pre.reshape(L, N * nf), cfg.k * N)
+            idx, vals = batch_topk_rows(pre.reshape(L, N * nf), cfg.k * N, **paths)
         else:
-            idx, vals = batch_topk_rows(pre.reshape(1, L * N * nf), cfg.k * N)
+            idx, vals = batch_topk_rows(pre.reshape(1, L * N * nf), cfg.k * N, **paths)
         return None, idx, F.relu(vals)
 
     # --------------------------------------------------------------- decoding

@@ -90,8 +90,8 @@ class GPTConfig:
         grad_checkpoint: recompute each block in the backward pass (activation checkpointing) to save memory.
         head_fp8: in training, run the output head's matmul in FP8 with static scales (GPUs of compute
             capability 8.9+): with ``loss_impl="torch"`` the forward and both backward matmuls
-            (:func:`~lightning_opt.ops.fp8.fp8_linear`), with ``loss_impl="fused"`` the forward matmul (the
-            backward ones read the bfloat16 gradient the loss kernel writes). ``True`` insists (an error on
+            (:func:`~lightning_opt.ops.fp8.fp8_linear`), with ``loss_impl="fused"`` the forward matmul and
+            both gradient matmuls (from the e5m2 gradient copy the loss kernel writes). ``True`` insists (an error on
             other devices, and it needs an untied head and one of those two losses); ``"auto"`` uses FP8
             where the GPU has it and the model allows it, the compute dtype elsewhere (CPUs only emulate
             FP8, slowly). Evaluation and ``model(idx)`` keep the autocast dtype.
@@ -104,6 +104,9 @@ class GPTConfig:
         attn_fp8: the same for the attention projections ``c_attn`` (input normalised, scale
             ``sqrt(n_embd) / 448``) and ``c_proj`` (input the attention output, a convex mix of value rows:
             scale 1). The attention itself (softmax(QK^T)V) stays in the compute dtype.
+        fp8_backward_fast_accum: fast accumulation (``torch._scaled_mm(use_fast_accum=True)``) in the backward
+            FP8 matmuls of ``head_fp8`` / ``mlp_fp8`` / ``attn_fp8`` (the forward ones always accumulate fast);
+            ``False`` promotes partial sums to float32. Within noise in tokens/s on an H100 (+0.4%).
     """
 
     vocab_size: int = 50257
@@ -149,6 +152,7 @@ class GPTConfig:
     head_fp8: bool | str = False
     mlp_fp8: bool | str = False
     attn_fp8: bool | str = False
+    fp8_backward_fast_accum: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, want: str) -> ValueError:
@@ -274,13 +278,15 @@ def make_norm(cfg: GPTConfig, dim: int) -> nn.Module:
     return nn.LayerNorm(dim, eps=cfg.norm_eps, elementwise_affine=cfg.norm_weight in (True, "blocks"), bias=cfg.bias)
 
 
-def linear_maybe_fp8(lin: nn.Linear, x: torch.Tensor, fp8: bool, x_scale: float | None = None) -> torch.Tensor:
+def linear_maybe_fp8(lin: nn.Linear, x: torch.Tensor, fp8: bool, x_scale: float | None = None,
+                     backward_fast_accum: bool = False) -> torch.Tensor:
     """``lin(x)``, through :func:`~lightning_opt.ops.fp8.fp8_linear` when ``fp8`` (inputs bounded by
     ``448 * x_scale``, by default ``sqrt(width)``: a normalised row of unit gain; the output gradient scaled
     for a loss averaged over the rows)."""
     if not fp8:
         return lin(x)
-    y = fp8_linear(x, lin.weight, x_scale=x_scale, grad_scale=mean_loss_grad_scale(math.prod(x.shape[:-1])))
+    y = fp8_linear(x, lin.weight, x_scale=x_scale, grad_scale=mean_loss_grad_scale(math.prod(x.shape[:-1])),
+                   backward_fast_accum=backward_fast_accum)
     return y if lin.bias is None else y + lin.bias
 
 
@@ -338,7 +344,8 @@ class CausalSelfAttention(nn.Module):
     ) -> torch.Tensor:
         b, t, _ = x.shape
         fp8 = fp8_wanted(self.cfg.attn_fp8, x, self.training, compiled_only=True)
-        qkv = linear_maybe_fp8(self.c_attn, x, fp8)  # x is normalised: the default FP8 input scale
+        fast = self.cfg.fp8_backward_fast_accum
+        qkv = linear_maybe_fp8(self.c_attn, x, fp8, backward_fast_accum=fast)  # x normalised: default FP8 scale
         q, k, v = qkv.split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
         q = q.view(b, t, self.n_head, self.hd).transpose(1, 2)
         k = k.view(b, t, self.n_kv, self.hd).transpose(1, 2)
@@ -361,7 +368,8 @@ class CausalSelfAttention(nn.Module):
                                                is_causal=mask is None, enable_gqa=gqa)
         else:
             y = attention(q, k, v, window=window, doc_ids=doc_ids, backend=self.cfg.attn_backend)
-        return linear_maybe_fp8(self.c_proj, y.transpose(1, 2).reshape(b, t, -1), fp8, x_scale=1.0)
+        return linear_maybe_fp8(self.c_proj, y.transpose(1, 2).reshape(b, t, -1), fp8, x_scale=1.0,
+                                backward_fast_accum=fast)
 
 
 class MLP(nn.Module):
@@ -369,6 +377,7 @@ class MLP(nn.Module):
         super().__init__()
         self.kind = cfg.mlp
         self.fp8 = cfg.mlp_fp8
+        self.fp8_fast_accum = cfg.fp8_backward_fast_accum
         hidden = int(cfg.mlp_ratio * cfg.n_embd)
         if cfg.mlp == "swiglu":
             hidden = int(2 * hidden / 3)
@@ -379,7 +388,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fp8 = fp8_wanted(self.fp8, x, self.training, compiled_only=True)
-        h = linear_maybe_fp8(self.c_fc, x, fp8)  # x is normalised: the default FP8 input scale
+        fast = self.fp8_fast_accum
+        h = linear_maybe_fp8(self.c_fc, x, fp8, backward_fast_accum=fast)  # x normalised: default FP8 scale
         if self.kind == "gelu":
             h = F.gelu(h, approximate="tanh")
         elif self.kind == "relu2":
@@ -387,7 +397,7 @@ class MLP(nn.Module):
         else:
             a, g = h.chunk(2, dim=-1)
             h = F.silu(g) * a
-        return linear_maybe_fp8(self.c_proj, h, fp8, x_scale=1.0)
+        return linear_maybe_fp8(self.c_proj, h, fp8, x_scale=1.0, backward_fast_accum=fast)
 
 
 class MoE(nn.Module):
@@ -727,7 +737,7 @@ class GPT(nn.Module):
         return fp8_wanted(self.config.head_fp8, h, self.training, self.config.fp8_head_applicable)
 
     def _logits(self, h: torch.Tensor, fp8: bool) -> torch.Tensor:
-        logits = linear_maybe_fp8(self.lm_head, h, fp8)
+        logits = linear_maybe_fp8(self.lm_head, h, fp8, backward_fast_accum=self.config.fp8_backward_fast_accum)
         cap = self.config.logit_softcap
         if cap is not None:
             logits = cap * torch.tanh(logits.float() / cap)
@@ -737,7 +747,8 @@ class GPT(nn.Module):
         cfg = self.config
         if cfg.loss_impl == "fused":
             return linear_softcap_cross_entropy(h, self.lm_head.weight, targets, cfg.logit_softcap,
-                                                fp8=self._head_fp8(h))
+                                                fp8=self._head_fp8(h),
+                                                backward_fast_accum=cfg.fp8_backward_fast_accum)
         if cfg.loss_impl != "torch":
             return linear_cross_entropy(h, self.lm_head.weight, targets, cfg.logit_softcap, cfg.loss_chunk_size,
                                         fp8=cfg.loss_impl == "chunked_fp8")

@@ -81,21 +81,16 @@ def fp8_wanted(mode: bool | str, x: torch.Tensor, training: bool, applicable: bo
     return applicable and _device_has_fp8(x)
 
 
-# how the backward matmuls accumulate: ``torch._scaled_mm``'s ``use_fast_accum`` (Hopper's FP8 tensor cores
-# accumulate in reduced precision unless partial sums are promoted to float32 at intervals; fast = no
-# promotion). The forward matmuls always use fast accumulation. A module switch for measurements.
-BACKWARD_FAST_ACCUM = False
-
-
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, x_scale, w_scale, grad_scale):  # type: ignore[override]
+    def forward(ctx, x, w, x_scale, w_scale, grad_scale, backward_fast_accum):  # type: ignore[override]
         xs, ws = _scale(x, x_scale), _scale(x, w_scale)
         x8, w8 = to_e4m3(x, xs), to_e4m3(w, ws)
         # _scaled_mm: first operand row-major, second column-major (w8.t() of a row-major w8 is)
         out = torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16, use_fast_accum=True)
         ctx.save_for_backward(x8, w8)
         ctx.scales = (x_scale, w_scale, grad_scale)
+        ctx.backward_fast_accum = backward_fast_accum
         ctx.w_dtype = w.dtype
         return out
 
@@ -106,15 +101,14 @@ class _FP8Linear(torch.autograd.Function):
         xs, ws, gs = _scale(x8, x_scale), _scale(x8, w_scale), _scale(x8, grad_scale)
         g8 = (grad_out / gs).clamp(-57344.0, 57344.0).to(_E5M2)
         # grad_x [N, K] = g [N, M] @ w [M, K]; w8 must be column-major as the second operand
-        fast = BACKWARD_FAST_ACCUM
+        fast = ctx.backward_fast_accum
         grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16,
                                   use_fast_accum=fast)
         # grad_w^T [K, M] = x^T [K, N] @ g [N, M], returned as a transposed view. (Computing grad_w [M, K] =
-        # g^T @ x in the weight's own layout instead was 4.5% slower per speedrun step on an H100:
-        # benchmarks/results/gpt2_fp8_ab_s6_nvidia-h100-80gb-hbm3_20261126.json.)
+        # g^T @ x in the weight's own layout instead was 4.5% slower per speedrun step on an H100.)
         grad_wt = torch._scaled_mm(x8.t().contiguous(), g8.t().contiguous().t(), scale_a=xs, scale_b=gs,
                                    out_dtype=torch.float32, use_fast_accum=fast)
-        return grad_x, grad_wt.t().to(ctx.w_dtype), None, None, None
+        return grad_x, grad_wt.t().to(ctx.w_dtype), None, None, None, None
 
 
 def check_fp8_shapes(rows: int, k: int, out: int, device: torch.device) -> None:
@@ -161,6 +155,8 @@ def fp8_linear(
     x_scale: float | None = None,
     w_scale: float = HEAD_W_SCALE,
     grad_scale: float = 1.0 / 448.0,
+    *,
+    backward_fast_accum: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T`` in FP8 with static scales; returns bfloat16 of shape ``[*x.shape[:-1], out]``.
 
@@ -172,6 +168,11 @@ def fp8_linear(
         w_scale: FP8 scale of the weight (values up to ``448 * w_scale`` are representable).
         grad_scale: FP8 scale of the output gradient (see the module docstring: ``1 / (448 N)`` for a
             mean loss over N rows).
+        backward_fast_accum: ``torch._scaled_mm``'s ``use_fast_accum`` for the two backward matmuls. Hopper's
+            FP8 tensor cores accumulate in reduced precision unless partial sums are promoted to float32 at
+            intervals; fast accumulation skips the promotion (+0.4% tokens/s in the speedrun recipe on an
+            H100, within noise: ``fp8mm64-fastacc`` of benchmarks/gpt2_step_profile.py). The forward matmul
+            always accumulates fast.
     """
     k = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != k:
@@ -179,5 +180,5 @@ def fp8_linear(
     rows = math.prod(x.shape[:-1])
     check_fp8_shapes(rows, k, weight.shape[0], x.device)
     scale_x = norm_input_scale(k) if x_scale is None else x_scale
-    out = _FP8Linear.apply(x.reshape(rows, k), weight, scale_x, w_scale, grad_scale)
+    out = _FP8Linear.apply(x.reshape(rows, k), weight, scale_x, w_scale, grad_scale, backward_fast_accum)
     return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -5,6 +5,10 @@ concatenation (in rank order) of every rank's ``x``, and zeroes the rest. It mov
 never ``x``. ``tokens_total`` defaults to the sum of the ranks' token counts; pass it when ranks hold different
 features of the same tokens.
 
+Groups follow torch's convention: ``group=None`` is the default process group when ``torch.distributed`` is
+initialised (a single process otherwise); ``group="local"`` selects over this process's ``x`` alone, without
+communication, even inside an initialised group.
+
 Tie rule: entries are ordered by (value descending, rank ascending, row-major flat index within the rank
 ascending), i.e. by (value desc, flat index asc) in the concatenated batch. This is what a stable descending
 sort of the concatenated, flattened batch gives, which is the reference the tests use. NaN entries are never
@@ -39,12 +43,19 @@ counts) ``+ W * C_max * elem_size`` (candidate values, ``C_max`` = the largest c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, Union
 
 import torch
 import torch.distributed as dist
 
-from lightning_opt.ops.topk import _order_keys16, _sample_rank, candidates_ge, triton_candidates
+from lightning_opt.ops.topk import (
+    CandidatesBackend,
+    _order_keys16,
+    _sample_rank,
+    candidates_ge,
+    check_topk_options,
+    triton_candidates,
+)
 
 __all__ = [
     "global_batch_topk", "batch_topk_threshold_sparse", "shard_candidates", "shard_candidates_padded", "top_positions"
@@ -52,7 +63,9 @@ __all__ = [
 
 _SAMPLE_SIZE = 1 << 18
 _SAMPLE_SEED = 0x5EED
-_KTH_METHOD = "topk"  # or "sort"; benchmarks/sparse_decode.py compares them
+# ``group`` of the public functions: a process group, ``None`` (the default group when torch.distributed is
+# initialised, else this process alone) or ``"local"`` (this process alone)
+Group = Union["dist.ProcessGroup", Literal["local"], None]
 _generators: dict[torch.device, torch.Generator] = {}
 
 
@@ -66,13 +79,25 @@ def _generator(device: torch.device) -> torch.Generator:
     return gen
 
 
+def _resolve_group(group: Group) -> dist.ProcessGroup | None:
+    """The process group ``group`` names, ``None`` meaning this process alone (see the module docstring)."""
+    if isinstance(group, str):
+        if group != "local":
+            raise ValueError(f"group={group!r}: pass a process group, None (the default group) or 'local'")
+        return None
+    if group is None:
+        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    return group
+
+
 def _group_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks in a resolved group (``None``: this process alone)."""
     if group is None:
         return 1
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "global_batch_topk got a process group but torch.distributed is not initialised; "
-            "call torch.distributed.init_process_group first, or pass group=None for a local BatchTopK."
+            "call torch.distributed.init_process_group first, or pass group='local' for a local BatchTopK."
         )
     return dist.get_world_size(group)
 
@@ -99,9 +124,9 @@ def _lower_bound(flat: torch.Tensor, frac: float) -> torch.Tensor:
 
 
 def _kth_largest(pool: torch.Tensor, kth: int) -> torch.Tensor:
-    """The ``kth`` largest value of a 1-D tensor (``1 <= kth <= pool.numel()``)."""
-    if _KTH_METHOD == "sort":
-        return torch.sort(pool, descending=True).values[kth - 1]
+    """The ``kth`` largest value of a 1-D tensor (``1 <= kth <= pool.numel()``): a top-k of the smaller side
+    (as fast as a full sort of the pool: 4.15 vs 4.13 ms for the whole selection, H100,
+    benchmarks/results/sparse_decode_nvidia-h100-80gb-hbm3.json)."""
     rest = pool.numel() - kth + 1
     if rest < kth:  # the kth largest is the rest-th smallest: select the smaller side
         return torch.topk(pool, rest, largest=False, sorted=False).values.max()
@@ -114,13 +139,16 @@ def _select(
     group: dist.ProcessGroup | None,
     tokens_total: int | None = None,
     numel_total: int | None = None,
+    candidates_backend: CandidatesBackend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Candidate flat indices (ascending) of this rank's ``x``, a keep mask over them, and kept counts.
 
     A ``None`` mask means every candidate is kept. The third item is a ``[world]`` int64 device tensor: how
     many entries each rank of ``group`` keeps (from the tie statistics, no extra collective). Every rank runs
-    the same collectives in the same order, so early exits depend only on group-wide quantities.
+    the same collectives in the same order, so early exits depend only on group-wide quantities. ``group`` is
+    resolved (``None``: this process alone).
     """
+    check_topk_options(candidates_backend=candidates_backend)
     if x.dim() != 2:
         raise ValueError(f"global_batch_topk expects x of shape [tokens, features], got {tuple(x.shape)}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
@@ -184,7 +212,7 @@ def _select(
     # every buffer after it.
     # The bound is the group's minimum, so this rank may see more than its own estimate: size by the larger.
     if n > 0:
-        idx, counts_host = _candidates_exchanged(flat, lo.view(1), group, world)
+        idx, counts_host = _candidates_exchanged(flat, lo.view(1), group, world, candidates_backend)
     else:
         idx, counts_host = empty_idx, _counts_of_ranks(0, group, world, device)
     if sum(counts_host) < big_k:
@@ -215,7 +243,12 @@ def _select(
 
 
 def global_batch_topk(
-    x: torch.Tensor, k: int, group: dist.ProcessGroup | None = None, tokens_total: int | None = None
+    x: torch.Tensor,
+    k: int,
+    group: Group = None,
+    tokens_total: int | None = None,
+    *,
+    candidates_backend: CandidatesBackend = "auto",
 ) -> torch.Tensor:
     """Keep the ``k * tokens_total`` largest entries over all ranks' batches; zero the rest.
 
@@ -223,10 +256,14 @@ def global_batch_topk(
         x: ``[tokens_local, features]`` on each rank (``features`` equal on every rank, ``tokens_local``
             may differ).
         k: mean number of active features per token.
-        group: process group whose ranks share the budget; ``None`` selects locally (no communication),
-            which is the usual single-process BatchTopK.
+        group: process group whose ranks share the budget. ``None`` (torch's convention) is the default
+            process group when ``torch.distributed`` is initialised, so inside DDP every rank selects from
+            the global batch; without an initialised group it is this process alone. ``"local"`` selects over
+            this process's ``x`` only (no communication): per-rank BatchTopK.
         tokens_total: distinct tokens over the group, when ranks hold different *features* of the same tokens
             (e.g. encoders sharded over features); default: the sum of ``x.shape[0]`` over ranks.
+        candidates_backend: the candidate step (``auto``, ``torch`` or ``triton``; see
+            :func:`~lightning_opt.ops.topk.batch_topk_rows`); every choice selects the same entries.
 
     Returns:
         A tensor like ``x`` that equals ``x`` at the kept entries and is zero elsewhere. Gradients reach the
@@ -238,7 +275,7 @@ def global_batch_topk(
         tensor([[3., 0., 0.],
                 [0., 4., 0.]])
     """
-    idx, keep, _ = _select(x, k, group, tokens_total)
+    idx, keep, _ = _select(x, k, _resolve_group(group), tokens_total, candidates_backend=candidates_backend)
     if keep is None and idx.numel() == x.numel():
         return x
     flat = x.reshape(-1)
@@ -253,12 +290,15 @@ def global_batch_topk(
 def batch_topk_threshold_sparse(
     x: torch.Tensor,
     k: int,
-    group: dist.ProcessGroup | None = None,
+    group: Group = None,
     tokens_total: int | None = None,
     return_counts: bool = False,
     numel_total: int | None = None,
+    *,
+    candidates_backend: CandidatesBackend = "auto",
 ) -> Any:
-    """Like :func:`global_batch_topk` but return the kept entries as ``(flat_indices, values)``.
+    """Like :func:`global_batch_topk` (the same ``group`` rule: ``None`` is the default process group when
+    one is initialised, ``"local"`` this process alone) but return the kept entries as ``(flat_indices, values)``.
 
     ``flat_indices`` index ``x.reshape(-1)`` and ascend; ``values`` carry gradients to ``x``. Useful to feed
     :func:`lightning_opt.ops.sparse_decode.sparse_decode` without densifying.
@@ -271,7 +311,7 @@ def batch_topk_threshold_sparse(
     (e.g. equal feature shards). The first exchange then needs no host sync. It must be right: the
     selection trusts it.
     """
-    idx, keep, counts = _select(x, k, group, tokens_total, numel_total)
+    idx, keep, counts = _select(x, k, _resolve_group(group), tokens_total, numel_total, candidates_backend)
     counts_host = counts.tolist() if return_counts else None  # host sync (sizes the gathers after this)
     if keep is not None:
         idx = idx[keep]  # host sync: the kept count sizes the result (short wait after the one above)
@@ -303,7 +343,7 @@ def _shard_bound(x: torch.Tensor, k: int, group: dist.ProcessGroup | None, token
 
 
 def shard_candidates(
-    x: torch.Tensor, k: int, group: dist.ProcessGroup, tokens_total: int
+    x: torch.Tensor, k: int, group: Group, tokens_total: int, candidates_backend: CandidatesBackend = "auto"
 ) -> tuple[torch.Tensor, list[int]]:
     """Candidates of a rank that holds ``1/W`` of the *features* of the same tokens as the other ranks.
 
@@ -313,10 +353,11 @@ def shard_candidates(
     exchanged counts) with the Triton candidate passes, two with the torch path (the local count first); the
     pool is then selected with :func:`top_positions` on each rank.
     """
+    group = _resolve_group(group)
     world, flat, big_k, frac, lo = _shard_bound(x, k, group, tokens_total, always=True)
     n = flat.numel()
     if n > 0 and frac < 1:
-        idx, counts = _candidates_exchanged(flat, lo.to(x.dtype).view(1), group, world)
+        idx, counts = _candidates_exchanged(flat, lo.to(x.dtype).view(1), group, world, candidates_backend)
     else:
         idx, counts = torch.arange(n, device=x.device), _counts_of_ranks(n, group, world, x.device)
     if sum(counts) < big_k and n > 0:
@@ -325,7 +366,7 @@ def shard_candidates(
 
 
 def shard_candidates_padded(
-    x: torch.Tensor, k: int, group: dist.ProcessGroup | None, tokens_total: int
+    x: torch.Tensor, k: int, group: Group, tokens_total: int, candidates_backend: CandidatesBackend = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """:func:`shard_candidates` without a host sync: fixed-size buffers, checked later.
 
@@ -338,6 +379,7 @@ def shard_candidates_padded(
     The caller reads ``ok`` with a host sync it needs anyway and falls back to :func:`shard_candidates` when it
     is false (rare: an unlucky sample). ``None`` when there is nothing to select (``K`` covers every entry).
     """
+    group = _resolve_group(group)
     world, flat, big_k, frac, lo = _shard_bound(x, k, group, tokens_total, always=False)
     n = flat.numel()
     if lo is None:
@@ -347,7 +389,7 @@ def shard_candidates_padded(
     lo_x = lo.to(x.dtype).view(1)
     from lightning_opt.ops import _topk_triton
 
-    if triton_candidates(flat):
+    if triton_candidates(flat, candidates_backend):
         pre, count = _topk_triton.count_ge(flat, lo_x, n)
         idx, _ = _topk_triton.compact_counted(flat, lo_x, n, pre, cap, capped=True)
         idx = torch.where(torch.arange(cap, device=flat.device) < count, idx, -1)
@@ -360,8 +402,8 @@ def shard_candidates_padded(
     return idx, counts, ok
 
 
-def _candidates_exchanged(flat: torch.Tensor, lo: torch.Tensor, group: dist.ProcessGroup | None,
-                          world: int) -> tuple[torch.Tensor, list[int]]:
+def _candidates_exchanged(flat: torch.Tensor, lo: torch.Tensor, group: dist.ProcessGroup | None, world: int,
+                          backend: CandidatesBackend = "auto") -> tuple[torch.Tensor, list[int]]:
     """This rank's ascending candidate indices (``flat >= lo``) and every rank's candidate count (host list).
 
     With the Triton passes the local count is a device tensor after the counting pass: it is exchanged before
@@ -370,12 +412,12 @@ def _candidates_exchanged(flat: torch.Tensor, lo: torch.Tensor, group: dist.Proc
     from lightning_opt.ops import _topk_triton
 
     n = flat.numel()
-    if triton_candidates(flat):
+    if triton_candidates(flat, backend):
         pre, count = _topk_triton.count_ge(flat, lo, n)
         counts = (_all_gather(count, group, world).view(-1) if world > 1 else count).tolist()  # host sync
         rank = dist.get_rank(group) if world > 1 else 0
         return _topk_triton.compact_counted(flat, lo, n, pre, counts[rank])[0], counts
-    idx, _ = candidates_ge(flat, lo, n)  # host sync: the count
+    idx, _ = candidates_ge(flat, lo, n, backend)  # host sync: the count
     return idx, _counts_of_ranks(idx.numel(), group, world, flat.device)
 
 

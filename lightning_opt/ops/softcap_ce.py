@@ -18,7 +18,8 @@ about 1e-3 absolute - a few percent of it only for logits beyond twice the cap, 
 the cap is small anyway. Evaluation (no gradient) keeps the exact formula. With ``fp8=True`` the logits come
 from an FP8 matmul, and so do the head's input and weight gradients: the kernel then writes the gradient as
 an e5m2 copy (times ``G8_MULT``) instead of over the logits, and a tiled Triton copy transposes it for the
-weight gradient (``FP8_INPUT_GRAD`` / ``FP8_WEIGHT_GRAD`` switch the two off for A/B measurements).
+weight gradient (each FP8 gradient matmul measured faster than its bfloat16 form on an H100: +1.1% and +2.7%
+tokens/s in the speedrun recipe, docs/gpt2.md).
 
 The kernel runs on CUDA (or anywhere under ``TRITON_INTERPRET=1``); elsewhere the same function computes
 the same thing with torch ops. The call is kept out of ``torch.compile`` graphs (a graph break at the
@@ -233,20 +234,14 @@ def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | N
     return loss
 
 
-# with fp8=True, also the head's input gradient from FP8 operands (False: in the compute dtype); a module switch
-# for measurements
-FP8_INPUT_GRAD = True
-# with fp8=True (and FP8_INPUT_GRAD), also the head's weight gradient from FP8 operands: g^T h with g the kernel's
-# e5m2 copy transposed by a tiled Triton copy (_scaled_mm contracts along contiguous rows; torch's strided
-# .t().contiguous() of the [N, V] copy cost 12% of a speedrun step on an H100) and h the forward's e4m3 copy. The kernel then writes no
-# gradient in the compute dtype, and the logits buffer is freed after the forward. False: the weight gradient
-# g^T h in the compute dtype from the kernel's dense gradient. A module switch for measurements.
-FP8_WEIGHT_GRAD = True
-
-
 class _LinearSoftcapCE(torch.autograd.Function):
+    # With fp8, both head gradients come from FP8 operands: grad_h = g @ W from the kernel's e5m2 copy of g and
+    # W's e4m3 copy; grad_w = g^T h from the e5m2 copy transposed by a tiled Triton copy (_scaled_mm contracts
+    # along contiguous rows; torch's strided .t().contiguous() of the [N, V] copy cost 12% of a speedrun step
+    # on an H100) and the forward's e4m3 copy of h. The kernel then writes no gradient in the compute dtype,
+    # and the logits buffer is freed after the forward.
     @staticmethod
-    def forward(ctx, h, weight, targets, cap, ignore_index, need_grad, fp8):  # type: ignore[override]
+    def forward(ctx, h, weight, targets, cap, ignore_index, need_grad, fp8, backward_fast_accum):  # type: ignore[override]
         dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
         g8 = w8t = h8 = g8t = None
         with torch.autocast(h.device.type, enabled=False):
@@ -257,22 +252,23 @@ class _LinearSoftcapCE(torch.autograd.Function):
                 h_scale = _fp8._scale(h, norm_input_scale(h.shape[-1]))
                 h8 = to_e4m3(hc, h_scale)
                 logits = fp8_matmul_t(h8, w8, x_scale=h_scale, w_scale=w_scale, out_dtype=dtype)
-                if need_grad and FP8_INPUT_GRAD:  # the input gradient's matmul in FP8 too: the kernel also writes the gradient as e5m2
+                if need_grad:  # the gradient matmuls in FP8 too: the kernel writes the gradient as e5m2
                     g8 = torch.empty(logits.shape, dtype=torch.float8_e5m2, device=h.device)
                     w8t = w8.t().contiguous()  # [d, V]: the column-major second operand _scaled_mm needs
-                    if FP8_WEIGHT_GRAD:  # and transposed, for the weight gradient's; no dense gradient then
-                        g8t = torch.empty(logits.shape[::-1], dtype=torch.float8_e5m2, device=h.device)
+                    # and transposed, for the weight gradient's; no dense gradient then
+                    g8t = torch.empty(logits.shape[::-1], dtype=torch.float8_e5m2, device=h.device)
             else:
                 logits = hc @ wc.t()  # [N, V] in the compute dtype; becomes the gradient below
             rows = softcap_ce_rows_(logits, targets, cap, ignore_index, write_grad=need_grad, g8=g8, g8t=g8t)
             count = (targets != ignore_index).sum().clamp(min=1).to(torch.float32)  # a tensor: no sync
             loss = rows.sum() / count
-        if g8t is None:
-            ctx.save_for_backward(hc, wc, logits, count, g8, w8t, None, None)
-        else:  # the weight gradient comes from h8 and g8t: neither the dense gradient nor hc is kept
+        if g8 is None:
+            ctx.save_for_backward(hc, wc, logits, count, None, None, None, None)
+        else:  # the gradients come from the FP8 copies: neither the dense gradient nor hc is kept
             ctx.save_for_backward(None, None, None, count, g8, w8t, h8, g8t)
         ctx.dtypes = (h.dtype, weight.dtype)
         ctx.compute_dtype = dtype
+        ctx.backward_fast_accum = backward_fast_accum
         return loss
 
     @staticmethod
@@ -281,26 +277,26 @@ class _LinearSoftcapCE(torch.autograd.Function):
         scale = grad_out.float() / count
         dtype = ctx.compute_dtype
         with torch.autocast(grad_out.device.type, enabled=False):
-            fast = _fp8.BACKWARD_FAST_ACCUM
-            if g8 is not None:  # grad_h = g [N, V] @ W [V, d] from the FP8 copies (scales undo G8_MULT and W's)
+            if g8 is not None:  # from the FP8 copies (the scales undo G8_MULT, W's and h's)
+                fast = ctx.backward_fast_accum
                 gs, ws = _fp8._scale(g8, 1.0 / G8_MULT), _fp8._scale(g8, HEAD_W_SCALE)
+                hs = _fp8._scale(g8, norm_input_scale(h8.shape[-1]))
+                # grad_h = g [N, V] @ W [V, d]
                 grad_h = torch._scaled_mm(g8, w8t.t(), scale_a=gs, scale_b=ws, out_dtype=dtype,
                                           use_fast_accum=fast).float() * scale
-            else:
-                grad_h = (grad_logits @ wc).float() * scale
-            if g8t is not None:  # grad_w [V, d] = g^T [V, N] @ h [N, d], contracted along the N tokens
-                hs = _fp8._scale(g8, norm_input_scale(h8.shape[-1]))
+                # grad_w [V, d] = g^T [V, N] @ h [N, d], contracted along the N tokens
                 grad_w = torch._scaled_mm(g8t, h8.t().contiguous().t(), scale_a=gs, scale_b=hs,
                                           out_dtype=torch.float32, use_fast_accum=fast) * scale
             else:
+                grad_h = (grad_logits @ wc).float() * scale
                 grad_w = (grad_logits.t() @ hc).float() * scale
-        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None, None
+        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None, None, None
 
 
 @torch.compiler.disable
 def linear_softcap_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                  softcap: float | None = None, ignore_index: int = -100,
-                                 fp8: bool = False) -> torch.Tensor:
+                                 fp8: bool = False, *, backward_fast_accum: bool = False) -> torch.Tensor:
     """Mean cross-entropy of ``softcap * tanh((h @ weight.T) / softcap)`` against ``targets``.
 
     Args:
@@ -313,6 +309,8 @@ def linear_softcap_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets:
             of the logit gradient (e5m2, written by the loss kernel) and of ``W``, and the weight gradient
             ``g^T @ h`` from the transposed e5m2 copy and the forward's e4m3 copy of ``h``.
             Needs the row count, the width and the vocabulary to be multiples of 16.
+        backward_fast_accum: with ``fp8``, ``use_fast_accum`` for the two gradient matmuls (see
+            :func:`~lightning_opt.ops.fp8.fp8_linear`).
 
     The matmuls run in the autocast dtype when autocast is on (bfloat16 in training), else in ``h``'s dtype.
     """
@@ -326,4 +324,4 @@ def linear_softcap_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets:
     if fp8:
         check_fp8_shapes(math.prod(h.shape[:-1]), d, weight.shape[0], h.device)
     return _LinearSoftcapCE.apply(h.reshape(-1, d), weight, targets.reshape(-1).contiguous(), softcap,
-                                  ignore_index, need_grad, fp8)
+                                  ignore_index, need_grad, fp8, backward_fast_accum)

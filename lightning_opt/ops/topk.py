@@ -28,16 +28,22 @@ prefix sums give, with their 16-bit order keys), sorts only the candidates' keys
 keeps by a running count. Same result and tie rule; one host sync, between the passes (the candidate count, and
 whether some row came up short: then the path above runs). It is checked against a stable sort once per device and falls back with a warning if
 it disagrees.
+
+Every path gives the same indices; the keyword arguments of :func:`batch_topk_rows` (``select_backend``,
+``candidates_backend``, ``threshold_method``, validated by :func:`check_topk_options`) choose among them for
+measurements and tests. ``"auto"`` everywhere is the fastest measured choice.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal, get_args
 
 import torch
 
 __all__ = [
     "batch_topk_rows",
+    "check_topk_options",
     "token_topk",
     "scatter_dense",
     "jumprelu",
@@ -46,15 +52,27 @@ __all__ = [
 
 _SAMPLE_COLS = 1 << 18
 _SEED = 0x7A9B
-# candidate step: "auto" (Triton kernel on CUDA when importable, else torch), "torch" or "triton"
-CANDIDATES_BACKEND = "auto"
+# candidate step: "auto" (Triton passes on CUDA when importable, else torch), "torch" or "triton"
+CandidatesBackend = Literal["auto", "torch", "triton"]
 # threshold step: "histogram" (order-key histogram: no sort, no extra sync), "topk" (a top-k over the candidates)
 # or "auto" (top-k for one row and on CPU, histogram for several rows on CUDA): with one row both have no extra
 # sync and the top-k was faster on an H200 (2.08 vs 2.44 ms at 4096 x 12 x 8192 bf16, docs/clt.md)
-THRESHOLD_METHOD = "auto"
+ThresholdMethod = Literal["auto", "histogram", "topk"]
 # whole selection for bf16/fp16: "auto" (the two-pass Triton selection when it passes its self-check, else
 # the candidate + threshold steps), "candidates" (always the candidate + threshold steps) or "triton"
-SELECT_BACKEND = "auto"
+SelectBackend = Literal["auto", "candidates", "triton"]
+
+
+def check_topk_options(select_backend: str = "auto", candidates_backend: str = "auto",
+                       threshold_method: str = "auto") -> None:
+    """Raise ``ValueError`` naming the choices when one of :func:`batch_topk_rows`'s path options is unknown."""
+    for name, value, kind in (("select_backend", select_backend, SelectBackend),
+                              ("candidates_backend", candidates_backend, CandidatesBackend),
+                              ("threshold_method", threshold_method, ThresholdMethod)):
+        if value not in get_args(kind):
+            raise ValueError(f"{name}={value!r} is unknown; choose one of {get_args(kind)}")
+
+
 _KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 _BINS = 1 << 16
 _MAX_BINS = 1 << 24  # rows * bins of the histogram; more rows use the top-k step
@@ -102,15 +120,15 @@ def _sample_rank(s: int, frac: float) -> int:
     return min(s, int(math.ceil(1.1 * mean + 4.0 * math.sqrt(mean) + 16)))
 
 
-def _use_select_16bit(x2d: torch.Tensor) -> bool:
-    """Whether the two-pass Triton selection (``_topk_triton.select_16bit``) handles ``x2d``."""
-    if SELECT_BACKEND == "candidates" or x2d.dtype not in (torch.bfloat16, torch.float16):
+def _use_select_16bit(x2d: torch.Tensor, backend: SelectBackend = "auto") -> bool:
+    """Whether the two-pass Triton selection (``_topk_triton.select_16bit``) handles ``x2d`` under ``backend``."""
+    if backend == "candidates" or x2d.dtype not in (torch.bfloat16, torch.float16):
         return False
     if x2d.shape[0] * _BINS > _MAX_BINS:
         return False
     from lightning_opt.ops import _topk_triton
 
-    if SELECT_BACKEND == "triton":
+    if backend == "triton":
         return True
     return _topk_triton.available(x2d) and _select_16bit_works(x2d.device)
 
@@ -149,17 +167,18 @@ def _select_16bit_works(device: torch.device) -> bool:
     return _SELECT_CHECKED[device]
 
 
-def triton_candidates(flat: torch.Tensor) -> bool:
-    """Whether the candidate step on ``flat`` runs the Triton passes (``CANDIDATES_BACKEND``: ``auto`` = when
+def triton_candidates(flat: torch.Tensor, backend: CandidatesBackend = "auto") -> bool:
+    """Whether the candidate step on ``flat`` runs the Triton passes under ``backend`` (``auto``: when
     ``ops._topk_triton`` can run on ``flat``'s device)."""
-    if CANDIDATES_BACKEND == "torch":
+    if backend == "torch":
         return False
     from lightning_opt.ops import _topk_triton
 
-    return CANDIDATES_BACKEND == "triton" or _topk_triton.available(flat)
+    return backend == "triton" or _topk_triton.available(flat)
 
 
-def candidates_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def candidates_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int,
+                  backend: CandidatesBackend = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Ascending flat indices and values of the entries with ``flat[i] >= lo_rows[i // row_len]``.
 
     Triton (a counting pass and an ordered compaction pass, see ``ops._topk_triton``) on CUDA when available,
@@ -169,8 +188,9 @@ def candidates_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int) -> tu
         flat: 1-D scores.
         lo_rows: per-row bounds (``flat``'s dtype).
         row_len: entries per row.
+        backend: ``auto`` (Triton where it runs), ``torch`` or ``triton``.
     """
-    if triton_candidates(flat):
+    if triton_candidates(flat, backend):
         from lightning_opt.ops import _topk_triton
 
         return _topk_triton.compact_ge(flat, lo_rows, row_len)
@@ -181,7 +201,9 @@ def candidates_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int) -> tu
 
 
 @torch.no_grad()
-def _select_rows(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
+def _select_rows(x2d: torch.Tensor, n_keep: int, select_backend: SelectBackend = "auto",
+                 candidates_backend: CandidatesBackend = "auto",
+                 threshold_method: ThresholdMethod = "auto") -> torch.Tensor:
     """Sorted flat indices into ``x2d`` of the ``n_keep`` largest entries of every row."""
     rows, m = x2d.shape
     device = x2d.device
@@ -190,7 +212,7 @@ def _select_rows(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
     if n_keep == m:
         return torch.arange(rows * m, device=device)
     lo = _row_lower_bounds(x2d, n_keep).to(x2d.dtype)
-    if _use_select_16bit(x2d):
+    if _use_select_16bit(x2d, select_backend):
         from lightning_opt.ops import _topk_triton
 
         idx = _topk_triton.select_16bit(x2d, n_keep, lo)
@@ -201,7 +223,7 @@ def _select_rows(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
     flat = x2d.reshape(-1)
     for _attempt in range(2):
         # one host sync: the candidate count sizes every buffer after it
-        cand, vals = candidates_ge(flat, lo, m)
+        cand, vals = candidates_ge(flat, lo, m, candidates_backend)
         if rows == 1:
             counts_host = [cand.numel()]  # already on the host: no second sync
         else:
@@ -217,7 +239,7 @@ def _select_rows(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
             )
         lo = lo.clone()
         lo[short] = float("-inf")
-    method = THRESHOLD_METHOD
+    method = threshold_method
     if method == "auto":
         method = "histogram" if x2d.is_cuda and rows > 1 else "topk"
     if method == "histogram" and vals.dtype in _KEY_BITS and rows * _BINS <= _MAX_BINS:
@@ -316,15 +338,29 @@ def _keep_by_histogram(cand: torch.Tensor, vals: torch.Tensor, rows: int, m: int
     return out.scatter_(0, slot, cand)[:total]
 
 
-def batch_topk_rows(x2d: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_topk_rows(
+    x2d: torch.Tensor,
+    n_keep: int,
+    *,
+    select_backend: SelectBackend = "auto",
+    candidates_backend: CandidatesBackend = "auto",
+    threshold_method: ThresholdMethod = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep the ``n_keep`` largest entries of every row of ``x2d``.
 
     With one row this is BatchTopK over a whole batch (``n_keep = k * tokens``); with one row per layer it
-    is per-layer BatchTopK.
+    is per-layer BatchTopK. The three path options select the same indices; ``"auto"`` is the fastest measured.
 
     Args:
         x2d: ``[rows, entries]`` scores (e.g. pre-activations); gradients flow into the returned values.
         n_keep: entries kept per row.
+        select_backend: for bf16/fp16 ``x2d``: ``auto`` (the two-pass Triton selection where it runs and passes
+            its self-check), ``triton`` (insist) or ``candidates`` (the candidate and threshold steps).
+        candidates_backend: the candidate step: ``auto`` (Triton passes where they run), ``torch``
+            (``nonzero``) or ``triton``.
+        threshold_method: the threshold step: ``auto`` (``histogram`` for several rows on CUDA, else
+            ``topk``), ``histogram`` (a 2**16-bin histogram of order keys) or ``topk`` (a top-k of each row's
+            candidates).
 
     Returns:
         ``(flat_indices, values)``: int64 indices into ``x2d.reshape(-1)``, ascending within each row and
@@ -338,7 +374,8 @@ def batch_topk_rows(x2d: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, torch
     if x2d.dim() != 2:
         raise ValueError(f"batch_topk_rows expects a 2-D tensor [rows, entries], got shape {tuple(x2d.shape)}")
     _check_k(n_keep, x2d.shape[1], "entries kept per row")
-    idx = _select_rows(x2d.detach(), n_keep)
+    check_topk_options(select_backend, candidates_backend, threshold_method)
+    idx = _select_rows(x2d.detach(), n_keep, select_backend, candidates_backend, threshold_method)
     return idx, _TakeUnique.apply(x2d.reshape(-1), idx)
 
 

@@ -185,3 +185,22 @@ def test_record_variants_apply_model_and_optimizer_overrides():
     spec = apply_overrides(ours_spec(args, 4.3, accum, long, budget), OURS_VARIANTS["half-batch-85-cdt"][3])
     assert spec.compile_options["coordinate_descent_tuning"] is True and spec.model == ours_spec(
         args, 4.3, accum, long, budget).model
+
+
+def test_find_shards_reads_the_data_dir_argument_then_the_environment(tmp_path, monkeypatch):
+    from benchmarks.gpt2_common import DATA_DIR, DATA_DIR_ENV, find_shards
+
+    arg_dir, env_dir = tmp_path / "arg", tmp_path / "env"
+    for d in (arg_dir, env_dir):
+        d.mkdir()
+        for split in ("train", "val"):
+            (d / f"novels_{split}_000000.bin").write_bytes(b"")
+    monkeypatch.setenv(DATA_DIR_ENV, str(env_dir))
+    assert find_shards(str(arg_dir))[0] == arg_dir / "novels_train_000000.bin"  # --data-dir wins
+    assert find_shards()[1] == env_dir / "novels_val_000000.bin"  # then LIGHTNING_OPT_DATA_DIR
+    monkeypatch.delenv(DATA_DIR_ENV)
+    if not (DATA_DIR / "novels_train_000000.bin").exists():  # then .data/novels; the error says how to set it
+        with pytest.raises(FileNotFoundError, match=f"--data-dir DIR, set {DATA_DIR_ENV}=DIR"):
+            find_shards()
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "missing")):
+        find_shards(str(tmp_path / "missing"))

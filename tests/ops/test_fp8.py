@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_opt.models.gpt2 import GPT, GPTConfig
 from lightning_opt.ops.fp8 import fp8_linear, fp8_matmul_t
@@ -162,7 +163,7 @@ def test_head_fp8_values_and_auto_mode():
 
 
 def test_fused_loss_with_fp8_forward_matches_bf16_path():
-    """loss_impl='fused' + head_fp8=True: FP8 logits, the loss kernel's gradient, bfloat16 backward matmuls."""
+    """loss_impl='fused' + head_fp8=True: FP8 logits and FP8 gradient matmuls from the loss kernel's e5m2 copy."""
     from lightning_opt.ops.softcap_ce import linear_softcap_cross_entropy
 
     torch.manual_seed(0)
@@ -187,36 +188,60 @@ def test_fused_loss_with_fp8_forward_matches_bf16_path():
     with torch.autocast("cpu", torch.bfloat16):
         linear_softcap_cross_entropy(h3, w3, y, 15.0, fp8=False).backward()
     assert 0 < _rel(h.grad, h3.grad) < 0.1
-    # so did the weight gradient (FP8_WEIGHT_GRAD, the default) ...
+    # so did the weight gradient
     assert 0 < _rel(w.grad, w3.grad) < 0.1
 
 
-def test_fp8_head_weight_gradient_switch(monkeypatch):
-    """FP8_WEIGHT_GRAD=False: the head's weight gradient from the kernel's dense gradient in the compute dtype,
-    as before the switch; True: from the e4m3 input and the e5m2 gradient copy, within FP8 rounding of it."""
-    from lightning_opt.ops import softcap_ce
+class _ScaledMMAccum(TorchDispatchMode):
+    """Records ``use_fast_accum`` of every ``aten._scaled_mm`` call that runs inside it (forward and backward)."""
+
+    _OP = torch.ops.aten._scaled_mm.default
+    _POS = [a.name for a in _OP._schema.arguments].index("use_fast_accum")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fast: list[bool] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is self._OP:
+            self.fast.append(bool(kwargs.get("use_fast_accum", args[self._POS] if len(args) > self._POS else False)))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_backward_fast_accum_reaches_the_backward_matmuls(fast: bool):
+    """fp8_linear and the fused FP8 loss: the forward matmul accumulates fast, the two backward matmuls as asked."""
+    from lightning_opt.ops.softcap_ce import linear_softcap_cross_entropy
 
     torch.manual_seed(0)
-    n, k, v = 64, 64, 256
-    h0 = torch.nn.functional.rms_norm(torch.randn(n, k), (k,))
-    w0 = 0.05 * torch.randn(v, k)
-    y = torch.randint(0, v, (n,))
+    x = torch.nn.functional.rms_norm(torch.randn(32, 64), (64,)).requires_grad_()
+    w = (0.05 * torch.randn(48, 64)).requires_grad_()
+    with _ScaledMMAccum() as calls:
+        fp8_linear(x, w, backward_fast_accum=fast).float().sum().backward()
+    assert calls.fast == [True, fast, fast]
+    y = torch.randint(0, 48, (32,))
+    with _ScaledMMAccum() as calls, torch.autocast("cpu", torch.bfloat16):
+        linear_softcap_cross_entropy(x, w, y, 15.0, fp8=True, backward_fast_accum=fast).backward()
+    assert calls.fast == [True, fast, fast]
 
-    def grads(fp8_wgrad: bool, fp8: bool = True):
-        monkeypatch.setattr(softcap_ce, "FP8_WEIGHT_GRAD", fp8_wgrad)
-        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-        with torch.autocast("cpu", torch.bfloat16):
-            loss = softcap_ce.linear_softcap_cross_entropy(h, w, y, 15.0, fp8=fp8)
-        loss.backward()
-        return float(loss), h.grad, w.grad
 
-    l_dense, gh_dense, gw_dense = grads(False)
-    l_fp8, gh_fp8, gw_fp8 = grads(True)
-    _, _, gw_bf16 = grads(False, fp8=False)
-    assert l_dense == l_fp8  # the forward is the same
-    torch.testing.assert_close(gh_dense, gh_fp8, atol=0, rtol=0)  # so is the input gradient (FP8 in both)
-    assert 0 < _rel(gw_fp8, gw_dense) < 0.1
-    assert _rel(gw_dense, gw_bf16) < _rel(gw_fp8, gw_bf16) + 1e-3  # the dense path is the nearer to bf16
+def test_gpt_config_fast_accum_reaches_every_fp8_matmul_and_the_hparams():
+    from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
+
+    cfg = dict(vocab_size=256, vocab_multiple=16, n_layer=1, n_head=2, n_embd=64, block_size=16,
+               tie_embeddings=False, norm="rmsnorm", bias=False, logit_softcap=15.0, loss_impl="fused",
+               head_fp8=True, mlp_fp8=True, attn_fp8=True)
+    x = torch.randint(0, 256, (2, 16))
+    y = torch.roll(x, -1, dims=1)
+    for fast in (False, True):
+        torch.manual_seed(0)
+        module = GPT2SpeedrunModule(GPTConfig(**cfg, fp8_backward_fast_accum=fast))
+        assert module.hparams["model_config"].fp8_backward_fast_accum is fast
+        with _ScaledMMAccum() as calls, torch.autocast("cpu", torch.bfloat16):
+            module.model(x, y).backward()
+        # 4 FP8 linears (c_attn, attention c_proj, c_fc, MLP c_proj) + the head: 5 forward, 10 backward matmuls
+        assert sorted(calls.fast) == sorted([True] * 5 + [fast] * 10)
 
 
 def test_loss_rows_write_an_e5m2_copy_of_the_gradient():

@@ -88,10 +88,14 @@ def test_fallback_when_sampled_bound_is_too_high(monkeypatch: pytest.MonkeyPatch
     torch.testing.assert_close(global_batch_topk(x, 5), reference_batch_topk(x, 5), rtol=0, atol=0)
 
 
-def test_sort_threshold_method_matches(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(global_topk, "_KTH_METHOD", "sort")
+def test_local_group_and_candidate_backends_match_reference() -> None:
+    # without an initialised process group, None and "local" both select over this process's batch
     x = torch.randint(-3, 4, (40, 30)).float()
-    torch.testing.assert_close(global_batch_topk(x, 5), reference_batch_topk(x, 5), rtol=0, atol=0)
+    ref = reference_batch_topk(x, 5)
+    torch.testing.assert_close(global_batch_topk(x, 5, group="local"), ref, rtol=0, atol=0)
+    torch.testing.assert_close(global_batch_topk(x, 5, candidates_backend="torch"), ref, rtol=0, atol=0)
+    idx, _ = batch_topk_threshold_sparse(x, 5, group="local", candidates_backend="torch")
+    assert torch.equal(idx, _mask(x, 5).reshape(-1).nonzero().squeeze(1))
 
 
 def test_bad_inputs_raise() -> None:
@@ -101,6 +105,10 @@ def test_bad_inputs_raise() -> None:
         global_batch_topk(torch.zeros(2, 3), -1)
     with pytest.raises(RuntimeError, match="not initialised"):
         global_batch_topk(torch.zeros(2, 3), 1, group=object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'local'"):
+        global_batch_topk(torch.zeros(2, 3), 1, group="world")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="candidates_backend"):
+        global_batch_topk(torch.zeros(2, 3), 1, candidates_backend="cuda")  # type: ignore[arg-type]
 
 
 def _free_port() -> int:
@@ -148,6 +156,41 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 def test_two_gloo_ranks_match_single_process() -> None:
     mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
+
+
+def _default_group_worker(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        # rank 0's entries are all larger than rank 1's: a global budget goes mostly to rank 0
+        gen = torch.Generator().manual_seed(3)
+        xs = [torch.randn(8, 16, generator=gen) + 10.0, torch.randn(8, 16, generator=gen)]
+        k = 4
+        full = torch.cat(xs)
+        x = xs[rank]
+        out = global_batch_topk(x, k)  # group left out: the default (initialised) process group
+        kept = torch.tensor([int((out != 0).sum())])
+        dist.all_reduce(kept)
+        if int(kept) != k * full.shape[0]:
+            raise AssertionError(f"rank {rank}: default group kept {int(kept)} over the group, not k * 16")
+        expected = reference_batch_topk(full, k)[rank * 8 : (rank + 1) * 8]
+        if not torch.equal(out, expected):
+            raise AssertionError(f"rank {rank}: default group differs from the global reference")
+        idx, _ = batch_topk_threshold_sparse(x, k)
+        if not torch.equal(idx, (expected != 0).reshape(-1).nonzero().squeeze(1)):
+            raise AssertionError(f"rank {rank}: sparse default group differs from the global reference")
+        local = global_batch_topk(x, k, group="local")  # per-rank BatchTopK: k * 8 on every rank
+        if int((local != 0).sum()) != k * x.shape[0] or not torch.equal(local, reference_batch_topk(x, k)):
+            raise AssertionError(f"rank {rank}: group='local' is not the per-rank selection")
+        idx, _ = batch_topk_threshold_sparse(x, k, group="local")
+        if idx.numel() != k * x.shape[0]:
+            raise AssertionError(f"rank {rank}: sparse group='local' kept {idx.numel()}, not k * 8")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_default_group_is_global_and_local_is_per_rank_on_two_gloo_ranks() -> None:
+    mp.spawn(_default_group_worker, args=(2, _free_port()), nprocs=2, join=True)
 
 
 @pytest.mark.gpu

@@ -15,9 +15,8 @@ def _reference(x2d: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @pytest.fixture(params=["histogram", "topk"])
-def threshold_method(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def threshold_method(request: pytest.FixtureRequest) -> str:
     """Run a test with each threshold step of the selection (both must give identical indices)."""
-    monkeypatch.setattr(topk_mod, "THRESHOLD_METHOD", request.param)
     return request.param
 
 
@@ -25,7 +24,7 @@ def threshold_method(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
 def test_batch_topk_rows_matches_sorted_reference(rows: int, m: int, n: int, threshold_method: str) -> None:
     torch.manual_seed(0)
     x = torch.randn(rows, m)
-    idx, vals = batch_topk_rows(x, n)
+    idx, vals = batch_topk_rows(x, n, threshold_method=threshold_method)
     assert idx.numel() == rows * n  # exactly n per row
     assert torch.equal(idx.sort().values, _reference(x, n))
     assert torch.equal(vals, x.reshape(-1)[idx])
@@ -38,7 +37,7 @@ def test_batch_topk_ties_keep_smallest_flat_index(threshold_method: str) -> None
     # bf16 has few distinct values: many ties at the cut-off, also on the sampled path
     torch.manual_seed(1)
     x = (torch.randn(2, 100_000) * 4).round().to(torch.bfloat16)
-    idx, _ = batch_topk_rows(x, 5000)
+    idx, _ = batch_topk_rows(x, 5000, threshold_method=threshold_method)
     assert idx.numel() == 10_000
     assert torch.equal(idx, _reference(x.float(), 5000))
 
@@ -52,7 +51,7 @@ def test_batch_topk_signed_zero_and_negative_cutoffs(dtype: torch.dtype, rows: i
     x[:, ::3] = -0.0
     x = x.to(dtype)
     for n in (9_000, 20_000):  # 9000: the cut-off is a zero; 20000: a negative value (fp16/bf16: many ties)
-        idx, vals = batch_topk_rows(x, n)
+        idx, vals = batch_topk_rows(x, n, threshold_method=threshold_method)
         assert torch.equal(idx, _reference(x.float(), n)), n
         assert torch.equal(vals, x.reshape(-1)[idx])
 
@@ -62,13 +61,7 @@ def test_histogram_and_topk_threshold_steps_agree_with_torch_topk(dtype: torch.d
     # the same candidates through both threshold steps, and the kept multiset against torch.topk
     torch.manual_seed(5)
     x = (torch.randn(2, 120_000) * 8).round().div(8).to(dtype)  # coarse values: heavy ties
-    out = {}
-    for method in ("histogram", "topk"):
-        topk_mod.THRESHOLD_METHOD = method
-        try:
-            out[method] = batch_topk_rows(x, 3_000)
-        finally:
-            topk_mod.THRESHOLD_METHOD = "auto"
+    out = {method: batch_topk_rows(x, 3_000, threshold_method=method) for method in ("histogram", "topk")}
     assert torch.equal(out["histogram"][0], out["topk"][0])
     ref = torch.topk(x.float(), 3_000, dim=1).values.reshape(-1).sort().values
     assert torch.equal(out["histogram"][1].float().sort().values, ref)
@@ -79,7 +72,7 @@ def test_batch_topk_fallback_when_sample_misses(monkeypatch: pytest.MonkeyPatch,
     torch.manual_seed(2)
     x = torch.randn(2, 50_000)
     monkeypatch.setattr(topk_mod, "_row_lower_bounds", lambda x2d, n: torch.full((x2d.shape[0],), 10.0))
-    idx, _ = batch_topk_rows(x, 800)
+    idx, _ = batch_topk_rows(x, 800, threshold_method=threshold_method)
     assert torch.equal(idx, _reference(x, 800))
 
 
@@ -99,6 +92,10 @@ def test_batch_topk_errors() -> None:
         batch_topk_rows(torch.randn(5), 1)
     with pytest.raises(ValueError, match="non-negative int"):
         batch_topk_rows(torch.randn(2, 5), -1)
+    with pytest.raises(ValueError, match="threshold_method='sort' is unknown"):
+        batch_topk_rows(torch.randn(2, 5), 1, threshold_method="sort")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="candidates_backend"):
+        batch_topk_rows(torch.randn(2, 5), 1, candidates_backend="cuda")  # type: ignore[arg-type]
 
 
 def test_token_topk_and_scatter() -> None:
@@ -175,13 +172,10 @@ def test_triton_candidates_match_torch(monkeypatch: pytest.MonkeyPatch, dtype: t
         assert torch.equal(idx, ref) and torch.equal(vals, x.view(-1)[ref])
     monkeypatch.setattr(kt, "BLOCK", 2048)
     # the whole selection, both backends: identical indices (same set and tie rule)
-    monkeypatch.setattr(topk_mod, "SELECT_BACKEND", "candidates")
     for rows, n in ((1, 5000), (3, 700)):
         x2 = x.view(rows, -1).nan_to_num(-100.0)
-        monkeypatch.setattr(topk_mod, "CANDIDATES_BACKEND", "torch")
-        ref_idx, _ = batch_topk_rows(x2, n)
-        monkeypatch.setattr(topk_mod, "CANDIDATES_BACKEND", "triton")
-        idx, vals = batch_topk_rows(x2, n)
+        ref_idx, _ = batch_topk_rows(x2, n, select_backend="candidates", candidates_backend="torch")
+        idx, vals = batch_topk_rows(x2, n, select_backend="candidates", candidates_backend="triton")
         assert torch.equal(idx, ref_idx) and torch.equal(vals, x2.reshape(-1)[idx])
 
 
@@ -212,14 +206,13 @@ def test_triton_two_pass_selection_matches_stable_sort(monkeypatch: pytest.Monke
     assert kt.select_16bit(x, n, torch.full((rows,), 100.0, device=dev).to(dtype)) is None
     # through batch_topk_rows: the Triton selection and the candidate path agree with the reference
     for backend in ("triton", "candidates"):
-        monkeypatch.setattr(topk_mod, "SELECT_BACKEND", backend)
-        idx, vals = batch_topk_rows(x, n)
+        idx, vals = batch_topk_rows(x, n, select_backend=backend)
         assert torch.equal(idx, ref) and torch.equal(vals, x.reshape(-1)[idx])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and _triton_runs_here()), reason="needs CUDA and triton")
-def test_triton_selection_parity_at_clt_scale_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_selection_parity_at_clt_scale_on_gpu() -> None:
     from lightning_opt.ops.global_topk import global_batch_topk
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -227,10 +220,49 @@ def test_triton_selection_parity_at_clt_scale_on_gpu(monkeypatch: pytest.MonkeyP
     n = 200 * 4096
     out = {}
     for select, backend in (("candidates", "torch"), ("candidates", "triton"), ("triton", "torch")):
-        monkeypatch.setattr(topk_mod, "SELECT_BACKEND", select)
-        monkeypatch.setattr(topk_mod, "CANDIDATES_BACKEND", backend)
-        out[select, backend] = (batch_topk_rows(pre.view(1, -1), n)[0], batch_topk_rows(pre.view(12, -1), n)[0],
-                                global_batch_topk(pre.view(4096, -1), 200))
+        paths = dict(select_backend=select, candidates_backend=backend)
+        out[select, backend] = (batch_topk_rows(pre.view(1, -1), n, **paths)[0],
+                                batch_topk_rows(pre.view(12, -1), n, **paths)[0],
+                                global_batch_topk(pre.view(4096, -1), 200, candidates_backend=backend))
     ref = out["candidates", "torch"]
     for got in out.values():
         assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def _ops_run(fn) -> set[str]:
+    """Names of the aten ops ``fn()`` runs (CPU profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events()}
+
+
+def test_threshold_method_argument_picks_the_threshold_step() -> None:
+    # the histogram step counts order keys with index_add_; the top-k step never does
+    x = torch.randn(2, 50_000, generator=torch.Generator().manual_seed(6))
+    hist = _ops_run(lambda: batch_topk_rows(x, 500, threshold_method="histogram"))
+    topk = _ops_run(lambda: batch_topk_rows(x, 500, threshold_method="topk"))
+    assert "aten::index_add_" in hist and "aten::index_add_" not in topk
+
+
+def test_clt_config_topk_paths_reach_the_selection_and_the_hparams() -> None:
+    from lightning_opt.models.clt import CLTConfig
+    from lightning_opt.modules.clt import CLTModule
+
+    base = dict(n_layers=2, d_model=8, n_features=64, activation="batchtopk", k=4)
+    x = torch.randn(64, 2, 8, generator=torch.Generator().manual_seed(7))
+    selected, ops = {}, {}
+    for method in ("histogram", "topk"):
+        torch.manual_seed(0)
+        cfg = CLTConfig(**base, topk_select_backend="candidates", topk_candidates_backend="torch",
+                        topk_threshold_method=method)
+        module = CLTModule(cfg)
+        saved = module.hparams["clt"]
+        assert (saved.topk_select_backend, saved.topk_candidates_backend, saved.topk_threshold_method) == (
+            "candidates", "torch", method)
+        pre = module.model.encode(x)
+        ops[method] = _ops_run(lambda clt=module.model, pre=pre: clt.activate(pre))
+        selected[method] = module.model.activate(pre)[1]
+    assert torch.equal(selected["histogram"], selected["topk"])  # the same entries either way
+    assert "aten::index_add_" in ops["histogram"] and "aten::index_add_" not in ops["topk"]
+    with pytest.raises(ValueError, match="threshold_method='sort' is unknown"):
+        CLTConfig(**base, topk_threshold_method="sort")  # type: ignore[arg-type]
