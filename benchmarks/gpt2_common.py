@@ -284,9 +284,7 @@ class RunSpec:
 
 
 def schedule_for(spec: RunSpec) -> ScheduleConfig:
-    s = spec.schedule
-    return ScheduleConfig(name=s.name, warmup_steps=min(s.warmup_steps, spec.steps), total_steps=spec.steps,
-                          decay_fraction=s.decay_fraction, min_ratio=s.min_ratio)
+    return spec.schedule.stretched(spec.steps)
 
 
 def build_model_and_optimizer(spec: RunSpec, dev: torch.device, init_on_device: bool = False):

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import IterableDataset
 
+from lightning_opt.optim.schedules import ScheduleConfig
+
 
 def sparse_feature_batch(
     batch_size: int,
@@ -238,7 +240,7 @@ def train_resid_mlp(
     g = torch.Generator().manual_seed(seed)
     model = ResidMLP(config, seed=seed).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0))))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, ScheduleConfig(name="cosine", total_steps=steps, min_ratio=0.0))
     for _ in range(steps):
         x = sparse_feature_batch(batch_size, config.n_features, feature_probability, (-1.0, 1.0), g).to(device)
         loss = ((model(x) - resid_mlp_labels(x, config.act)) ** 2).mean()

@@ -99,13 +99,8 @@ class TrainingModule(L.LightningModule):
         return int(self.schedule_config.total_steps)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        schedule = self.schedule_config
-        total = self.schedule_total_steps()  # the schedule follows the run's length (max_steps) when it is set
-        if schedule.total_steps != total:
-            schedule = ScheduleConfig(
-                name=schedule.name, warmup_steps=min(schedule.warmup_steps, total), total_steps=total,
-                decay_fraction=schedule.decay_fraction, min_ratio=schedule.min_ratio,
-            )
+        # the schedule follows the run's length (max_steps) when it is set
+        schedule = self.schedule_config.stretched(self.schedule_total_steps())
         optimizers = build_optimizer(self.model, self.optim_config, **self.optimizer_roles())
         optimizer = optimizers[0] if len(optimizers) == 1 else CombinedOptimizer(optimizers)
         scheduler = LambdaLR(optimizer, schedule)

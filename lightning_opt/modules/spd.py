@@ -9,7 +9,6 @@ metrics (CI-L0, MMCS/ML2R, identity-CI error, LM CE/KL under masks). See ``docs/
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -31,6 +30,7 @@ from lightning_opt.models.toy import (
     train_resid_mlp,
     train_tms,
 )
+from lightning_opt.optim.schedules import ScheduleConfig
 
 _TARGETS = ("tms", "resid_mlp", "gpt", "hf_gpt2")
 _PGD_INIT = ("random", "ones", "zeroes")
@@ -478,16 +478,8 @@ class SPDModule(L.LightningModule):
         params = self.spd.component_parameters() + self.spd.ci_parameters()
         opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
         total = max(int(self.trainer.max_steps), 1) if self.trainer.max_steps and self.trainer.max_steps > 0 else 1
-        warm = int(tc.warmup_frac * total)
-
-        def mult(step: int) -> float:
-            if warm and step < warm:
-                return (step + 1) / warm
-            if tc.schedule == "constant":
-                return 1.0
-            prog = min(1.0, (step - warm) / max(1, total - warm))
-            return tc.final_lr_frac + (1 - tc.final_lr_frac) * 0.5 * (1 + math.cos(math.pi * prog))
-
+        mult = ScheduleConfig(name=tc.schedule, warmup_steps=int(tc.warmup_frac * total), total_steps=total,
+                              min_ratio=tc.final_lr_frac)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, mult)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from lightning_opt._lazy import lazy_exports
 
 _EXPORTS = {
+    "Lion": "lion",
     "Muon": "muon",
     "build_optimizer": "factory",
 }

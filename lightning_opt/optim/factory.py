@@ -10,9 +10,10 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from lightning_opt._optional import require
+from lightning_opt.optim.lion import Lion
 from lightning_opt.optim.muon import NS_COEFFICIENTS, Muon
 
-OPTIMIZERS = ("adamw", "muon", "adamw8bit")
+OPTIMIZERS = ("adamw", "muon", "adamw8bit", "lion")
 
 
 @dataclass
@@ -20,10 +21,13 @@ class OptimConfig:
     """Optimizer settings.
 
     Args:
-        name: ``adamw`` (fused on CUDA), ``muon`` (Muon for hidden matrices, AdamW for the rest) or
-            ``adamw8bit`` (bitsandbytes; falls back to torch AdamW with a warning when it is missing).
-        lr: AdamW learning rate (for ``muon``: the default for the Adam groups).
-        betas, eps: AdamW moments.
+        name: ``adamw`` (fused on CUDA), ``muon`` (Muon for hidden matrices, AdamW for the rest),
+            ``adamw8bit`` (bitsandbytes; falls back to torch AdamW with a warning when it is missing) or
+            ``lion`` (:class:`~lightning_opt.optim.lion.Lion` for every parameter; use a learning rate 3-10x
+            smaller and a weight decay 3-10x larger than AdamW's).
+        lr: AdamW (or Lion) learning rate (for ``muon``: the default for the Adam groups).
+        betas, eps: AdamW moments; for ``lion``, ``betas`` are Lion's ``(beta1, beta2)`` (the paper uses
+            ``(0.9, 0.99)``) and ``eps`` is unused.
         weight_decay: decoupled weight decay on matrices (never on vectors, norms or biases).
         muon_lr, muon_momentum, muon_weight_decay: Muon settings for the hidden matrices.
         muon_momentum_start, muon_momentum_warmup_steps: Muon's momentum rises linearly from
@@ -126,7 +130,10 @@ def build_optimizer(
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return [_adamw([g for g in groups if g["params"]], cfg)]
+        groups = [g for g in groups if g["params"]]
+        if cfg.name == "lion":
+            return [Lion(groups, lr=cfg.lr, betas=cfg.betas)]
+        return [_adamw(groups, cfg)]
 
     if hidden is None:
         hidden = [p for p in params if p.ndim >= 2 and id(p) not in emb_ids and id(p) not in head_ids]
