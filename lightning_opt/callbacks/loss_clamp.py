@@ -1,4 +1,4 @@
-"""Clamp the training loss into a range before backward."""
+"""Clamp the training loss into a range before backward (optionally skipping the step)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_opt.callbacks._logging import log_every, log_metrics
+from lightning_opt.callbacks.nan_skip import NaNSkip
 
 
 @dataclass
@@ -20,6 +21,7 @@ class LossClampConfig:
     min: float = 0.0
     max: float = 20.0
     gradient: Literal["zero", "scale"] = "zero"
+    skip_step_when_clamped: bool = False
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.min) and math.isfinite(self.max)) or self.min >= self.max:
@@ -28,68 +30,120 @@ class LossClampConfig:
             raise ValueError(f"LossClamp: gradient={self.gradient!r}; use 'zero' or 'scale'.")
         if self.gradient == "scale" and self.max <= 0:
             raise ValueError("LossClamp: gradient='scale' rescales by max/loss and needs max > 0.")
+        if not isinstance(self.skip_step_when_clamped, bool):
+            raise TypeError(
+                f"LossClamp: skip_step_when_clamped={self.skip_step_when_clamped!r}; use True or False."
+            )
 
 
 class LossClamp(Callback):
     """Clamps the training loss into ``[min, max]`` right before backward.
 
     The loss tensor handed to backward is modified in place in ``on_before_backward``, so it works
-    with any LightningModule, in automatic and manual optimization. The clamp count is kept on the
-    device and read only when logged.
+    with any LightningModule, in automatic and manual optimization. The bounds are in the units of
+    what ``training_step`` returned: Lightning divides the loss by ``accumulate_grad_batches``
+    (automatic optimization) and a GradScaler multiplies it by its scale before backward; the bounds
+    are converted the same way. The clamp count is kept on the device and read only when logged.
 
     What happens to the gradient of a clamped loss depends on ``gradient``:
 
     * ``"zero"`` (default): ``torch.clamp`` semantics. Outside ``[min, max]`` the gradient is
-      zero, so the batch contributes nothing to the update (an Adam step still runs with its
-      decayed moments; combine with :class:`~lightning_opt.callbacks.NaNSkip` for a true skip).
+      zero, so the batch contributes nothing to the gradient, but the optimizer still steps (an
+      Adam-type optimizer moves the parameters with its decayed moments). For no step at all,
+      set ``skip_step_when_clamped=True``.
     * ``"scale"``: the loss is multiplied by ``bound / loss`` (a constant), so its value equals the
       bound and its gradient keeps its direction, scaled down by ``bound / loss``.
 
-    A NaN loss stays NaN (clamping cannot repair it); NaNSkip handles that case.
+    A NaN loss stays NaN (clamping cannot repair it). With :class:`~lightning_opt.callbacks.NaNSkip`
+    among the callbacks, in either order, a loss that was NaN or Inf before clamping skips the step.
 
     Args:
         min: lower bound of the training loss.
         max: upper bound of the training loss.
         gradient: ``"zero"`` or ``"scale"``, see above.
+        skip_step_when_clamped: skip the optimizer step (of the whole accumulation window) when a
+            loss was clamped: parameters, optimizer state and step-interval LR schedulers stay as
+            if the window never happened. The skip is applied by
+            :class:`~lightning_opt.callbacks.NaNSkip`, which must be among the Trainer's callbacks
+            (in any order); such skips count towards its ``max_consecutive_skips``.
 
     Example::
 
-        trainer = Trainer(callbacks=[LossClamp(max=20.0)])
+        trainer = Trainer(callbacks=[LossClamp(max=20.0, skip_step_when_clamped=True), NaNSkip()])
     """
 
     def __init__(
-        self, min: float = 0.0, max: float = 20.0, gradient: Literal["zero", "scale"] = "zero"
+        self,
+        min: float = 0.0,
+        max: float = 20.0,
+        gradient: Literal["zero", "scale"] = "zero",
+        skip_step_when_clamped: bool = False,
     ) -> None:
-        self.config = LossClampConfig(min, max, gradient)
+        self.config = LossClampConfig(min, max, gradient, skip_step_when_clamped)
         self._count: torch.Tensor | None = None  # clamped backward calls this run, on device
         self._base = 0  # clamps from earlier runs (restored state)
         self.metrics: dict[str, float] = {}
         self._host: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
+        self._nan_skips: list[NaNSkip] = []
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._nan_skips = [c for c in trainer.callbacks if isinstance(c, NaNSkip)]
+        if stage == "fit" and self.config.skip_step_when_clamped and not self._nan_skips:
+            raise ValueError(
+                "LossClamp(skip_step_when_clamped=True) skips optimizer steps through NaNSkip, which is "
+                "not among the Trainer's callbacks: add NaNSkip() to callbacks (in any order), or "
+                "set skip_step_when_clamped=False."
+            )
 
     @property
     def clamped_total(self) -> int:
         """Number of clamped losses so far (reads the device counter: one sync)."""
         return self._base + (0 if self._count is None else int(self._count.item()))
 
+    @staticmethod
+    def _units(trainer: Trainer | None, pl_module: LightningModule | None) -> float | torch.Tensor:
+        """The factor between the loss handed to backward and what ``training_step`` returned."""
+        if trainer is None or pl_module is None:
+            return 1.0
+        factor: float | torch.Tensor = 1.0
+        if pl_module.automatic_optimization:  # Lightning's closure divides by the window length
+            factor = 1.0 / trainer.accumulate_grad_batches
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and scaler.is_enabled():
+            # The scale as a device tensor (``get_scale()`` would read it on the host: a sync).
+            scale = getattr(scaler, "_scale", None)
+            if scale is not None:
+                factor = scale * factor
+        return factor
+
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         cfg = self.config
+        units = self._units(trainer, pl_module)
+        lo, hi = cfg.min * units, cfg.max * units
         with torch.no_grad():
-            hit = (loss < cfg.min) | (loss > cfg.max)
+            value = loss.detach()
+            hit = (value < lo) | (value > hi)
             n = hit.sum().to(torch.int64)
             self._count = n if self._count is None or self._count.device != n.device else self._count + n
+            if self._nan_skips:
+                # Flags of the loss as training_step made it, whichever callback runs first.
+                nonfinite = ~torch.isfinite(value).all()
+                clamped = hit.any() if cfg.skip_step_when_clamped else None
+                for nan_skip in self._nan_skips:
+                    nan_skip._note_loss(nonfinite, clamped)
         if cfg.gradient == "zero":
-            loss.clamp_(cfg.min, cfg.max)
+            loss.clamp_(lo, hi)
         else:
             # Above max: multiply by the constant max/loss (value max, gradient scaled). Below min
             # there is nothing to scale from (a loss of 0 stays 0): clamp, gradient zero. No clamp
             # on the upper side, whose rounding could land a hair above max and zero the gradient.
             with torch.no_grad():
-                value = loss.detach()
-                factor = torch.where(value > cfg.max, cfg.max / value, torch.ones_like(value))
+                factor = torch.where(value > hi, hi / value, torch.ones_like(value))
             loss.mul_(factor)
-            loss.clamp_(min=cfg.min)
+            loss.clamp_(min=lo)
 
     @override
     def on_train_batch_end(

@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lightning_opt.callbacks._logging import log_every, log_metrics
 
-_REASONS = ("non-finite loss", "non-finite gradient", "loss spike")
+_REASONS = ("non-finite loss", "non-finite gradient", "loss spike", "loss clamped by LossClamp")
 _WRAP_TAG = "_lightning_opt_nan_skip"
 
 
@@ -52,7 +52,7 @@ class NaNSkipConfig:
 class _Pending:
     """One optimizer step whose decision the host has not read yet (device mode)."""
 
-    code: torch.Tensor  # int32 [3] on device: reasons, already reduced over ranks
+    code: torch.Tensor  # int32 [len(_REASONS)] on device: reasons, already reduced over ranks
     host: torch.Tensor  # pinned CPU copy of ``code`` (filled by a non-blocking copy)
     event: torch.cuda.Event | None
     global_step: int
@@ -136,7 +136,7 @@ class _OptimizerGuard:
         # One pinned buffer and one event, reused: the previous step's copy was read by resolve().
         if self.host_buf is None or self.host_buf_for != device:
             cuda = device.type == "cuda"
-            self.host_buf = torch.empty(3, dtype=torch.int32, pin_memory=cuda)
+            self.host_buf = torch.empty(len(_REASONS), dtype=torch.int32, pin_memory=cuda)
             self.event = torch.cuda.Event() if cuda else None
             self.host_buf_for = device
         self.host_buf.copy_(code, non_blocking=True)
@@ -302,6 +302,9 @@ class NaNSkip(Callback):
         self._batch_idx = -1
         self._loss_bad: torch.Tensor | None = None
         self._loss_sum: torch.Tensor | None = None
+        self._clamped: torch.Tensor | None = None  # LossClamp(skip_step_when_clamped=True) hit
+        # This training step's decision so far: every optimizer stepped in the batch shares it.
+        self._step_code: torch.Tensor | None = None
         self._spike_stats: torch.Tensor | None = None  # [mean, var, count] on device
         self._zeros: dict[torch.device, torch.Tensor] = {}
 
@@ -342,12 +345,12 @@ class NaNSkip(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._batch_idx = batch_idx
+        self._step_code = None
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         loss = loss.detach()
-        bad = ~torch.isfinite(loss).all()
-        self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+        self._note_loss(~torch.isfinite(loss).all())
         if self.config.spike_zscore is not None:  # the loss value is only needed for spikes
             value = loss.float().sum()
             self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
@@ -358,6 +361,17 @@ class NaNSkip(Callback):
         # left from a step that never reached our wrapper (a GradScaler skip) must not carry over.
         self._loss_bad = None
         self._loss_sum = None
+        self._clamped = None
+
+    def _note_loss(self, nonfinite: torch.Tensor, clamped: torch.Tensor | None = None) -> None:
+        """ORs device flags of one backward into the pending decision (no sync).
+
+        ``LossClamp`` calls it with the loss as it was *before* clamping, so an Inf loss that it
+        clamps to a finite value is still skipped whichever of the two runs first.
+        """
+        self._loss_bad = nonfinite if self._loss_bad is None else self._loss_bad | nonfinite
+        if clamped is not None:
+            self._clamped = clamped if self._clamped is None else self._clamped | clamped
 
     @override
     def on_train_batch_end(
@@ -440,8 +454,18 @@ class NaNSkip(Callback):
 
     @torch.no_grad()
     def _decision(self, params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """int32 [3] on ``device``: (loss bad, grad bad, spike), the same on every rank."""
+        """int32 [len(_REASONS)] on ``device``, the same on every rank: (loss bad, grad bad, spike,
+        clamped), OR-ed with the earlier decisions of this training step.
+
+        One training step has one decision: its first one checks the gradients of *every* wrapped
+        optimizer, and each later optimizer step of the same batch (manual optimization) inherits
+        it, so all of them are skipped together. Flags that appear only after an earlier optimizer
+        of the batch has stepped (a later backward, that optimizer's own new gradients) skip the
+        later steps alone: the earlier update is already applied.
+        """
         cfg = self.config
+        if self._step_code is None and len(self._guards) > 1:
+            params = [p for guard in self._guards for p in guard._params_with_grad()] or params
         zero = self._zeros.get(device)
         if zero is None:  # a constant, made once per device (never written to)
             zero = self._zeros[device] = torch.zeros((), dtype=torch.bool, device=device)
@@ -457,18 +481,23 @@ class NaNSkip(Callback):
             except RuntimeError:  # grads on several devices
                 stacked = torch.stack([n.to(device, torch.float32) for n in norms])
             grad_bad = ~torch.isfinite(stacked.to(device)).all()
+        clamped = zero if self._clamped is None else self._clamped.to(device, non_blocking=True)
         spike = zero
         if cfg.spike_zscore is not None and self._loss_sum is not None:
-            spike = self._spike(self._loss_sum.to(device), loss_bad | grad_bad)
+            spike = self._spike(self._loss_sum.to(device), loss_bad | grad_bad | clamped)
         self._loss_bad = None
         self._loss_sum = None
-        code = torch.stack([loss_bad, grad_bad, spike]).to(torch.int32)
+        self._clamped = None
+        code = torch.stack([loss_bad, grad_bad, spike, clamped]).to(torch.int32)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # int32 because NCCL cannot reduce bool; MAX so one rank's NaN skips the step everywhere.
             if dist.get_backend() == "nccl" and code.device.type != "cuda":
                 code = code.cuda()
             dist.all_reduce(code, op=dist.ReduceOp.MAX)
             code = code.to(device)
+        if self._step_code is not None:
+            code = torch.maximum(code, self._step_code.to(device))
+        self._step_code = code
         return code
 
     def _spike(self, loss: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:

@@ -198,3 +198,46 @@ def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
 @pytest.fixture
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return make_batches()
+
+
+def optimizer_state(trainer: pl.Trainer) -> list[torch.Tensor]:
+    """Every parameter and every optimizer state tensor (AdamW exp_avg, ...) of every optimizer, cloned."""
+    out: list[torch.Tensor] = []
+    for opt in trainer.optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                out.append(p.detach().clone())
+                out.extend(v.clone() for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor))
+    return out
+
+
+class WindowProbe(pl.Callback):
+    """Parameters and optimizer state before batch ``first`` and after batch ``last`` (one window)."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last = first, last
+        self.before: list[torch.Tensor] = []
+        self.after: list[torch.Tensor] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.first:
+            self.optimizers = trainer.optimizers
+            self.before = optimizer_state(trainer)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx == self.last:
+            self.after = optimizer_state(trainer)
+
+    def assert_unchanged(self) -> None:
+        n_params = sum(len(g["params"]) for o in self.optimizers for g in o.param_groups)
+        assert len(self.before) > n_params, "the optimizers have no state yet: pick a later window"
+        assert len(self.before) == len(self.after)
+        for i, (a, b) in enumerate(zip(self.before, self.after)):
+            assert torch.equal(a, b), f"tensor {i} changed over a skipped step"
+
+    def assert_changed(self) -> None:
+        assert self.before and len(self.before) == len(self.after)
+        assert any(not torch.equal(a, b) for a, b in zip(self.before, self.after))

@@ -8,9 +8,11 @@ from lightning_opt.callbacks import NaNSkip
 from tests.callbacks.conftest import (
     ManualModule,
     TinyModule,
+    WindowProbe,
     assert_same,
     make_batches,
     make_trainer,
+    optimizer_state,
     snapshot,
 )
 
@@ -224,3 +226,97 @@ def test_optimizer_with_host_numbers_in_state_falls_back_to_host(tmp_path):
     for a, b in zip(m.parameters(), ref.parameters()):
         assert torch.equal(a, b)
     assert [s["n"] for s in t1.optimizers[0].state.values()] == [5] * 4
+
+
+class _TwoOptimizerModule(TinyModule):
+    """Manual optimization, one loss, two AdamW (first layer / last layer), each with a step schedule;
+    gradients accumulated over ``accumulate`` batches. ``constant_nan_at``: batches whose loss is NaN
+    while every gradient stays finite (a NaN constant added to the loss); ``grad_nan_at``: batches
+    whose loss is finite but whose last-layer gradient (the second optimizer's) is NaN.
+    ``alternate``: backward and step the first optimizer, then backward again and step the second
+    (the NaN constant, if any, only in the second loss)."""
+
+    def __init__(self, accumulate=1, constant_nan_at=(), grad_nan_at=(), alternate=False, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+        self.accumulate = accumulate
+        self.constant_nan_at = set(constant_nan_at)
+        self.second_grad_nan_at = set(grad_nan_at)
+        self.alternate = alternate
+
+    def _loss(self, batch, batch_idx, poison):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        if poison and batch_idx in self.constant_nan_at:
+            loss = loss + torch.tensor(float("nan"))
+        if batch_idx in self.second_grad_nan_at:  # value stays finite, d/dw = 0 * inf = NaN
+            loss = loss + 0.0 * torch.sqrt(self.net[3].weight.sum() * 0.0)
+        return loss
+
+    def training_step(self, batch, batch_idx):
+        opts, scheds = self.optimizers(), self.lr_schedulers()
+        if self.alternate:
+            for i, (opt, sched) in enumerate(zip(opts, scheds)):
+                opt.zero_grad()
+                self.manual_backward(self._loss(batch, batch_idx, poison=i == 1))
+                opt.step()
+                sched.step()
+            return None
+        loss = self._loss(batch, batch_idx, poison=True)
+        if batch_idx % self.accumulate == 0:
+            for opt in opts:
+                opt.zero_grad()
+        self.manual_backward(loss / self.accumulate)
+        if (batch_idx + 1) % self.accumulate == 0:
+            for opt, sched in zip(opts, scheds):
+                opt.step()
+                sched.step()
+        return loss
+
+    def configure_optimizers(self):
+        out = []
+        for layer in (self.net[0], self.net[3]):
+            opt = torch.optim.AdamW(layer.parameters(), lr=self.lr)
+            out.append((opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))))
+        return [o for o, _ in out], [s for _, s in out]
+
+
+def _assert_same_run(t1, t2):
+    for a, b in zip(optimizer_state(t1), optimizer_state(t2), strict=True):
+        assert torch.equal(a, b)
+    assert [c.scheduler.last_epoch for c in t1.lr_scheduler_configs] == [
+        c.scheduler.last_epoch for c in t2.lr_scheduler_configs
+    ]
+
+
+@pytest.mark.parametrize("mode", ["device", "host"])
+@pytest.mark.parametrize("accumulate", [1, 4])
+@pytest.mark.parametrize("fault", ["nan_loss", "nan_grad_of_second"])
+def test_one_decision_covers_every_optimizer_of_the_step(tmp_path, mode, accumulate, fault):
+    """A NaN loss with finite gradients, or a NaN gradient of the second optimizer only, skips both
+    optimizers of the training step; both end bit-identical to a run that never saw that window."""
+    batches = make_batches(8)
+    bad = 5
+    window = range(bad - bad % accumulate, bad - bad % accumulate + accumulate)
+    poison = {"constant_nan_at": (bad,)} if fault == "nan_loss" else {"grad_nan_at": (bad,)}
+    skip = NaNSkip(mode=mode)
+    probe = WindowProbe(window[0], window[-1])
+    m = _TwoOptimizerModule(accumulate=accumulate, batches=batches, **poison)
+    t1 = _fit(tmp_path, m, [skip, probe])
+    probe.assert_unchanged()
+    assert skip.skipped_total == 2  # one skipped step of each optimizer
+    ref = _TwoOptimizerModule(
+        accumulate=accumulate, batches=[b for i, b in enumerate(batches) if i not in window]
+    )
+    _assert_same_run(t1, _fit(tmp_path, ref, []))
+
+
+def test_flag_raised_after_the_first_optimizer_stepped_skips_the_later_one_alone(tmp_path):
+    """Alternating updates: the second loss of batch 3 is NaN after the first optimizer has stepped;
+    only the second optimizer's step is skipped."""
+    batches = make_batches(6)
+    skip = NaNSkip()
+    m = _TwoOptimizerModule(alternate=True, batches=batches, constant_nan_at=(3,))
+    _fit(tmp_path, m, [skip])
+    assert skip.skipped_total == 1
+    assert list(skip._recent) == [False] * 7 + [True] + [False] * 4
