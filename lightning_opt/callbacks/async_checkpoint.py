@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import copy
+import datetime
+import hashlib
+import json
 import os
 import random
 import re
 import shutil
+import socket
 import threading
 import time
+import uuid
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -16,15 +21,24 @@ from typing import Any
 
 import numpy as np
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows: the lock file still names its holder, without the kernel lock
+    fcntl = None  # type: ignore[assignment]
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_opt.callbacks._logging import log_metrics
 
 _STEP_RE = re.compile(r"step=(\d+)")
+_CKPT_RE = re.compile(r"step=(\d+)(-exception)?\.ckpt")
+_LOCK = ".lock"
+_HEARTBEAT_S = 20.0  # the lock holder refreshes the lock file's mtime this often
+_STALE_S = 120.0  # a lock from another host without a heartbeat for this long belongs to a dead run
 
 
 @dataclass
@@ -198,25 +212,219 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def atomic_torch_save(obj: Any, path: str) -> None:
-    """``torch.save`` to a temporary name, fsync, rename over ``path``, fsync the directory.
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):  # hashlib releases the GIL on large updates
+            digest.update(chunk)
+    return digest.hexdigest()
 
-    Saving to a *path* (not a file object) lets torch write tensor bytes with the GIL released.
+
+def _unique_tmpdir(dirpath: str) -> str:
+    """A fresh folder under ``dirpath/.writing`` named after this process and a random token."""
+    tmpdir = os.path.join(dirpath, ".writing", f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    os.makedirs(tmpdir)
+    return tmpdir
+
+
+def atomic_torch_save(obj: Any, path: str, checksum: bool = False) -> None:
+    """``torch.save`` to a temporary name unique to this call, fsync, rename over ``path``, fsync the directory.
+
+    With ``checksum``, the file's SHA-256 goes into ``<path>.sha256`` (written and renamed into place
+    before the checkpoint itself, so every checkpoint under its final name has its checksum next to
+    it). Saving to a *path* (not a file object) lets torch write tensor bytes with the GIL released.
     """
     dirpath = os.path.dirname(os.path.abspath(path))
     # torch names the records inside the zip after the file's stem; "archive" is what an in-memory
     # save uses, so the file is byte-for-byte the size of a synchronous Lightning save.
-    tmpdir = os.path.join(dirpath, ".writing")
-    os.makedirs(tmpdir, exist_ok=True)
+    tmpdir = _unique_tmpdir(dirpath)
     tmp = os.path.join(tmpdir, "archive.tmp")
     try:
         torch.save(obj, tmp)
         _fsync(tmp)
+        if checksum:
+            side = os.path.join(tmpdir, "archive.sha256")
+            with open(side, "w") as f:
+                f.write(f"{_sha256(tmp)}  {os.path.basename(path)}\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(side, f"{path}.sha256")
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        shutil.rmtree(tmpdir, ignore_errors=True)
     _fsync(dirpath)
+
+
+def verify_checkpoint(path: str) -> bool | None:
+    """True when ``path`` matches its ``.sha256`` sidecar, False when it does not, None without one."""
+    real = os.path.realpath(path)
+    try:
+        with open(f"{real}.sha256") as f:
+            want = f.read().split()[0]
+    except (OSError, IndexError):
+        return None
+    try:
+        return _sha256(real) == want
+    except OSError:
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _pid_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), to tell a reused pid from its owner."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+class _FolderLock:
+    """One live writer per checkpoint folder: ``<dirpath>/.lock`` holds an exclusive ``flock`` (released
+    by the kernel when the process dies) and says who holds it (pid, host, start time); a heartbeat
+    thread refreshes its mtime so that runs on other hosts can tell a dead holder from a live one."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = dirpath
+        self.path = os.path.join(dirpath, _LOCK)
+        self.token = uuid.uuid4().hex
+        self.fd: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def acquire(self) -> str | None:
+        """Takes the lock; returns a message when a dead run's lock was taken over. Raises when busy."""
+        for _ in range(5):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                if fcntl is not None:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held by a live process
+                info = _read_lock(fd)
+                os.close(fd)
+                raise RuntimeError(self._busy(info)) from None
+            try:  # a holder that was releasing may have unlinked the file we opened: retry on the new one
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            info = _read_lock(fd)
+            note = None
+            if info:
+                reason = self._stale(info)
+                if reason is None:
+                    os.close(fd)
+                    raise RuntimeError(self._busy(info))
+                note = (f"AsyncCheckpoint: taking over the lock on {self.dirpath} from {_who(info)}: {reason}. "
+                        "Its unfinished temporary files are removed; its checkpoints are kept.")
+            mine = {"pid": os.getpid(), "host": socket.gethostname(), "pid_start": _pid_start(os.getpid()),
+                    "started": datetime.datetime.now().isoformat(timespec="seconds"), "token": self.token}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(mine).encode(), 0)
+            os.fsync(fd)
+            self.fd = fd
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._heartbeat, name="AsyncCheckpoint-lock", daemon=True)
+            self._thread.start()
+            return note
+        raise RuntimeError(f"AsyncCheckpoint: could not take the lock {self.path}: it keeps being replaced")
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(_HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+
+    def _stale(self, info: dict[str, Any]) -> str | None:
+        """Why the run named in ``info`` is not running any more, or None when it may still be."""
+        pid = info.get("pid")
+        if info.get("host") == socket.gethostname() and isinstance(pid, int):
+            if pid == os.getpid() or not _pid_alive(pid):
+                return f"pid {pid} is not running on this host"
+            start = info.get("pid_start")
+            if start is not None and _pid_start(pid) not in (None, start):
+                return f"pid {pid} is not running on this host (the pid now belongs to another process)"
+            return None
+        try:
+            age = time.time() - os.stat(self.path).st_mtime
+        except OSError:
+            return "its lock file vanished"
+        if age > _STALE_S:
+            return f"no heartbeat for {age:.0f} s, so that run is not running any more"
+        return None
+
+    def _busy(self, info: dict[str, Any] | None) -> str:
+        return (
+            f"AsyncCheckpoint: the checkpoint folder {self.dirpath} is in use by another run "
+            f"({_who(info)}; lock file {self.path}). Two runs writing one folder overwrite each other's "
+            "checkpoints: give this run its own dirpath, or stop the other run first. If that run is not "
+            f"running any more (e.g. on another host), delete {self.path} (or wait {_STALE_S:.0f} s after it "
+            "stopped)."
+        )
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return
+        try:
+            info = _read_lock(fd)
+            if info and info.get("token") == self.token:
+                os.remove(self.path)  # before unlocking: a waiting run then sees a fresh file
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _read_lock(fd: int) -> dict[str, Any] | None:
+    try:
+        data = os.pread(fd, 1 << 16, 0)
+        info = json.loads(data) if data.strip() else None
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def _who(info: dict[str, Any] | None) -> str:
+    if not info:
+        return "a process that left no details"
+    return f"pid {info.get('pid')} on host {info.get('host')}, started {info.get('started')}"
+
+
+class _VerifyingIO(CheckpointIO):
+    """Stands in for the strategy's CheckpointIO while a fit restores: checks the file's checksum and
+    loads the newest intact checkpoint of the folder instead of a damaged one."""
+
+    def __init__(self, owner: AsyncCheckpoint, inner: CheckpointIO) -> None:
+        self.owner, self.inner = owner, inner
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def load_checkpoint(self, path: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.inner.load_checkpoint(self.owner._intact(path), **kwargs)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.inner.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.inner.teardown()
 
 
 class AsyncCheckpoint(Checkpoint):
@@ -310,6 +518,10 @@ class AsyncCheckpoint(Checkpoint):
         self._dcp_future: Any = None
         self._side_stream: torch.cuda.Stream | None = None
         self._side_pending = False
+        self._lock: _FolderLock | None = None
+        self._verifying: _VerifyingIO | None = None
+        self._damaged: set[str] = set()  # files of the folder whose checksum did not match
+        self._run_token = ""  # names this run's temporary folder for sharded saves
 
     # -- hooks ----------------------------------------------------------------------------------
     @override
@@ -327,6 +539,43 @@ class AsyncCheckpoint(Checkpoint):
         if trainer.is_global_zero:
             os.makedirs(self.dirpath, exist_ok=True)
         self._last_save_time = time.monotonic()
+        if stage != "fit":
+            return
+        # Rank 0 writes (or, sharded, renames every rank's shards into place): it takes the folder's
+        # lock and tells the other ranks, so that a refusal stops every rank.
+        error, note = None, None
+        if trainer.is_global_zero and (self._lock is None or self._lock.dirpath != self.dirpath):
+            self._release_lock()
+            lock = _FolderLock(self.dirpath)
+            try:
+                note = lock.acquire()
+                self._lock = lock
+                shutil.rmtree(os.path.join(self.dirpath, ".writing"), ignore_errors=True)  # dead writers' leftovers
+            except RuntimeError as err:
+                error = str(err)
+        token = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        error, self._run_token = trainer.strategy.broadcast((error, token), src=0)
+        if error:
+            raise RuntimeError(error)
+        if note:
+            rank_zero_warn(note)
+        # Check the checksum of the file this fit restores from (Lightning loads it after setup).
+        self._verifying = _VerifyingIO(self, trainer.strategy.checkpoint_io)
+        trainer.strategy.checkpoint_io = self._verifying
+
+    def _restore_io(self, trainer: Trainer) -> None:
+        if self._verifying is not None and trainer.strategy.checkpoint_io is self._verifying:
+            trainer.strategy.checkpoint_io = self._verifying.inner
+        self._verifying = None
+
+    def _release_lock(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._restore_io(trainer)  # the checkpoint is restored by now
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -360,6 +609,13 @@ class AsyncCheckpoint(Checkpoint):
         if step == self.last_saved_step or step == 0:
             return
         cfg = self.config
+        if trainer.received_sigterm and cfg.save_on_exception and self._model_key is None:
+            # Lightning raises SIGTERMException right after this batch. Saving here, not in
+            # on_exception, stores the loop counters of a save at a batch's end, as every periodic
+            # save does; a save in on_exception would count this batch as completed twice on resume.
+            self._save_on_exception(trainer, "SIGTERM")
+            self.last_saved_step = step
+            return
         due = cfg.every_n_steps is not None and step % cfg.every_n_steps == 0
         if not due and cfg.every_minutes is not None and step % cfg.decide_every_n_steps == 0:
             elapsed = time.monotonic() - self._last_save_time
@@ -376,12 +632,21 @@ class AsyncCheckpoint(Checkpoint):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._restore_io(trainer)
+        try:
+            self._save_on_exception(trainer, type(exception).__name__)
+        finally:
+            self._release_lock()
+
+    def _save_on_exception(self, trainer: Trainer, why: str) -> None:
         try:
             self.wait()
         except Exception as err:  # keep the original exception as the one that propagates
             rank_zero_info(f"AsyncCheckpoint: the pending save failed too: {err}")
         if not self.config.save_on_exception or self.dirpath is None:
             return
+        if self._lock is None:
+            return  # the folder belongs to another run (or setup never got that far): write nothing
         if self._model_key is not None:
             return  # a sharded save needs every rank, and the others may not have failed
         if trainer.global_step in (0, self.last_saved_step) or not trainer.is_global_zero:
@@ -392,18 +657,21 @@ class AsyncCheckpoint(Checkpoint):
         try:
             self._submit(trainer._checkpoint_connector.dump_checkpoint(weights_only=False), path)
             self.wait()
-            rank_zero_info(f"AsyncCheckpoint: saved {path} after {type(exception).__name__}")
+            rank_zero_info(f"AsyncCheckpoint: saved {path} after {why}")
         except Exception as err:
             rank_zero_info(f"AsyncCheckpoint: could not save after the exception: {err}")
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._restore_io(trainer)
         try:
             self.wait()
         finally:
             # The process group may be torn down and re-created before the next fit.
             self._gloo = None
             self._dcp_writer = None
+            if stage == "fit":
+                self._release_lock()
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -463,7 +731,7 @@ class AsyncCheckpoint(Checkpoint):
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         state = {self._model_key: checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        tmp = os.path.join(os.path.dirname(path), ".writing", os.path.basename(path))
+        tmp = os.path.join(os.path.dirname(path), ".writing", self._run_token, os.path.basename(path))
         if trainer.is_global_zero:
             if os.path.isdir(tmp):
                 shutil.rmtree(tmp)
@@ -480,13 +748,13 @@ class AsyncCheckpoint(Checkpoint):
         self.last_path = path
         self._thread = threading.Thread(
             target=self._finish_sharded,
-            args=(self._dcp_future, meta, tmp, path),
+            args=(self._dcp_future, meta, tmp, path, _skip_streak_start(trainer)),
             name="AsyncCheckpoint",
             daemon=True,
         )
         self._thread.start()
 
-    def _finish_sharded(self, future: Any, meta: Any, tmp: str, path: str) -> None:
+    def _finish_sharded(self, future: Any, meta: Any, tmp: str, path: str, healthy_before: int | None) -> None:
         try:
             future.result()  # on rank 0 this returns after every rank's shards and .metadata are written
             if meta is None:
@@ -500,9 +768,10 @@ class AsyncCheckpoint(Checkpoint):
                 shutil.rmtree(path)
             os.replace(tmp, path)
             _fsync(os.path.dirname(path))
+            shutil.rmtree(os.path.dirname(tmp), ignore_errors=True)
             if self.config.save_last:
                 _point_last(path)
-            self._prune(path)
+            self._prune(path, healthy_before)
         except BaseException as err:
             self._error = err
 
@@ -523,18 +792,22 @@ class AsyncCheckpoint(Checkpoint):
         staged = self._staging.stage(checkpoint, side, keys)
         self._side_pending = side is not None
         self.last_path = path
+        # The checkpoint dump resolved NaNSkip's pending decisions: a skip streak known now protects
+        # the newest checkpoint from before it.
+        healthy_before = _skip_streak_start(self._trainer)
         self._thread = threading.Thread(
-            target=self._write, args=(staged, path), name="AsyncCheckpoint", daemon=True
+            target=self._write, args=(staged, path, healthy_before), name="AsyncCheckpoint", daemon=True
         )
         self._thread.start()
 
-    def _write(self, staged: Any, path: str) -> None:
+    def _write(self, staged: Any, path: str, healthy_before: int | None) -> None:
         try:
             self._staging.wait()
-            atomic_torch_save(staged, path)
+            atomic_torch_save(staged, path, checksum=True)  # hashed here, off the training thread
+            self._damaged.discard(os.path.basename(path))
             if self.config.save_last:
                 _point_last(path)
-            self._prune(path)
+            self._prune(path, healthy_before)
         except BaseException as err:  # surfaced by wait() in the training thread
             self._error = err
 
@@ -560,12 +833,15 @@ class AsyncCheckpoint(Checkpoint):
                 f"AsyncCheckpoint: writing {self.last_path} failed: {err}{_disk_hint(err, self.last_path)}"
             ) from err
 
-    def _prune(self, just_written: str | None = None) -> None:
-        """Keep the newest ``keep_last_k`` checkpoints of this run's lineage.
+    def _prune(self, just_written: str | None = None, healthy_before: int | None = None) -> None:
+        """Keep the newest ``keep_last_k`` verified checkpoints of this run's lineage.
 
         Only checkpoints at or before the step just written are candidates: newer files in the folder
         belong to another run (or to the future of a resumed one) and are never deleted, and neither is
-        the file just written or the one ``last.ckpt`` points to.
+        the file just written or the one ``last.ckpt`` points to. Only files with a checksum that were not
+        found damaged count towards K (a damaged or unverified file never pushes an intact one out), and
+        during a run of skipped steps (NaNSkip) the newest checkpoint from before the step preceding the
+        first skip is kept: the last healthy one.
         """
         k = self.config.keep_last_k
         if k is None or self.dirpath is None:
@@ -579,7 +855,7 @@ class AsyncCheckpoint(Checkpoint):
         limit = None
         if just_written is not None:
             protected.add(os.path.basename(just_written))
-            m = _STEP_RE.fullmatch(os.path.basename(just_written).removesuffix(".ckpt"))
+            m = _CKPT_RE.fullmatch(os.path.basename(just_written))
             limit = int(m.group(1)) if m else None
         last = os.path.join(self.dirpath, "last.ckpt")
         if os.path.islink(last):
@@ -594,11 +870,90 @@ class AsyncCheckpoint(Checkpoint):
                 stacklevel=2,
             )
         candidates = sorted((step, name) for step, name in found if limit is None or step <= limit)
-        for _, name in candidates[:-k]:
+        if healthy_before is not None:
+            healthy = self.newest_checkpoint_before(healthy_before)
+            if healthy is not None:
+                protected.add(os.path.basename(healthy))
+        kept = 0
+        for _, name in reversed(candidates):
+            if kept < k:
+                target = os.path.join(self.dirpath, name)  # sharded (directory) checkpoints carry no checksum
+                trusted = name not in self._damaged and (os.path.isdir(target) or os.path.exists(f"{target}.sha256"))
+                kept += trusted
+                continue
             if name in protected:
                 continue
             target = os.path.join(self.dirpath, name)
             shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
+            if os.path.exists(f"{target}.sha256"):
+                os.remove(f"{target}.sha256")
+
+    def _checkpoints(self) -> list[tuple[int, str]]:
+        """(step, path) of the checkpoints in the folder under final names, periodic and exception, oldest first."""
+        if self.dirpath is None or not os.path.isdir(self.dirpath):
+            return []
+        out = []
+        for name in os.listdir(self.dirpath):
+            m = _CKPT_RE.fullmatch(name)
+            if m:
+                out.append((int(m.group(1)), bool(m.group(2)), name))
+        return [(step, os.path.join(self.dirpath, name)) for step, _, name in sorted(out)]
+
+    def newest_checkpoint_before(self, step: int) -> str | None:
+        """The newest checkpoint of the folder from before global step ``step``, not found damaged.
+
+        A checkpoint of step ``s`` holds the updates of steps ``0 .. s-1``; this returns the newest with
+        ``s < step``. For a divergence whose first skipped step is ``step``, that is the last healthy
+        checkpoint: it does not hold the update right before the first skip (often one huge, finite step).
+        """
+        for s, path in reversed(self._checkpoints()):
+            if s < step and os.path.basename(path) not in self._damaged:
+                return path
+        return None
+
+    def _intact(self, path: Any) -> Any:
+        """``path`` when it is intact (or not one of this folder's); else the newest intact checkpoint."""
+        if self.dirpath is None:
+            return path
+        if str(path) == "last":
+            found = self._checkpoints()
+            if not found:
+                return path
+            path = found[-1][1]
+        real = os.path.realpath(str(path))
+        if os.path.dirname(real) != os.path.realpath(self.dirpath) or not os.path.isfile(real):
+            return path
+        if verify_checkpoint(real) is not False:
+            return path
+        self._damaged.add(os.path.basename(real))
+        m = _CKPT_RE.fullmatch(os.path.basename(real))
+        bound = int(m.group(1)) if m else None
+        for step, cand in reversed(self._checkpoints()):
+            if cand == real or (bound is not None and step > bound):
+                continue
+            if verify_checkpoint(cand):
+                rank_zero_warn(
+                    f"AsyncCheckpoint: {real} is damaged (its SHA-256 does not match {real}.sha256); resuming "
+                    f"from {cand}, the newest intact checkpoint in {self.dirpath}. The damaged file is left in "
+                    "place for inspection and never counts as one of the kept checkpoints."
+                )
+                return cand
+            self._damaged.add(os.path.basename(cand))
+        raise RuntimeError(
+            f"AsyncCheckpoint: {real} is damaged (its SHA-256 does not match {real}.sha256) and no older "
+            f"checkpoint in {self.dirpath} passes its checksum. Resume from a copy of the run kept elsewhere, "
+            "or start without ckpt_path."
+        )
+
+
+def _skip_streak_start(trainer: Trainer | None) -> int | None:
+    """The first skipped step of a run of skipped steps in progress, from any callback that reports one
+    (``NaNSkip.skip_streak_start``); None when the last decided step was taken."""
+    if trainer is None:
+        return None
+    starts = [getattr(cb, "skip_streak_start", None) for cb in trainer.callbacks]
+    starts = [s for s in starts if isinstance(s, int)]
+    return min(starts) if starts else None
 
 
 def _sharded_model_key(strategy: Any) -> str | None:
@@ -652,9 +1007,7 @@ def _disk_hint(err: BaseException, path: str | None) -> str:
 def _point_last(path: str) -> None:
     """Atomically repoint ``last.ckpt`` (a relative symlink) at ``path``."""
     dirpath = os.path.dirname(path)
-    tmp = os.path.join(dirpath, ".last.ckpt.tmp")
-    if os.path.lexists(tmp):
-        os.remove(tmp)
+    tmp = os.path.join(dirpath, f".last.ckpt.{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp")
     try:
         os.symlink(os.path.basename(path), tmp)
     except OSError as err:  # a filesystem without symlinks: keep the checkpoints, skip the link

@@ -416,7 +416,20 @@ class NaNSkip(Callback):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._unwrap()
+        # The last step's decision (and its deferred scheduler step) belongs to the state that an
+        # exception checkpoint saves, whichever callback's on_exception runs first.
+        try:
+            self.resolve()
+        except Exception:  # noqa: BLE001 - the original exception is the one that propagates
+            pass
+        finally:
+            self._unwrap()
+
+    @property
+    def skip_streak_start(self) -> int | None:
+        """Global step of the first skipped step of the current run of skipped steps (None after a taken
+        step). Checkpoint callbacks keep the newest checkpoint from before it out of pruning."""
+        return self._consecutive[0][0] if self._consecutive else None
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -535,5 +548,18 @@ class NaNSkip(Callback):
                 f"NaNSkip: {len(self._consecutive)} consecutive optimizer steps were skipped "
                 f"(global steps {steps}, batch indices {batches}; last reason: {why}). Training is "
                 "not recovering: lower the learning rate, check the data at those batches, or raise "
-                "max_consecutive_skips."
+                f"max_consecutive_skips.{self._healthy_checkpoint(steps[0])}"
             )
+
+    def _healthy_checkpoint(self, first_skip: int) -> str:
+        """Where the newest checkpoint from before the divergence is, from any checkpoint callback that
+        can tell (``AsyncCheckpoint.newest_checkpoint_before``)."""
+        for cb in self._trainer.callbacks if self._trainer is not None else []:
+            find = getattr(cb, "newest_checkpoint_before", None)
+            path = find(first_skip) if callable(find) else None
+            if path:
+                return (
+                    f" The last healthy checkpoint, from before the step that preceded the first skip, is "
+                    f"{path} (kept out of pruning): resume from it with ckpt_path={path!r}."
+                )
+        return ""

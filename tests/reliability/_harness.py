@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -290,20 +291,46 @@ def ckpt_run(spec: dict[str, Any]) -> None:
         dirpath=spec["ckdir"], every_n_steps=spec.get("every_n_steps", 3), keep_last_k=spec.get("keep_last_k", 2),
         save_on_train_end=spec.get("save_on_train_end", True),
     )
-    callbacks: list[Any] = [ckpt]
-    if spec.get("faults"):
+    callbacks = all_callbacks(ckpt, spec["all_callbacks"]) if spec.get("all_callbacks") else [ckpt]
+    if spec.get("faults") and not spec.get("all_callbacks"):
         from lightning_opt.callbacks import NaNSkip
 
         callbacks.append(NaNSkip(max_consecutive_skips=None))
     ddp = {"strategy": "ddp", "devices": 2} if spec.get("ddp") else {}
     t = trainer(spec["root"], callbacks, max_steps=spec["max_steps"], max_epochs=-1, **ddp)
-    t.fit(model, datamodule=dm, ckpt_path=spec.get("ckpt_path"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            t.fit(model, datamodule=dm, ckpt_path=spec.get("ckpt_path"))
+        except Exception as err:
+            Path(spec["root"], "error.txt").write_text(f"{type(err).__name__}: {err}")
+            raise
+        finally:
+            Path(spec["root"], "warnings.txt").write_text("\n".join(str(w.message) for w in caught))
     if spec.get("out"):
         result = state(model, t)
-        if len(callbacks) > 1:
-            callbacks[1].resolve()
-            result["skipped"] = callbacks[1].skipped_total
+        skip = next((c for c in callbacks if type(c).__name__ == "NaNSkip"), None)
+        if skip is not None:
+            skip.resolve()
+            result["skipped"] = skip.skipped_total
         torch.save(result, spec["out"])
+
+
+ORDERS = ("nan_first", "nan_last")
+
+
+def all_callbacks(ckpt: Any, order: str) -> list[Any]:
+    """The six lightning_opt callbacks around ``ckpt``, with NaNSkip first or last (see :data:`ORDERS`)."""
+    from lightning_opt.callbacks import CudaMemoryHygiene, EvalThrottle, LossClamp, NaNSkip, SpeedMonitor
+
+    others = [LossClamp(max=50.0), ckpt, EvalThrottle(every_n_steps=5, max_val_batches=1),
+              CudaMemoryHygiene(gc_every_n_steps=4), SpeedMonitor(log_every_n_steps=2)]
+    skip = NaNSkip(max_consecutive_skips=None)
+    if order == "nan_first":
+        return [skip, *others]
+    if order == "nan_last":
+        return [*others[::-1], skip]
+    raise ValueError(f"unknown order {order!r}; choose one of {ORDERS}")
 
 
 def start(target: Callable[..., None], *args: Any) -> Any:

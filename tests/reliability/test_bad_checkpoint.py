@@ -12,6 +12,8 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
+from lightning.pytorch import Callback
 
 from lightning_opt.callbacks import AsyncCheckpoint
 from lightning_opt.data import TokenShardDataModule
@@ -230,3 +232,67 @@ def test_clt_checkpoint_of_another_config(fault, tmp_path, monkeypatch):
     fault.trial(clear and untouched, data_lost=not untouched, note=msg[:300])
     assert untouched
     assert clear, msg[:1500]
+
+
+# -- a damaged checkpoint in the folder AsyncCheckpoint manages ------------------------------------------
+
+
+def _flip_floats(path: Path, n: int = 1000) -> None:
+    """Flip an exponent bit of ``n`` float32 values in the checkpoint's largest tensor record, in place:
+    the zip stays valid and ``torch.load`` reads it without complaint."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+        start = info.header_offset + 30 + name_len + extra_len
+        count = min(n, info.file_size // 4)
+        f.seek(start)
+        values = bytearray(f.read(4 * count))
+        for i in range(count):
+            values[4 * i + 3] ^= 0x40
+        f.seek(start)
+        f.write(values)
+
+
+class _StartStep(Callback):
+    def __init__(self) -> None:
+        self.step = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.step = trainer.global_step
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(fault, tmp_path, shard):
+    fault("damaged checkpoint in the folder", "1,000 floats flipped in the newest checkpoint, resume from last.ckpt")
+    ckdir = tmp_path / "ck"
+    cb = AsyncCheckpoint(dirpath=str(ckdir), every_n_steps=3, keep_last_k=3)
+    trainer(tmp_path, [cb], max_steps=9, max_epochs=-1).fit(TinyLM(), datamodule=_dm(shard))
+    newest = ckdir / "step=000000009.ckpt"
+    _flip_floats(newest)
+    assert loads(newest) is not None  # torch alone does not notice
+    reference = TinyLM()
+    trainer(tmp_path / "ref", [], max_steps=7, max_epochs=-1).fit(reference, datamodule=_dm(shard))
+
+    start_step = _StartStep()
+    resumed = TinyLM()
+    cb = AsyncCheckpoint(dirpath=str(ckdir), every_n_steps=1, keep_last_k=2)
+    t = trainer(tmp_path / "again", [cb, start_step], max_steps=7, max_epochs=-1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(resumed, datamodule=_dm(shard), ckpt_path=str(ckdir / "last.ckpt"))
+    said = "\n".join(str(w.message) for w in caught)
+    fault.shown(said, "damaged")
+    named = "step=000000009.ckpt" in said and "damaged" in said and "step=000000006.ckpt" in said
+    exact = start_step.step == 6 and all(
+        torch.equal(a, b) for a, b in zip(reference.parameters(), resumed.parameters())
+    )
+    names = sorted(p.name for p in ckdir.glob("step=*.ckpt"))
+    kept = names == ["step=000000006.ckpt", "step=000000007.ckpt", "step=000000009.ckpt"]
+    fault.trial(named and exact and kept, data_lost=not kept, note=said[:200])
+    assert named, said
+    assert exact, f"resumed at step {start_step.step}"
+    assert kept, names  # the damaged file stays for inspection; it never counts as one of the K kept
