@@ -87,7 +87,16 @@ class GPTConfig:
             matmul, then one Triton kernel for the soft-capped loss and its logit gradient,
             :func:`~lightning_opt.ops.softcap_ce.linear_softcap_cross_entropy`; outside the compiled graph).
         loss_chunk_size: tokens per chunk for ``chunked``.
-        grad_checkpoint: recompute each block in the backward pass (activation checkpointing) to save memory.
+        grad_checkpoint: recompute blocks in the backward pass (activation checkpointing) to save memory:
+            ``True`` every block, ``False`` (or ``0``) none, an integer ``N`` the first ``N`` blocks (those whose
+            saved activations live longest; the memory saved grows with ``N``, and so does the recompute).
+        layer_drop: stochastic depth (LayerDrop): in training, block ``i`` (0-based) is skipped with probability
+            ``layer_drop * (i + 1) / n_layer`` (rising linearly with depth to ``layer_drop`` for the last block),
+            and a block that runs has its change to the residual stream scaled by ``1 / (1 - p_i)``, so that
+            evaluation, which runs every block unscaled, sees the same expected stream. The draw is one per
+            forward pass from a CPU generator (``GPT.layer_drop_generator``, default torch's global one): no
+            device sync, and a skipped block costs nothing. Skipped blocks get no gradient: with DDP, set
+            ``find_unused_parameters=True``. ``0.0`` (default) changes nothing.
         head_fp8: in training, run the output head's matmul in FP8 with static scales (GPUs of compute
             capability 8.9+): with ``loss_impl="torch"`` the forward and both backward matmuls
             (:func:`~lightning_opt.ops.fp8.fp8_linear`), with ``loss_impl="fused"`` the forward matmul and
@@ -148,7 +157,8 @@ class GPTConfig:
     dropout: float = 0.0
     loss_impl: str = "torch"
     loss_chunk_size: int = 4096
-    grad_checkpoint: bool = False
+    grad_checkpoint: bool | int = False
+    layer_drop: float = 0.0
     head_fp8: bool | str = False
     mlp_fp8: bool | str = False
     attn_fp8: bool | str = False
@@ -225,6 +235,14 @@ class GPTConfig:
                       f"{self.attn_backend!r}: its kernel here takes no attention dropout)")
         if self.loss_chunk_size <= 0:
             raise bad("loss_chunk_size", self.loss_chunk_size, "must be a positive integer")
+        if not isinstance(self.grad_checkpoint, bool) and not 0 <= self.grad_checkpoint <= self.n_layer:
+            raise bad("grad_checkpoint", self.grad_checkpoint,
+                      f"must be true, false or a number of leading blocks in [0, n_layer={self.n_layer}]")
+        if not 0.0 <= self.layer_drop < 1.0:
+            raise bad("layer_drop", self.layer_drop, "must be in [0, 1)")
+        if self.layer_drop and self.moe_experts:
+            raise bad("layer_drop", self.layer_drop, "is not supported with moe_experts (a skipped block has no "
+                      "load-balancing loss)")
         self.skip_attn_layers = tuple(int(i) for i in self.skip_attn_layers)  # YAML gives lists
         bad_layers = [i for i in self.skip_attn_layers if not 0 <= i < self.n_layer]
         if bad_layers:
@@ -239,6 +257,17 @@ class GPTConfig:
             raise bad("rope_truncate", self.rope_truncate, f"needs a head dimension divisible by 4, got {self.head_dim}")
         if self.doc_causal and not 0 <= self.eot_token < self.vocab_size:
             raise bad("eot_token", self.eot_token, f"must be a token id below vocab_size={self.vocab_size}")
+
+    @property
+    def checkpointed_blocks(self) -> int:
+        """How many leading blocks ``grad_checkpoint`` recomputes in the backward pass."""
+        if isinstance(self.grad_checkpoint, bool):
+            return self.n_layer if self.grad_checkpoint else 0
+        return int(self.grad_checkpoint)
+
+    def layer_drop_prob(self, layer: int) -> float:
+        """The probability that training skips block ``layer`` (see ``layer_drop``)."""
+        return self.layer_drop * (layer + 1) / self.n_layer
 
     @property
     def head_dim(self) -> int:
@@ -593,6 +622,8 @@ class GPT(nn.Module):
             nn.Sequential(make_norm(cfg, cfg.n_embd), nn.Linear(cfg.n_embd, cfg.n_embd, bias=False))
             for _ in range(cfg.mtp_heads)
         )
+        # the CPU generator that draws which blocks layer_drop skips (None: torch's global generator)
+        self.layer_drop_generator: torch.Generator | None = None
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -719,13 +750,21 @@ class GPT(nn.Module):
 
         half = cfg.n_layer // 2
         skips: list[torch.Tensor] = []
+        n_ckpt = cfg.checkpointed_blocks if self.training and torch.is_grad_enabled() else 0
+        drop = cfg.layer_drop and self.training
+        # one host-side draw per pass: which blocks to skip is known before any kernel runs (no device sync)
+        draws = torch.rand(cfg.n_layer, generator=self.layer_drop_generator).tolist() if drop else None
         for i, block in enumerate(self.blocks):
             if self.skip_weights is not None and i >= cfg.n_layer - half:
                 x = x + self.skip_weights[cfg.n_layer - 1 - i] * skips.pop()
-            if cfg.grad_checkpoint and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, ves[i], doc_ids, x0, self.attn_window, use_reentrant=False)
-            else:
-                x = block(x, ves[i], doc_ids, x0, self.attn_window, kv_cache)
+            p_drop = cfg.layer_drop_prob(i) if draws is not None else 0.0
+            if not (p_drop and draws[i] < p_drop):  # stochastic depth: a skipped block lets x pass through
+                if i < n_ckpt:
+                    y = checkpoint(block, x, ves[i], doc_ids, x0, self.attn_window, use_reentrant=False)
+                else:
+                    y = block(x, ves[i], doc_ids, x0, self.attn_window, kv_cache)
+                # a block that runs in training adds its change scaled by 1 / (1 - p): the expected stream of eval
+                x = x + (y - x) * (1.0 / (1.0 - p_drop)) if p_drop else y
             if self.skip_weights is not None and i < half:
                 skips.append(x)
         if kv_cache is not None:

@@ -22,7 +22,7 @@ _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f
 # GPTConfig fields that change how a model is computed, not what its weights are: a checkpoint may be resumed
 # with other values of these (say, a checkpoint from before the recipe set head_fp8: auto)
 EXECUTION_ONLY_FIELDS = frozenset({"loss_impl", "loss_chunk_size", "head_fp8", "mlp_fp8", "attn_fp8", "grad_checkpoint",
-                                   "attn_backend", "fp8_backward_fast_accum"})
+                                   "attn_backend", "fp8_backward_fast_accum", "layer_drop"})
 
 
 def check_compile_options(compile: bool, options: dict[str, Any] | None) -> None:
