@@ -12,6 +12,7 @@ _EXPORTS = {
     "CudaMemoryHygiene": "cuda_memory",
     "SpeedMonitor": "speed_monitor",
     "LazyProgressBar": "progress_bar",
+    "MatmulPrecision": "matmul_precision",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
