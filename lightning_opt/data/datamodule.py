@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from lightning_opt.data.schedule import BatchGeometry, ScheduledBatches
 from lightning_opt.data.shards import PathLike, check_vocab, read_header, read_shard, resolve_files
 
 _STATE_VERSION = 1
@@ -302,6 +303,19 @@ class TokenShardDataModule(pl.LightningDataModule):
         prefetch_factor: batches each worker prepares ahead (only with ``num_workers > 0``).
         rank: override the rank (for use without a Trainer or ``torch.distributed``).
         world_size: override the world size (with ``rank``).
+        seq_len_schedule: a sequence-length curriculum, ``[(from_batch, seq_len), ...]`` over the training
+            batches this rank has consumed (micro-batches: with ``accumulate_grad_batches=k``, use multiples
+            of ``k``); ``seq_len`` applies before the first entry and is the longest an entry may set.
+        batch_size_schedule: ``[(from_batch, batch_size), ...]`` likewise; ``batch_size`` applies before the
+            first entry.
+        schedule_keeps_tokens: with ``seq_len_schedule``, keep the tokens per batch: a batch holds
+            ``scheduled batch_size x seq_len`` tokens in sequences of the scheduled length (so a curriculum
+            leaves tokens per step unchanged). ``False``: the batch size is the scheduled one.
+
+    With either schedule (see :class:`~lightning_opt.data.schedule.BatchGeometry`) the train shards are read
+    in order (no ``shuffle``), each global batch right after the previous one, as one endless Lightning
+    epoch (bound the run with ``max_steps``); a checkpoint's data position restores the schedule's stage and
+    the next batch exactly. Validation keeps ``seq_len`` windows.
 
     Example::
 
@@ -327,6 +341,9 @@ class TokenShardDataModule(pl.LightningDataModule):
         prefetch_factor: int | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        seq_len_schedule: list[tuple[int, int]] | None = None,
+        batch_size_schedule: list[tuple[int, int]] | None = None,
+        schedule_keeps_tokens: bool = True,
     ) -> None:
         super().__init__()
         # Plain strings: Lightning loads checkpoints with torch.load(weights_only=True), which rejects Paths.
@@ -375,6 +392,11 @@ class TokenShardDataModule(pl.LightningDataModule):
         self.seed, self.shuffle = seed, shuffle
         self.num_workers, self.pin_memory, self.prefetch_factor = num_workers, pin_memory, prefetch_factor
         self.gpu_prefetch = gpu_prefetch
+        self.geometry = BatchGeometry.build(seq_len, batch_size, seq_len_schedule, batch_size_schedule,
+                                            schedule_keeps_tokens)
+        if self.geometry.scheduled and shuffle:
+            raise ValueError("TokenShardDataModule: seq_len_schedule / batch_size_schedule read the shards in order; "
+                             "set shuffle=False")
         self._explicit = (rank, world_size) if rank is not None else None
 
         self._train = _TokenStream(self.train_files)
@@ -484,6 +506,10 @@ class TokenShardDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> _TrainLoader:
         rank, world = self.rank_and_world()
+        if self.geometry.scheduled:
+            scheduled = ScheduledBatches(self._train, self.geometry, rank, world)
+            self._train_world = world
+            return _TrainLoader(self, self._loader(scheduled), scheduled)  # type: ignore[arg-type]
         dataset = _TrainBatches(
             self._train, self.seq_len, self.batch_size, rank, world, self.seed, self.shuffle
         )
@@ -547,7 +573,14 @@ class TokenShardDataModule(pl.LightningDataModule):
                 and state["train_tokens"] == self._train.total
                 and state["shuffle"] == self.shuffle
                 and (not self.shuffle or state["seed"] == self.seed)
+                and _schedule_key(state.get("schedule")) == _schedule_key(self._schedule_state())
             )
+            if not same and (self.geometry.scheduled or state.get("schedule")):
+                raise ValueError(
+                    f"TokenShardDataModule: the checkpoint's batch schedule {state.get('schedule')} or data layout "
+                    f"differs from this run's ({self._schedule_state()}); a scheduled run resumes only with the "
+                    f"same seq_len, batch_size, schedules, world size and shards"
+                )
             if same:
                 self._position = int(state["position"])
             else:
@@ -587,7 +620,16 @@ class TokenShardDataModule(pl.LightningDataModule):
             "train_tokens": self._train.total,
             "shuffle": self.shuffle,
             "seed": self.seed,
+            "schedule": self._schedule_state(),
+            "stage": self.geometry.stage(position),
         }
+
+    def _schedule_state(self) -> dict[str, Any] | None:
+        g = self.geometry
+        if not g.scheduled:
+            return None
+        return {"seq_len": [list(p) for p in g.seq_len_schedule],
+                "batch_size": [list(p) for p in g.batch_size_schedule], "keep_tokens": g.keep_tokens}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the data position saved by :meth:`state_dict` (applied when the train loader starts)."""
@@ -607,3 +649,11 @@ class TokenShardDataModule(pl.LightningDataModule):
             )
         self._loaded_state = dict(state_dict)
         self._position = int(state_dict["position"])
+
+
+def _schedule_key(schedule: dict[str, Any] | None) -> Any:
+    """A saved schedule in one comparable form (checkpoints may hold tuples or lists)."""
+    if schedule is None:
+        return None
+    return (tuple(map(tuple, schedule["seq_len"])), tuple(map(tuple, schedule["batch_size"])),
+            bool(schedule["keep_tokens"]))
