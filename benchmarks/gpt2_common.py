@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from lightning_opt.data.schedule import BatchGeometry  # noqa: E402
 from lightning_opt.data.shards import read_shard  # noqa: E402
 from lightning_opt.models.gpt2 import GPT, GPTConfig  # noqa: E402
 from lightning_opt.optim.combined import CombinedOptimizer  # noqa: E402
@@ -266,16 +267,14 @@ class RunSpec:
     val_seq_len: int | None = None  # validation window (default seq_len): fixed across rows that change seq_len
     seed: int = 0
     # [(from_step, seq_len)]: a sequence-length curriculum at a fixed number of tokens per micro-batch
+    # (the library's BatchGeometry, over optimizer steps here)
     seq_schedule: list[tuple[int, int]] = field(default_factory=list)
     stop_at_loss: float | None = None  # stop once a validation reaches this loss (time to target)
     deadline_s: float | None = None  # checked at validations: stop once the clock passed this
 
-    def seq_at(self, step: int) -> int:
-        t = self.seq_len
-        for start, length in self.seq_schedule:
-            if step >= start:
-                t = length
-        return t
+    def geometry(self) -> BatchGeometry:
+        """``(micro-batch, seq_len)`` per optimizer step: the curriculum keeps the tokens per micro-batch."""
+        return BatchGeometry.build(self.seq_len, self.micro_batch, self.seq_schedule, keep_tokens=True)
 
     def describe(self) -> dict[str, Any]:
         d = asdict(self)
@@ -368,9 +367,9 @@ def run_loop(spec: RunSpec, data: Tokens, model: torch.nn.Module, loss_fn: Calla
     curve: list[dict[str, Any]] = []
     t_warm, stopped = None, None
     position, tokens, step = 0, 0, 0
+    geometry = spec.geometry()
     for step in range(spec.steps):
-        t = spec.seq_at(step)
-        b = spec.micro_batch * spec.seq_len // t
+        b, t = geometry.at(step)
         if hasattr(model, "set_train_progress"):  # a scheduled attention window follows the step, as in the module
             model.set_train_progress(step / spec.steps)
         for _ in range(spec.accum):
