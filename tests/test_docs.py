@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 
@@ -36,3 +38,146 @@ def test_every_docs_page_is_reachable_from_the_docs_home():
     pages = {p.resolve() for p in DOCS.rglob("*.md")}
     missing = sorted(str(p.relative_to(DOCS.resolve())) for p in pages - seen)
     assert not missing, f"docs pages that no link from docs/index.md reaches (add them to docs/index.md): {missing}"
+
+
+# -- every documented command runs ------------------------------------------------------------------
+#
+# Shell commands in README.md and docs/**/*.md that invoke a recipe (recipes/*.py), `lightning-opt-data` or
+# `python -m` are run here, in-process, with tiny overrides (one training step, one val batch) in a scratch
+# folder. A command that needs a GPU or the network carries a marker comment on the line before it (or at
+# its end) that this test recognises:
+#   # [GPU] ...       a recipe: its configuration and overrides are parsed and checked with --print_config
+#   # [network] ...   lightning-opt-data: its arguments are parsed (nothing is downloaded)
+# A command without a marker must run on the CPU, offline, within seconds.
+
+_INVOKES = re.compile(r"(^|\s)(\S*python3?\s+(recipes/\S+\.py|-m\s+\S+)|lightning-opt-data)(\s|$)")
+_MARKER = re.compile(r"#\s*\[(GPU|network)\]")
+RECIPE_TINY = {
+    "gpt2_speedrun.py": ["--trainer.max_steps", "1", "--trainer.val_check_interval", "1",
+                         "--trainer.limit_val_batches", "1", "--data.val_tokens", "1024"],
+    "clt.py": ["--trainer.max_steps", "1", "--trainer.val_check_interval", "1", "--trainer.limit_val_batches", "1"],
+    "spd.py": ["--trainer.max_steps", "1", "--model.target.train_steps", "2", "--model.target.train_batch_size", "64",
+               "--model.train.batch_size", "64", "--model.train.faithfulness_warmup_steps", "0",
+               "--model.train.eval_batches", "1"],
+}
+COMMON_TINY = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+
+
+def _doc_commands() -> list[tuple[str, str, str | None]]:
+    """``(where, command, marker)`` for every command the docs show."""
+    found = []
+    for page in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
+        lines = page.read_text().split("\n")
+        fence, marker, i = None, None, 0
+        while i < len(lines):
+            start, line = i, lines[i]
+            i += 1
+            if line.lstrip().startswith("```"):
+                fence = None if fence is not None else line.strip()[3:].strip()
+                marker = None
+                continue
+            if fence not in ("bash", "sh", "shell", "console", ""):
+                continue
+            while line.rstrip().endswith("\\") and i < len(lines):
+                line = line.rstrip()[:-1] + " " + lines[i].strip()
+                i += 1
+            stripped = line.strip()
+            if stripped.startswith("#"):
+                m = _MARKER.search(stripped)
+                marker = m.group(1) if m else marker
+                continue
+            if not stripped or not _INVOKES.search(stripped):
+                marker = None
+                continue
+            command, _, comment = stripped.partition(" #")
+            m = _MARKER.search(comment)
+            found.append((f"{page.relative_to(ROOT)}:{start + 1}", command.strip(), m.group(1) if m else marker))
+            marker = None
+    return found
+
+
+COMMANDS = _doc_commands()
+
+
+def test_docs_commands_are_found():
+    assert len(COMMANDS) >= 20, COMMANDS
+    assert any("lightning-opt-data" in c for _, c, _ in COMMANDS)
+
+
+def _recipe_main(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"docs_recipe_{name}", ROOT / "recipes" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+@pytest.fixture(scope="module")
+def recipes():
+    return {p.name: _recipe_main(p.stem) for p in sorted((ROOT / "recipes").glob("*.py"))}
+
+
+def _workspace(tmp_path: Path) -> None:
+    """What the data commands expect in the current folder: texts/*.txt, FineWeb-named shards, the BPE file."""
+    from lightning_opt.data.shards import write_shard
+    from tests.data._shared import BPE
+
+    (tmp_path / "texts").mkdir()
+    for i in range(30):
+        (tmp_path / "texts" / f"doc_{i:02d}.txt").write_text(f"Document {i}. " * 20)
+    write_shard(tmp_path / "data" / "fineweb" / "fineweb_val_000000.bin", [50256, 1, 2, 3])
+    if BPE.exists():
+        (tmp_path / "r50k_base.tiktoken").symlink_to(BPE)
+
+
+def _run_recipe(main, argv: list[str], marker: str | None, name: str) -> None:
+    if marker == "GPU":
+        argv = [a for a in argv if a != "--plain"]  # the jsonargparse parser (it has --print_config)
+        if "--print_config" not in argv:
+            argv.append("--print_config")
+    if "--print_config" in argv:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code in (0, None), f"exit status {info.value.code}"
+        return
+    if name not in RECIPE_TINY:  # not a training recipe: runs as documented
+        main(argv)
+        return
+    metrics = main([*argv, *RECIPE_TINY[name], *COMMON_TINY])
+    assert metrics["steps"] >= 1
+
+
+def _run_data_cli(argv: list[str], marker: str | None, capsys) -> None:
+    from lightning_opt.data import cli
+
+    if marker == "network":
+        cli._parser().parse_args(argv)
+        return
+    if "--bpe-file" in argv and not Path(argv[argv.index("--bpe-file") + 1]).exists():
+        pytest.skip("the GPT-2 BPE file is not here (set LIGHTNING_OPT_SHARED_DATA)")
+    status = cli.main(argv)
+    assert status == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where,command,marker", COMMANDS, ids=[w for w, _, _ in COMMANDS])
+def test_docs_command_runs(where, command, marker, tmp_path, monkeypatch, capsys, recipes):
+    import os
+    import shlex
+
+    argv = [os.path.expandvars(a) for a in shlex.split(command)]
+    argv = [str(ROOT / a) if a.startswith(("recipes/", "docs/")) else a for a in argv]
+    _workspace(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PWD", str(tmp_path))
+    if argv[0] == "lightning-opt-data":
+        _run_data_cli(argv[1:], marker, capsys)
+        return
+    script = next((Path(a).name for a in argv if a.endswith(".py")), None)
+    if script == "sample.py":  # it needs a run to sample from: the demo's, one step, where the docs train it
+        _run_recipe(recipes["gpt2_speedrun.py"], ["--config", str(ROOT / "recipes/configs/gpt2/demo.yaml")], None,
+                    "gpt2_speedrun.py")
+        assert _recipe_main("sample")([*argv[2:], "--max_new_tokens", "8"])
+        return
+    assert script in recipes, f"{where}: {command!r} runs no recipe in recipes/"
+    _run_recipe(recipes[script], argv[argv.index(next(a for a in argv if a.endswith(".py"))) + 1 :], marker, script)
