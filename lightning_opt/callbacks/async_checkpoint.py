@@ -32,7 +32,8 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_opt.callbacks._logging import log_metrics
+from lightning_opt._internals import dump_checkpoint, fsdp_state_dict_type, save_distributed_checkpoint
+from lightning_opt.callbacks._logging import KeyedStateCallback, log_metrics
 
 _STEP_RE = re.compile(r"step=(\d+)")
 _CKPT_RE = re.compile(r"step=(\d+)(-exception)?\.ckpt")
@@ -427,7 +428,7 @@ class _VerifyingIO(CheckpointIO):
         self.inner.teardown()
 
 
-class AsyncCheckpoint(Checkpoint):
+class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
     """Periodic, atomic, background checkpoints for exact resume.
 
     At a save point the training loop only queues a copy of the full Lightning checkpoint
@@ -623,6 +624,7 @@ class AsyncCheckpoint(Checkpoint):
             due = bool(trainer.strategy.broadcast(elapsed >= cfg.every_minutes * 60, src=0))
         if due:
             self.save(trainer)
+            log_metrics(pl_module, self.metrics)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -655,7 +657,7 @@ class AsyncCheckpoint(Checkpoint):
         # No barrier and nothing on other ranks (they may not have failed): rank 0 dumps its
         # local, full (DDP-replicated) state and waits for the write, as the process is ending.
         try:
-            self._submit(trainer._checkpoint_connector.dump_checkpoint(weights_only=False), path)
+            self._submit(dump_checkpoint(trainer, weights_only=False), path)
             self.wait()
             rank_zero_info(f"AsyncCheckpoint: saved {path} after {why}")
         except Exception as err:
@@ -672,6 +674,11 @@ class AsyncCheckpoint(Checkpoint):
             self._dcp_writer = None
             if stage == "fit":
                 self._release_lock()
+
+    @override
+    def state_key_settings(self) -> dict[str, Any]:
+        cfg = self.config
+        return {"dirpath": cfg.dirpath, "every_n_steps": cfg.every_n_steps, "every_minutes": cfg.every_minutes}
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -718,7 +725,6 @@ class AsyncCheckpoint(Checkpoint):
             "checkpoint/saves": float(self.saves),
             "checkpoint/staged_gib": self._staging.bytes / 2**30,
         }
-        log_metrics(trainer, self.metrics)
         return path
 
     def _save_sharded(self, trainer: Trainer, path: str) -> None:
@@ -728,7 +734,7 @@ class AsyncCheckpoint(Checkpoint):
         ``trainer.fit(ckpt_path=...)`` loads it."""
         import torch.distributed.checkpoint as dcp
 
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint = dump_checkpoint(trainer, weights_only=False)
         state = {self._model_key: checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         tmp = os.path.join(os.path.dirname(path), ".writing", self._run_token, os.path.basename(path))
@@ -964,9 +970,9 @@ def _sharded_model_key(strategy: Any) -> str | None:
             "AsyncCheckpoint: DeepSpeed saves through its own engine; use ModelCheckpoint."
         )
     if "ModelParallelStrategy" in names:
-        return "state_dict" if getattr(strategy, "_save_distributed_checkpoint", True) else None
+        return "state_dict" if save_distributed_checkpoint(strategy) else None
     if "FSDPStrategy" in names:
-        return "model" if getattr(strategy, "_state_dict_type", "sharded") == "sharded" else None
+        return "model" if fsdp_state_dict_type(strategy) == "sharded" else None
     return None
 
 

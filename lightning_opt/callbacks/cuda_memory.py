@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import gc
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_opt.callbacks._logging import log_every, log_metrics
+from lightning_opt._internals import dump_memory_snapshot, record_memory_history
+from lightning_opt.callbacks._logging import KeyedStateCallback, log_metrics, log_step, optimizer_stepped
 
 _GIB = float(1 << 30)
 
@@ -52,7 +53,7 @@ class CudaMemoryHygieneConfig:
             )
 
 
-class CudaMemoryHygiene(Callback):
+class CudaMemoryHygiene(KeyedStateCallback):
     """Keeps Python's GC and the CUDA caching allocator out of the step time.
 
     * After setup: ``gc.collect()``, ``gc.freeze()`` (long-lived objects leave the GC's view) and
@@ -137,7 +138,7 @@ class CudaMemoryHygiene(Callback):
         if cfg.disable_automatic_gc:
             gc.disable()
         if self._cuda(trainer) is not None and cfg.record_history and not self._recording:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            record_memory_history(max_entries=100_000)
             self._recording = True
 
     @override
@@ -146,12 +147,13 @@ class CudaMemoryHygiene(Callback):
     ) -> None:
         cfg = self.config
         step = trainer.global_step
-        if cfg.gc_every_n_steps is not None and step > 0 and step % cfg.gc_every_n_steps == 0:
+        stepped = optimizer_stepped(trainer, pl_module, batch_idx)
+        if cfg.gc_every_n_steps is not None and stepped and step > 0 and step % cfg.gc_every_n_steps == 0:
             self._collect()
         device = self._cuda(trainer)
         if device is None:
             return
-        if step % log_every(trainer, cfg.log_every_n_steps) != 0:
+        if not log_step(trainer, pl_module, batch_idx, cfg.log_every_n_steps):
             return
         # Host-side allocator counters: no device sync. The nested form skips memory_stats'
         # flattening and sorting of a few hundred keys.
@@ -171,7 +173,7 @@ class CudaMemoryHygiene(Callback):
             self.cache_empties += 1
         metrics["memory/cache_empties"] = float(self.cache_empties)
         self.metrics = metrics
-        log_metrics(trainer, metrics)
+        log_metrics(pl_module, metrics)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -211,7 +213,7 @@ class CudaMemoryHygiene(Callback):
             folder, f"oom_snapshot_rank{trainer.global_rank}_step{trainer.global_step}.pickle"
         )
         try:
-            torch.cuda.memory._dump_snapshot(path)
+            dump_memory_snapshot(path)
         except Exception as err:  # never hide the OOM itself behind a snapshot failure
             rank_zero_warn(f"CudaMemoryHygiene: could not write the OOM memory snapshot: {err}")
             return
@@ -235,8 +237,12 @@ class CudaMemoryHygiene(Callback):
             gc.enable()
         self._gc_was_enabled = None
         if self._recording:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            record_memory_history(None)
             self._recording = False
+
+    @override
+    def state_key_settings(self) -> dict[str, Any]:
+        return asdict(self.config)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_opt.callbacks._logging import log_every, log_metrics
+from lightning_opt._internals import val_check_time_interval
+from lightning_opt.callbacks._logging import KeyedStateCallback, log_metrics, log_step
 
 _NEVER = 10**15  # a val_check_batch that ``(i + 1) % n == 0`` never reaches
 
@@ -52,7 +53,7 @@ class EvalThrottleConfig:
             )
 
 
-class EvalThrottle(Callback):
+class EvalThrottle(KeyedStateCallback):
     """Decides when validation runs during ``fit``: every N steps, every T seconds, or adaptively.
 
     Lightning runs validation when ``(batch + 1) % trainer.val_check_batch == 0``; this callback
@@ -105,7 +106,7 @@ class EvalThrottle(Callback):
     # -- hooks ----------------------------------------------------------------------------------
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if getattr(trainer, "_val_check_time_interval", None) is not None:
+        if val_check_time_interval(trainer) is not None:
             raise ValueError(
                 "EvalThrottle: the Trainer has a time-based val_check_interval; remove it and use "
                 "EvalThrottle(every_seconds=...) instead."
@@ -135,8 +136,8 @@ class EvalThrottle(Callback):
         trainer.val_check_batch = 1 if run else _NEVER
         if run:
             self._set_cap(trainer, full=final)
-        if self._fit_start and trainer.global_step % log_every(trainer, None) == 0:
-            self._log(trainer)
+        if self._fit_start and log_step(trainer, pl_module, batch_idx):
+            self._log(pl_module, on_step=True)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -144,7 +145,8 @@ class EvalThrottle(Callback):
             self._val_start = time.monotonic()
 
     @override
-    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # The last validation hook where Lightning accepts pl_module.log (logged per validation run).
         if self._val_start is None:
             return
         now = time.monotonic()
@@ -155,21 +157,26 @@ class EvalThrottle(Callback):
         self.val_runs += 1
         self.last_val_step = trainer.global_step
         trainer.val_check_batch = _NEVER
-        self._log(trainer)
+        if self._fit_start:
+            self._log(pl_module, on_step=False)
 
-    def _log(self, trainer: Trainer) -> None:
+    def _log(self, pl_module: LightningModule, on_step: bool) -> None:
         elapsed = time.monotonic() - self._fit_start
         self.metrics = {
             "eval_throttle/val_time_fraction": self.val_seconds / elapsed if elapsed > 0 else 0.0,
             "eval_throttle/val_runs": float(self.val_runs),
         }
-        log_metrics(trainer, self.metrics)
+        log_metrics(pl_module, self.metrics, on_step=on_step)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._orig_limit is not None:
             trainer.limit_val_batches = self._orig_limit
             self._orig_limit = None
+
+    @override
+    def state_key_settings(self) -> dict[str, Any]:
+        return asdict(self.config)
 
     @override
     def state_dict(self) -> dict[str, Any]:

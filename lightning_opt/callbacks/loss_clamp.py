@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_opt.callbacks._logging import log_every, log_metrics
+from lightning_opt.callbacks._logging import KeyedStateCallback, log_metrics, log_step
 from lightning_opt.callbacks.nan_skip import NaNSkip
 
 
@@ -36,7 +36,7 @@ class LossClampConfig:
             )
 
 
-class LossClamp(Callback):
+class LossClamp(KeyedStateCallback):
     """Clamps the training loss into ``[min, max]`` right before backward.
 
     The loss tensor handed to backward is modified in place in ``on_before_backward``, so it works
@@ -149,13 +149,13 @@ class LossClamp(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._count is None or trainer.global_step % log_every(trainer, None) != 0:
+        if self._count is None or not log_step(trainer, pl_module, batch_idx):
             return
         # The count lives on the device. Log the copy started at the previous log step if it has
         # landed (no wait), then start a new non-blocking copy: the metric lags one interval.
         if self._host is not None and (self._event is None or self._event.query()):
             self.metrics = {"loss_clamp/clamped": float(self._base + int(self._host))}
-            log_metrics(trainer, self.metrics)
+            log_metrics(pl_module, self.metrics)
         cuda = self._count.device.type == "cuda"
         self._host = torch.empty((), dtype=torch.int64, pin_memory=cuda)
         self._host.copy_(self._count, non_blocking=True)
@@ -163,6 +163,10 @@ class LossClamp(Callback):
         if cuda:
             self._event = torch.cuda.Event()
             self._event.record()
+
+    @override
+    def state_key_settings(self) -> dict[str, Any]:
+        return asdict(self.config)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -5,15 +5,16 @@ from __future__ import annotations
 import warnings
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_opt.callbacks._logging import log_every, log_metrics
+from lightning_opt._internals import override_step, restore_class
+from lightning_opt.callbacks._logging import KeyedStateCallback, log_metrics, log_step
 
 _REASONS = ("non-finite loss", "non-finite gradient", "loss spike", "loss clamped by LossClamp")
 _WRAP_TAG = "_lightning_opt_nan_skip"
@@ -242,7 +243,7 @@ class _OptimizerGuard:
         return original(*args, **kwargs)
 
 
-class NaNSkip(Callback):
+class NaNSkip(KeyedStateCallback):
     """Skips optimizer steps whose loss or gradients are non-finite (or whose loss spikes).
 
     A skipped step leaves parameters *and* optimizer state (moments, step counts) bit-identical to
@@ -330,14 +331,7 @@ class NaNSkip(Callback):
         guard = next((g for g in self._guards if g.optimizer is getattr(scheduler, "optimizer", None)), None)
         if guard is None:
             return
-        # Override ``step`` on a per-instance subclass, not as an instance attribute: schedulers
-        # put their whole ``__dict__`` into ``state_dict()``, and a closure there cannot be saved.
-        cls = type(scheduler)
-
-        def step(this: Any, *args: Any, **kwargs: Any) -> Any:
-            return guard.scheduler_step(lambda *a, **k: cls.step(this, *a, **k), args, kwargs)
-
-        scheduler.__class__ = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
+        cls = override_step(scheduler, lambda original, *args, **kwargs: guard.scheduler_step(original, args, kwargs))
         self._scheduler_wraps.append((scheduler, cls))
 
     @override
@@ -377,13 +371,13 @@ class NaNSkip(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.global_step % log_every(trainer, None) == 0:
+        if log_step(trainer, pl_module, batch_idx):
             # Host counters: in device mode they lag the device by at most one step.
             self.metrics = {
                 "nan_skip/skipped_steps": float(self.skipped_total),
                 "nan_skip/skipped_steps_recent": float(sum(self._recent)),
             }
-            log_metrics(trainer, self.metrics)
+            log_metrics(pl_module, self.metrics)
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -432,6 +426,10 @@ class NaNSkip(Callback):
         return self._consecutive[0][0] if self._consecutive else None
 
     @override
+    def state_key_settings(self) -> dict[str, Any]:
+        return asdict(self.config)
+
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {
             "skipped_total": self.skipped_total,
@@ -462,7 +460,7 @@ class NaNSkip(Callback):
             guard.unwrap()
         self._guards = []
         for scheduler, cls in self._scheduler_wraps:
-            scheduler.__class__ = cls
+            restore_class(scheduler, cls)
         self._scheduler_wraps = []
 
     @torch.no_grad()

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_opt.callbacks._logging import log_every, log_metrics
+from lightning_opt.callbacks._logging import KeyedStateCallback, log_every, log_metrics, optimizer_stepped
 
 # Dense (no sparsity) peak TFLOP/s per device by compute dtype, from the vendors' datasheets.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
@@ -97,7 +97,7 @@ class SpeedMonitorConfig:
             raise ValueError(f"SpeedMonitor: window={self.window}; it must be >= 1.")
 
 
-class SpeedMonitor(Callback):
+class SpeedMonitor(KeyedStateCallback):
     """Logs tokens/s, samples/s, MFU and where the step time goes, with no per-step sync.
 
     Throughput comes from host wall time between log points. The time split (data wait,
@@ -110,8 +110,14 @@ class SpeedMonitor(Callback):
     FLOPs per batch: Lightning's ``flops_per_batch`` attribute convention (per device); without
     it MFU is not logged.
 
+    Metrics are logged through ``pl_module.log`` once per optimizer step (not per micro-batch under
+    gradient accumulation), so ``ModelCheckpoint(monitor="speed/tokens_per_sec")`` and ``EarlyStopping`` can
+    use them; they reach the loggers on the steps the Trainer writes (``Trainer(log_every_n_steps=...)``).
+    Two instances with different settings keep separate checkpoint state.
+
     Args:
-        log_every_n_steps: how often to log (default: the Trainer's ``log_every_n_steps``).
+        log_every_n_steps: how often to log, in optimizer steps (default: the Trainer's
+            ``log_every_n_steps``; other values reach the loggers only on steps the Trainer writes too).
         peak_flops: peak FLOP/s of one device for MFU (default: looked up in ``PEAK_TFLOPS``
             from the device name and the Trainer's precision).
         window: number of recent steps the time split averages over.
@@ -134,6 +140,7 @@ class SpeedMonitor(Callback):
         self._samples = 0
         self._tokens = 0
         self._batches = 0
+        self._steps = 0
         self._t_batch_end: float | None = None
         self._current: _StepEvents | None = None
         self._pending: deque[_StepEvents] = deque()
@@ -187,6 +194,8 @@ class SpeedMonitor(Callback):
         self._samples += samples
         self._tokens += int(tokens) if tokens is not None else counted
         self._batches += 1
+        stepped = optimizer_stepped(trainer, pl_module, batch_idx)
+        self._steps += stepped
         if self._current is not None:
             self._current.end = self._event()
             if self._current.before_opt is self._current.start:
@@ -194,7 +203,8 @@ class SpeedMonitor(Callback):
                 self._current.before_opt = self._current.end
             self._pending.append(self._current)
             self._current = None
-        if trainer.global_step % log_every(trainer, self.config.log_every_n_steps) == 0 and self._batches:
+        every = log_every(trainer, self.config.log_every_n_steps)
+        if stepped and trainer.global_step % every == 0 and self._steps:
             self._log(trainer, pl_module)
         self._t_batch_end = time.perf_counter()
 
@@ -222,6 +232,10 @@ class SpeedMonitor(Callback):
             self._ckpt_s += now - self._ckpt_t0
             self._ckpt_t0 = None
             self._t_batch_end = now
+
+    @override
+    def state_key_settings(self) -> dict[str, Any]:
+        return asdict(self.config)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -259,7 +273,7 @@ class SpeedMonitor(Callback):
             m["speed/samples_per_sec"] = self._samples / elapsed * world
             m["speed/tokens_per_sec"] = self._tokens / elapsed * world
             m["speed/tokens_per_sec_per_device"] = self._tokens / elapsed
-            m["speed/step_time_ms"] = elapsed / self._batches * 1e3
+            m["speed/step_time_ms"] = elapsed / self._steps * 1e3
             flops = getattr(pl_module, "flops_per_batch", None)
             if flops and self._peak:
                 m["speed/mfu"] = flops * self._batches / elapsed / self._peak
@@ -277,7 +291,7 @@ class SpeedMonitor(Callback):
         m["time/validation_s"] = self._val_s
         m["time/checkpoint_s"] = self._ckpt_s
         self.metrics = m
-        log_metrics(trainer, m)
-        self._samples = self._tokens = self._batches = 0
+        log_metrics(pl_module, m)
+        self._samples = self._tokens = self._batches = self._steps = 0
         self._val_s = self._ckpt_s = 0.0
         self._t_last_log = now

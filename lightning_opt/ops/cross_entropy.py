@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lightning_opt._internals import scaled_mm
+
 
 def softcap_cross_entropy(
     logits: torch.Tensor, targets: torch.Tensor, softcap: float | None = None, ignore_index: int = -100
@@ -63,7 +65,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 use_fp8 = fp8 and hc.shape[0] % 16 == 0  # _scaled_mm needs multiples of 16
                 if use_fp8:
                     hc8 = h8[start : start + chunk_size]
-                    z = torch._scaled_mm(hc8, w8.t(), scale_a=h_inv, scale_b=w_inv, out_dtype=torch.float32)
+                    z = scaled_mm(hc8, w8.t(), scale_a=h_inv, scale_b=w_inv, out_dtype=torch.float32)
                 else:
                     z = (hc @ weight.t()).float()
                 if softcap is not None:
@@ -81,10 +83,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     g = g * (1.0 - t * t)
                 if use_fp8:
                     g8 = (g * GRAD_SCALE).to(torch.float8_e5m2)
-                    grad_h[start : start + chunk_size] = torch._scaled_mm(
+                    grad_h[start : start + chunk_size] = scaled_mm(
                         g8, w8_col, scale_a=g_inv, scale_b=w_inv, out_dtype=h.dtype)
-                    grad_w += torch._scaled_mm(g8.t().contiguous(), hc8.t().contiguous().t(), scale_a=g_inv,
-                                               scale_b=h_inv, out_dtype=torch.float32)
+                    grad_w += scaled_mm(g8.t().contiguous(), hc8.t().contiguous().t(), scale_a=g_inv,
+                                        scale_b=h_inv, out_dtype=torch.float32)
                     continue
                 g = g.to(h.dtype)
                 grad_h[start : start + chunk_size] = g @ weight

@@ -24,6 +24,8 @@ import math
 
 import torch
 
+from lightning_opt._internals import scaled_mm
+
 _E4M3 = torch.float8_e4m3fn
 _E5M2 = torch.float8_e5m2
 
@@ -87,7 +89,7 @@ class _FP8Linear(torch.autograd.Function):
         xs, ws = _scale(x, x_scale), _scale(x, w_scale)
         x8, w8 = to_e4m3(x, xs), to_e4m3(w, ws)
         # _scaled_mm: first operand row-major, second column-major (w8.t() of a row-major w8 is)
-        out = torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16, use_fast_accum=True)
+        out = scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16, use_fast_accum=True)
         ctx.save_for_backward(x8, w8)
         ctx.scales = (x_scale, w_scale, grad_scale)
         ctx.backward_fast_accum = backward_fast_accum
@@ -102,12 +104,12 @@ class _FP8Linear(torch.autograd.Function):
         g8 = (grad_out / gs).clamp(-57344.0, 57344.0).to(_E5M2)
         # grad_x [N, K] = g [N, M] @ w [M, K]; w8 must be column-major as the second operand
         fast = ctx.backward_fast_accum
-        grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16,
-                                  use_fast_accum=fast)
+        grad_x = scaled_mm(g8, w8.t().contiguous().t(), scale_a=gs, scale_b=ws, out_dtype=torch.bfloat16,
+                           use_fast_accum=fast)
         # grad_w^T [K, M] = x^T [K, N] @ g [N, M], returned as a transposed view. (Computing grad_w [M, K] =
         # g^T @ x in the weight's own layout instead was 4.5% slower per speedrun step on an H100.)
-        grad_wt = torch._scaled_mm(x8.t().contiguous(), g8.t().contiguous().t(), scale_a=xs, scale_b=gs,
-                                   out_dtype=torch.float32, use_fast_accum=fast)
+        grad_wt = scaled_mm(x8.t().contiguous(), g8.t().contiguous().t(), scale_a=xs, scale_b=gs,
+                            out_dtype=torch.float32, use_fast_accum=fast)
         return grad_x, grad_wt.t().to(ctx.w_dtype), None, None, None, None
 
 
@@ -146,7 +148,7 @@ def fp8_matmul_t(x: torch.Tensor, w: torch.Tensor, x_scale: float | torch.Tensor
     ws = w_scale if isinstance(w_scale, torch.Tensor) else _scale(x, w_scale)
     x8 = x if x.dtype == _E4M3 else to_e4m3(x, xs)
     w8 = w if w.dtype == _E4M3 else to_e4m3(w, ws)
-    return torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype, use_fast_accum=True)
+    return scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype, use_fast_accum=True)
 
 
 def fp8_linear(

@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from lightning_opt._internals import scaled_mm
 from lightning_opt._optional import triton_runs_on
 from lightning_opt.ops import fp8 as _fp8
 from lightning_opt.ops.fp8 import HEAD_W_SCALE, check_fp8_shapes, fp8_matmul_t, norm_input_scale, to_e4m3
@@ -282,11 +283,11 @@ class _LinearSoftcapCE(torch.autograd.Function):
                 gs, ws = _fp8._scale(g8, 1.0 / G8_MULT), _fp8._scale(g8, HEAD_W_SCALE)
                 hs = _fp8._scale(g8, norm_input_scale(h8.shape[-1]))
                 # grad_h = g [N, V] @ W [V, d]
-                grad_h = torch._scaled_mm(g8, w8t.t(), scale_a=gs, scale_b=ws, out_dtype=dtype,
-                                          use_fast_accum=fast).float() * scale
+                grad_h = scaled_mm(g8, w8t.t(), scale_a=gs, scale_b=ws, out_dtype=dtype,
+                                   use_fast_accum=fast).float() * scale
                 # grad_w [V, d] = g^T [V, N] @ h [N, d], contracted along the N tokens
-                grad_w = torch._scaled_mm(g8t, h8.t().contiguous().t(), scale_a=gs, scale_b=hs,
-                                          out_dtype=torch.float32, use_fast_accum=fast) * scale
+                grad_w = scaled_mm(g8t, h8.t().contiguous().t(), scale_a=gs, scale_b=hs,
+                                   out_dtype=torch.float32, use_fast_accum=fast) * scale
             else:
                 grad_h = (grad_logits @ wc).float() * scale
                 grad_w = (grad_logits.t() @ hc).float() * scale

@@ -33,12 +33,13 @@ def new_cpu_group() -> Any:
 def install_cpu_sigterm_check(trainer: Any, group: Any) -> bool:
     """Replace the fit loop's per-batch SIGTERM broadcast with one over ``group``; return whether it did.
 
-    Leaves Lightning alone when its loop has no such method (other versions) or ``group`` is None.
+    Leaves Lightning alone when ``group`` is None.
     """
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    if group is None or loop is None or not hasattr(loop, "_broadcast_sigterm_tensor"):
+    from lightning_opt._internals import replace_sigterm_broadcast
+
+    if group is None:
         return False
 
     def broadcast_sigterm_on_cpu() -> None:
@@ -52,5 +53,5 @@ def install_cpu_sigterm_check(trainer: Any, group: Any) -> bool:
                 dist.barrier(group=group)  # every rank leaves here together
             raise SIGTERMException()
 
-    loop._broadcast_sigterm_tensor = broadcast_sigterm_on_cpu
+    replace_sigterm_broadcast(trainer, broadcast_sigterm_on_cpu)
     return True

@@ -11,13 +11,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_opt.models.clt import CLT, SELECTIONS, CLTShardSpec
 from lightning_opt.strategies._collectives import all_reduce_grads, sum_forward
+from lightning_opt.strategies._optim_state import optimizers_to_device
 from lightning_opt.strategies._sigterm import install_cpu_sigterm_check, new_cpu_group
 from lightning_opt.strategies.global_batch_topk import attach_topk_group
 
@@ -180,7 +180,7 @@ class DecoderShardingStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
         install_cpu_sigterm_check(trainer, self._cpu_group)
 
     @override
@@ -445,7 +445,7 @@ class DecoderShardingStrategy(DDPStrategy):
                     }
                 state[idx] = entry
             optimizer.load_state_dict({**opt_state, "state": state})
-        _optimizers_to_device(self.optimizers, self.root_device)
+        optimizers_to_device(self.optimizers, self.root_device)
 
     # ---------------------------------------------------------------- teardown
     @override

@@ -73,6 +73,7 @@ class GlobalBatchTopKStrategy(DDPStrategy):
             raise ValueError("pass either grad_compression or ddp_comm_hook, not both")
         kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(**kwargs)
+        self.ddp_process_group: Any = kwargs.get("process_group")  # DDP's group, None for the default one
         self.grad_compression = grad_compression
         self.cpu_sigterm_check = cpu_sigterm_check
         self._cpu_group: Any = None
@@ -91,12 +92,12 @@ class GlobalBatchTopKStrategy(DDPStrategy):
                     "grad_compression='bf16' needs CUDA and NCCL (torch's bf16 hook); on CPU use 'fp16'."
                 )
             hook = getattr(default_hooks, _COMPRESSION[self.grad_compression])
-            self.model.register_comm_hook(self._ddp_kwargs.get("process_group"), hook)
+            self.model.register_comm_hook(self.ddp_process_group, hook)
 
     @property
     def topk_group(self) -> Any:
         """The process group the selection runs over (DDP's group)."""
-        return self._ddp_kwargs.get("process_group") or dist.group.WORLD
+        return self.ddp_process_group or dist.group.WORLD
 
     @override
     def setup_distributed(self) -> None:
