@@ -421,7 +421,11 @@ class DecoderShardingStrategy(DDPStrategy):
                     "model_parallel_size it was saved with, or save a consolidated checkpoint."
                 )
             return self.checkpoint_io.load_checkpoint(shard, weights_only=weights_only)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if isinstance(checkpoint.get("state_dict"), dict):
+            # this rank's slices, so the module's on_load_checkpoint compares with the shapes it holds
+            checkpoint["state_dict"] = self._slice_state(checkpoint["state_dict"])
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
