@@ -12,7 +12,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -27,6 +27,7 @@ from lightning_opt.ops.softcap_ce import linear_softcap_cross_entropy
 _MLPS = ("gelu", "relu2", "swiglu")
 _NORMS = ("layernorm", "rmsnorm")
 _POS = ("learned", "rope")
+_ATTENTIONS = ("mha", "mla")
 _LOSS_IMPLS = ("torch", "chunked", "chunked_fp8", "fused")
 
 
@@ -39,6 +40,18 @@ class GPTConfig:
         vocab_multiple: pad the embedding/head rows up to a multiple of this (128 is fast on GPUs).
         n_layer, n_head, n_embd, block_size: the usual shape; ``block_size`` is the longest sequence.
         n_kv_head: key/value heads for grouped-query attention (``None`` = ``n_head``).
+        attention: ``mha`` (multi-head attention, grouped-query with ``n_kv_head``) or ``mla`` (multi-latent
+            attention, as in DeepSeek-V2, :class:`MultiLatentAttention`: keys and values are up-projected from a
+            per-token latent of ``mla_kv_rank`` dims, and a KV cache holds only that latent and a rope key of
+            ``mla_rope_dim`` dims per token and layer).
+        mla_kv_rank: the width of MLA's key/value latent ``c_kv``.
+        mla_q_rank: MLA's query compression (a down-projection to this width, RMS-normalised, then up to the
+            heads); ``None`` projects the queries directly.
+        mla_rope_dim: the decoupled RoPE part of each MLA query/key head (even, below ``head_dim``): the key's
+            part is one rope key per token shared by all heads, rotated by position, the other
+            ``head_dim - mla_rope_dim`` dimensions come from the latent and carry no position. The rope part is
+            rotated with either ``pos_emb`` (``learned`` adds absolute positions too); ``0`` (only with
+            ``pos_emb="learned"``) has no rope part.
         pos_emb: ``learned`` (GPT-2) or ``rope`` (rotary, ``rope_base``).
         rope_truncate: rotate only the first half of each head's frequency pairs, with frequencies from 1 down
             to ``1 / rope_base`` (the other half of the dimensions carries no position; the speedrun's
@@ -125,6 +138,10 @@ class GPTConfig:
     n_embd: int = 768
     block_size: int = 1024
     n_kv_head: int | None = None
+    attention: Literal["mha", "mla"] = "mha"
+    mla_kv_rank: int = 256
+    mla_q_rank: int | None = None
+    mla_rope_dim: int = 32
     pos_emb: str = "learned"
     rope_base: float = 10000.0
     rope_truncate: bool = False
@@ -175,6 +192,10 @@ class GPTConfig:
             raise bad("n_embd", self.n_embd, f"must be divisible by n_head={self.n_head}")
         if self.n_kv_head is not None and (self.n_kv_head <= 0 or self.n_head % self.n_kv_head):
             raise bad("n_kv_head", self.n_kv_head, f"must divide n_head={self.n_head}")
+        if self.attention not in _ATTENTIONS:
+            raise bad("attention", self.attention, f"choose one of {_ATTENTIONS}")
+        if self.attention == "mla":
+            self._check_mla(bad)
         if self.pos_emb not in _POS:
             raise bad("pos_emb", self.pos_emb, f"choose one of {_POS}")
         if self.pos_emb == "rope" and self.head_dim % 2:
@@ -257,6 +278,29 @@ class GPTConfig:
             raise bad("rope_truncate", self.rope_truncate, f"needs a head dimension divisible by 4, got {self.head_dim}")
         if self.doc_causal and not 0 <= self.eot_token < self.vocab_size:
             raise bad("eot_token", self.eot_token, f"must be a token id below vocab_size={self.vocab_size}")
+
+    def _check_mla(self, bad: Any) -> None:
+        """The ``attention="mla"`` fields, and the options multi-latent attention does not take."""
+        if self.n_kv_head not in (None, self.n_head):
+            raise bad("n_kv_head", self.n_kv_head, "is for attention='mha' (grouped-query attention); MLA shares "
+                      "keys and values through its latent (mla_kv_rank): leave n_kv_head unset")
+        if self.mla_kv_rank <= 0:
+            raise bad("mla_kv_rank", self.mla_kv_rank, "must be a positive integer")
+        if self.mla_q_rank is not None and self.mla_q_rank <= 0:
+            raise bad("mla_q_rank", self.mla_q_rank, "must be a positive integer, or None for uncompressed queries")
+        if not 0 <= self.mla_rope_dim < self.head_dim or self.mla_rope_dim % 2:
+            raise bad("mla_rope_dim", self.mla_rope_dim, f"must be even and in [0, head_dim={self.head_dim})")
+        if self.mla_rope_dim == 0 and self.pos_emb == "rope":
+            raise bad("mla_rope_dim", self.mla_rope_dim, "MLA rotates only its rope part: pos_emb='rope' needs "
+                      "mla_rope_dim > 0 (or use pos_emb='learned')")
+        if self.rope_truncate and self.mla_rope_dim % 4:
+            raise bad("rope_truncate", self.rope_truncate, f"needs mla_rope_dim divisible by 4, got {self.mla_rope_dim}")
+        if self.n_value_embeds:
+            raise bad("n_value_embeds", self.n_value_embeds, "is not supported with attention='mla' (value "
+                      "embeddings would have to be cached beside the latent)")
+        if self.attn_fp8 is True:
+            raise bad("attn_fp8", self.attn_fp8, "is not supported with attention='mla' (its projections run in the "
+                      "compute dtype; 'auto' leaves them there)")
 
     @property
     def checkpointed_blocks(self) -> int:
@@ -386,19 +430,115 @@ class CausalSelfAttention(nn.Module):
         if self.rotary is not None:
             start = 0 if kv_cache is None else kv_cache.length
             q, k = self.rotary(q, start), self.rotary(k, start)
-        window = self.cfg.window_size if window is None else window
-        gqa = self.n_kv != self.n_head
-        if kv_cache is not None:  # these positions attend to everything cached before them, and to themselves
+        if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=kv_cache.mask, enable_gqa=gqa)
-        elif self.training and self.cfg.dropout:
-            mask = None if window is None and doc_ids is None else build_mask(t, x.device, window, doc_ids)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.cfg.dropout,
-                                               is_causal=mask is None, enable_gqa=gqa)
-        else:
-            y = attention(q, k, v, window=window, doc_ids=doc_ids, backend=self.cfg.attn_backend)
+        y = _attend(self.cfg, q, k, v, self.training, window, doc_ids, kv_cache)
         return linear_maybe_fp8(self.c_proj, y.transpose(1, 2).reshape(b, t, -1), fp8, x_scale=1.0,
                                 backward_fast_accum=fast)
+
+
+def _attend(cfg: GPTConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, training: bool,
+            window: int | torch.Tensor | None, doc_ids: torch.Tensor | None, kv_cache: KVCache | None) -> torch.Tensor:
+    """Causal attention of ``q`` ``[B, H, T, D]`` over ``k, v`` ``[B, H_kv, S, D]``: with ``kv_cache``, under its
+    mask (``k, v`` hold the cached positions too); in training with dropout, through SDPA; else through the
+    configured kernel (:func:`~lightning_opt.ops.attention.attention`), within the window and documents."""
+    window = cfg.window_size if window is None else window
+    gqa = k.shape[1] != q.shape[1]
+    if kv_cache is not None:  # these positions attend to everything cached before them, and to themselves
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=kv_cache.mask, enable_gqa=gqa)
+    if training and cfg.dropout:
+        mask = None if window is None and doc_ids is None else build_mask(q.shape[2], q.device, window, doc_ids)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=cfg.dropout,
+                                              is_causal=mask is None, enable_gqa=gqa)
+    return attention(q, k, v, window=window, doc_ids=doc_ids, backend=cfg.attn_backend)
+
+
+class MultiLatentAttention(nn.Module):
+    """Multi-latent attention (DeepSeek-V2, arXiv:2405.04434) with decoupled RoPE.
+
+    Each token's input is projected down to a key/value latent ``c_kv`` (``mla_kv_rank`` dims, RMS-normalised)
+    and a rope key (``mla_rope_dim`` dims) shared by all heads. Per head, the keys' first ``head_dim -
+    mla_rope_dim`` dimensions and the values (``head_dim``) are up-projected from ``c_kv``; the keys' last
+    ``mla_rope_dim`` dimensions are the rope key rotated by position. Queries split the same way (their rope
+    part rotated), directly from the input or through a ``mla_q_rank`` latent. Query/key heads keep ``head_dim``
+    dimensions, so the attention itself costs what multi-head attention costs, on the same kernels (windows,
+    documents, flash/SDPA/flex). A :class:`KVCache` holds only ``c_kv`` and the (unrotated) rope key per token:
+    ``mla_kv_rank + mla_rope_dim`` numbers per layer, against ``2 * n_kv_head * head_dim`` for MHA/GQA; each call
+    up-projects the cached latents into keys and values, as the full forward pass does.
+    """
+
+    def __init__(self, cfg: GPTConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer = layer
+        self.n_head, self.hd, self.rope_dim = cfg.n_head, cfg.head_dim, cfg.mla_rope_dim
+        self.nope_dim, self.kv_rank = self.hd - self.rope_dim, cfg.mla_kv_rank
+        latent_gain = cfg.norm_weight in (True, "blocks")  # the latent norms are weighted like the block norms
+        if cfg.mla_q_rank is None:
+            self.q_down, self.q_latent_norm = None, None
+            self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        else:
+            self.q_down = nn.Linear(cfg.n_embd, cfg.mla_q_rank, bias=cfg.bias)
+            self.q_latent_norm = RMSNorm(cfg.mla_q_rank, cfg.norm_eps, weight=latent_gain)
+            self.q_proj = nn.Linear(cfg.mla_q_rank, cfg.n_embd, bias=cfg.bias)
+        self.kv_down = nn.Linear(cfg.n_embd, self.kv_rank + self.rope_dim, bias=cfg.bias)
+        self.kv_norm = RMSNorm(self.kv_rank, cfg.norm_eps, weight=latent_gain)
+        self.kv_up = nn.Linear(self.kv_rank, self.n_head * (self.nope_dim + self.hd), bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        # Muon orthogonalises the latent and rope rows, and the key and value rows, separately
+        if self.rope_dim:
+            self.kv_down.weight.muon_row_splits = (self.kv_rank, self.rope_dim)
+        self.kv_up.weight.muon_row_splits = (self.n_head * self.nope_dim, self.n_head * self.hd)
+        self.rotary = (Rotary(self.rope_dim, cfg.block_size, cfg.rope_base, cfg.rope_truncate)
+                       if self.rope_dim else None)
+        qk_gain = cfg.norm_weight in (True, "qk")
+        self.q_norm = RMSNorm(self.hd, weight=qk_gain) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, weight=qk_gain) if cfg.qk_norm else None
+        resolve_backend(cfg.attn_backend)
+
+    def _rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """``x`` ``[B, H, T, head_dim]`` at positions ``start..`` with its rope part rotated."""
+        if self.rotary is None:
+            return x
+        return torch.cat([x[..., : self.nope_dim], self.rotary(x[..., self.nope_dim :], start)], dim=-1)
+
+    def keys_values(self, c_kv: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[B, H, S, head_dim]`` of positions ``0..S-1`` from their latents ``c_kv`` ``[B, S,
+        mla_kv_rank]`` (normalised) and rope keys ``k_rope`` ``[B, S, mla_rope_dim]`` (unrotated)."""
+        b, s, _ = c_kv.shape
+        kv = self.kv_up(c_kv).view(b, s, self.n_head, self.nope_dim + self.hd).transpose(1, 2)
+        k_nope, v = kv.split([self.nope_dim, self.hd], dim=-1)
+        k_rope = k_rope[:, None]  # [B, 1, S, mla_rope_dim]: one rope key for every head
+        if self.k_norm is None:  # rotating the shared key before broadcasting it is cheaper, and the same
+            if self.rotary is not None:
+                k_rope = self.rotary(k_rope, 0)
+            return torch.cat([k_nope, k_rope.expand(b, self.n_head, s, self.rope_dim)], dim=-1), v
+        k = self.k_norm(torch.cat([k_nope, k_rope.expand(b, self.n_head, s, self.rope_dim)], dim=-1))
+        return self._rotate(k, 0), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ve: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        window: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x if self.q_down is None else self.q_latent_norm(self.q_down(x)))
+        q = q.view(b, t, self.n_head, self.hd).transpose(1, 2)
+        c_kv, k_rope = self.kv_down(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        c_kv = self.kv_norm(c_kv)
+        start = 0
+        if kv_cache is not None:  # the cache holds latents: every cached position's keys and values are rebuilt
+            start = kv_cache.length
+            c_kv, k_rope = kv_cache.update_latent(self.layer, c_kv, k_rope)
+        k, v = self.keys_values(c_kv, k_rope)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = self._rotate(q, start)
+        y = _attend(self.cfg, q, k, v, self.training, window, doc_ids, kv_cache)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -460,7 +600,8 @@ class Block(nn.Module):
         super().__init__()
         has_attn = layer not in cfg.skip_attn_layers
         self.ln_1 = make_norm(cfg, cfg.n_embd) if has_attn else None
-        self.attn = CausalSelfAttention(cfg, layer) if has_attn else None
+        attn_cls = MultiLatentAttention if cfg.attention == "mla" else CausalSelfAttention
+        self.attn = attn_cls(cfg, layer) if has_attn else None
         self.ln_2 = make_norm(cfg, cfg.n_embd)
         self.mlp = MoE(cfg) if cfg.moe_experts else MLP(cfg)
         self.x0_lambdas = nn.Parameter(torch.tensor([1.0, 0.0])) if cfg.x0_mix else None
@@ -492,7 +633,9 @@ class KVCache:
     attend to the cached keys and values (and to each other, causally, within the model's sliding window and
     documents) and are appended. Computed this way the logits equal those of the full forward pass over the
     whole sequence, to float rounding: every other part of the model (positions, value embeddings, U-net
-    skips, ``x0`` mixing, normalisation, MLPs) is per token. :meth:`GPT.generate` uses it.
+    skips, ``x0`` mixing, normalisation, MLPs) is per token. :meth:`GPT.generate` uses it. Multi-latent
+    attention layers (``attention="mla"``) store their per-token latent and rope key instead of keys and values
+    (:meth:`update_latent`); :meth:`nbytes` is what the cache holds.
 
     Args:
         model: the :class:`GPT` whose layers are cached (layers in ``skip_attn_layers`` need no cache).
@@ -509,6 +652,8 @@ class KVCache:
         self.layers = [i for i, blk in enumerate(model.blocks) if blk.attn is not None]
         self.keys: dict[int, torch.Tensor] = {}  # allocated at the first update, in the keys' dtype and device
         self.values: dict[int, torch.Tensor] = {}
+        self.latents: dict[int, torch.Tensor] = {}  # MLA layers: c_kv [B, max_len, mla_kv_rank]
+        self.rope_keys: dict[int, torch.Tensor] = {}  # MLA layers: unrotated [B, max_len, mla_rope_dim]
         self.doc_ids: torch.Tensor | None = None  # [B, max_len] with doc_causal
         self.mask: torch.Tensor | None = None  # the current call's [T, S] or [B, 1, T, S] attention mask
 
@@ -549,6 +694,22 @@ class KVCache:
         self.keys[layer][:, :, start:end] = k
         self.values[layer][:, :, start:end] = v
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def update_latent(self, layer: int, c_kv: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store an MLA ``layer``'s latents ``[B, T, mla_kv_rank]`` and rope keys ``[B, T, mla_rope_dim]`` of the
+        current call; all of its cached ones."""
+        if layer not in self.latents:
+            self.latents[layer] = c_kv.new_zeros(self.batch_size, self.max_len, c_kv.shape[-1])
+            self.rope_keys[layer] = k_rope.new_zeros(self.batch_size, self.max_len, k_rope.shape[-1])
+        start, end = self.length, self.length + c_kv.shape[1]
+        self.latents[layer][:, start:end] = c_kv
+        self.rope_keys[layer][:, start:end] = k_rope
+        return self.latents[layer][:, :end], self.rope_keys[layer][:, :end]
+
+    def nbytes(self) -> int:
+        """Bytes of the cached keys and values (or latents and rope keys) allocated so far, all layers."""
+        tensors = (*self.keys.values(), *self.values.values(), *self.latents.values(), *self.rope_keys.values())
+        return sum(x.numel() * x.element_size() for x in tensors)
 
 
 def sample_next(
@@ -673,7 +834,19 @@ class GPT(nn.Module):
             per_expert = sum(p.numel() for p in self.blocks[0].mlp.experts[0].parameters())
             n -= cfg.n_layer * per_expert * (cfg.moe_experts - cfg.moe_top_k)
         # causal attention touches on average about half the span; keep the standard (PaLM) count
+        # (MLA's projections are matmul parameters like any other; its query/key heads keep head_dim dimensions)
         return 6.0 * n + 12.0 * (cfg.n_layer - len(cfg.skip_attn_layers)) * cfg.n_embd * span
+
+    def kv_cache_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes a :class:`KVCache` holds per token of one sequence, all layers, in ``dtype``.
+
+        Per attention layer: ``2 * kv_heads * head_dim`` numbers (keys and values) for MHA/GQA;
+        ``mla_kv_rank + mla_rope_dim`` (the latent and the shared rope key) for MLA.
+        """
+        cfg = self.config
+        per_layer = cfg.mla_kv_rank + cfg.mla_rope_dim if cfg.attention == "mla" else 2 * cfg.kv_heads * cfg.head_dim
+        n_attn = sum(blk.attn is not None for blk in self.blocks)
+        return n_attn * per_layer * torch.empty((), dtype=dtype).element_size()
 
     def window_at(self, progress: float) -> int | None:
         """The scheduled attention window (tokens) at ``progress`` in [0, 1] of training, or ``None``."""
@@ -965,6 +1138,7 @@ _HF_GPT2_ARCH: dict[str, Any] = {
     "pos_emb": "learned", "norm": "layernorm", "norm_weight": True, "bias": True, "qk_norm": False, "mlp": "gelu",
     "mlp_ratio": 4.0, "tie_embeddings": True, "n_value_embeds": 0, "unet_skips": False, "x0_mix": False,
     "embed_norm": False, "skip_attn_layers": (), "logit_softcap": None, "mtp_heads": 0, "moe_experts": 0,
+    "attention": "mha",
 }
 
 
