@@ -151,7 +151,7 @@ def rows(steps: int, classic_heads: int = 12) -> list[Row]:
          lambda s: with_model(s, mlp_fp8=_fp8_mode()), "with torch.compile on H100-class GPUs (eager it is slower)"),
         ("fp8_attn", "the attention projections (q/k/v and output) in FP8 with static scales (attn_fp8)",
          lambda s: with_model(s, attn_fp8=_fp8_mode()), "with torch.compile on H100-class GPUs (eager it is slower)"),
-        ("fp8_all", "head, MLP and attention projections in FP8 (the recipe since session 6)",
+        ("fp8_all", "head, MLP and attention projections in FP8 (the speedrun recipe's setting)",
          lambda s: with_model(s, head_fp8="auto", mlp_fp8=_fp8_mode(), attn_fp8=_fp8_mode()),
          "the recipe's setting on H100-class GPUs, with torch.compile"),
         ("torch_ce", "fused soft-capped loss (Triton) -> torch soft-cap + cross-entropy (eager here)",

@@ -163,7 +163,7 @@ OURS_VARIANTS: dict[str, tuple] = {
     "half-batch-long": (8, True, 1.0),
     "half-batch-80": (8, False, 0.8),
     "half-batch-85": (8, False, 0.85),
-    # the recipe without its FP8 MLP and attention projections (the session-5 recipe): isolates their loss cost
+    # the recipe without its FP8 MLP and attention projections: isolates their loss cost
     "half-batch-85-nofp8mm": (8, False, 0.85, NO_FP8_MATMULS),
     # ... without learned norm gains (norm_weight: false, as the record script)
     "half-batch-85-nonormw": (8, False, 0.85, {"norm_weight": False}),

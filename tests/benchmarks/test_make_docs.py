@@ -77,3 +77,39 @@ def test_numbers_come_from_the_json(make_docs, tmp_path):
     assert "1.235" in page and "9.877" in page
     body = page.split("| variant | step_ms |")[1]
     assert set(re.findall(r"\d+\.\d+", body)) == {"1.235", "9.877"}
+
+
+def test_one_page_per_benchmark_with_a_section_per_device(make_docs, tmp_path):
+    res, out = tmp_path / "results", tmp_path / "out"
+    res.mkdir()
+    row = {"rows": [{"variant": "a", "step_ms": 1.0}, {"variant": "b", "step_ms": 2.0}]}
+    _write(res, "bench_nvidia-h100-80gb-hbm3.json", {"device": "NVIDIA H100 80GB HBM3", **row})
+    _write(res, "bench_2x-nvidia-h200.json", {"device": "NVIDIA H200", "note": "what was measured", **row})
+    (res / "kernel_nvidia-h200.txt").write_text("train sweep 1.5 ms\n")
+    make_docs.main(["--results", str(res), "--out", str(out)])
+    assert make_docs.split_name("clt_scaling_4x-nvidia-h200") == ("clt_scaling", "4x-nvidia-h200")
+    assert make_docs.split_name("muon_orthogonality_cpu") == ("muon_orthogonality", "cpu")
+    assert make_docs.split_name("reliability") == ("reliability", "")
+    assert sorted(p.name for p in out.glob("*.md")) == ["bench.md", "index.md", "kernel.md"]
+    page = (out / "bench.md").read_text()
+    assert "## NVIDIA H100 80GB HBM3" in page and "## 2x NVIDIA H200" in page and "what was measured" in page
+    assert "train sweep 1.5 ms" in (out / "kernel.md").read_text()
+
+
+def _doc_references(text: str) -> list[str]:
+    """Relative markdown links and ``benchmarks/results/...`` / ``docs/...`` paths named in the text."""
+    links = [m for m in re.findall(r"\]\(([^)#\s]+)", text) if not re.match(r"[a-z]+:", m)]
+    paths = [m.group(1) for m in re.finditer(r"(?<![\w/.$])((?:benchmarks/results|docs)/[\w./-]+\.(?:json|txt|md|png))", text)
+             if not re.search(r"(--[\w-]+[\s=]+|[Ww]rites\s+`?)$", text[max(0, m.start() - 40):m.start()])]  # an output path
+    return links + paths
+
+
+def test_every_file_referenced_from_the_docs_exists():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    missing = []
+    for page in pages:
+        for ref in _doc_references(page.read_text()):
+            # a path written from the repo root (`benchmarks/results/x.json`) or relative to the page
+            if not ((page.parent / ref).exists() or (ROOT / ref).exists()):
+                missing.append(f"{page.relative_to(ROOT)}: {ref}")
+    assert not missing, "\n".join(missing)
