@@ -1,0 +1,24 @@
+"""benchmarks/comm_bytes.py --smoke: every strategy's measured collective bytes per step are within 5% of the
+formulas (docs/strategies.md, "Several machines"), on 2 and 4 gloo processes."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_measured_bytes_match_the_formulas(monkeypatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    spec = importlib.util.spec_from_file_location("comm_bytes", ROOT / "benchmarks" / "comm_bytes.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--smoke"])
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == set(bench.VARIANTS)
+    assert {r["world"] for r in rows.values()} == {2, 4}
+    for name, row in rows.items():
+        assert row["measured_bytes"] > 0, name
+        assert abs(row["measured_bytes"] / row["predicted_bytes"] - 1) <= 0.05, (name, row["predicted_terms"],
+                                                                                 row["measured_calls"])
