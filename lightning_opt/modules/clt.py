@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 from torchmetrics import Metric
 
+from lightning_opt.callbacks._logging import trainer_logs_next_step
 from lightning_opt.models.clt import (
     CLT,
     CLTConfig,
@@ -257,8 +258,7 @@ class CLTModule(TrainingModule):
         """Whether the Trainer writes logs after this training step (``log_every_n_steps``)."""
         if self._trainer is None:
             return True
-        connector = getattr(self.trainer, "_logger_connector", None)
-        return bool(getattr(connector, "should_update_logs", True)) or self.trainer.is_last_batch
+        return trainer_logs_next_step(self.trainer) or self.trainer.is_last_batch
 
     def _maybe_dead(self) -> bool:
         """False only when the last step's update left no dead feature (answer read without waiting)."""

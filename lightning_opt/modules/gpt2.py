@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 from torchmetrics import MeanMetric
 
+from lightning_opt.callbacks._logging import trainer_logs_next_step
 from lightning_opt.models.gpt2 import GPT, GPTConfig
 from lightning_opt.modules.base import TrainingModule, register_safe_globals
 from lightning_opt.optim.factory import OptimConfig
@@ -169,8 +170,7 @@ class GPT2SpeedrunModule(TrainingModule):
         return loss
 
     def _logs_this_step(self) -> bool:
-        connector = getattr(self._trainer, "_logger_connector", None) if self._trainer is not None else None
-        return bool(getattr(connector, "should_update_logs", True))
+        return self._trainer is None or trainer_logs_next_step(self._trainer)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
