@@ -624,6 +624,7 @@ class CLT(nn.Module):
             # equal feature shards: every token has n_layers * n_features entries over the group, so the
             # selection needs no host sync to size itself
             numel_total=tokens_total * n_layers * n_features,
+            candidates_backend=self.config.topk_candidates_backend,
         )
         mark("select")
         # Local flat index in [L, N, F/M] -> global flat index in [L, N, F].
@@ -661,7 +662,8 @@ class CLT(nn.Module):
         n_layers, n_tokens, width = pre.shape
         n_features, k = self.config.n_features, self.config.k
         group, world = spec.model_group, spec.model_size
-        padded_out = shard_candidates_padded(pre, k, group, n_tokens) if padded else None
+        backend = self.config.topk_candidates_backend
+        padded_out = shard_candidates_padded(pre, k, group, n_tokens, backend) if padded else None
         if padded_out is not None:
             # No host sync until the decode's layer bounds: candidates in fixed-size buffers (-1 past the count)
             idx, _, ok = padded_out
@@ -669,7 +671,7 @@ class CLT(nn.Module):
             idx = idx.clamp(min=0)
             values, counts = take_masked(pre.reshape(-1), idx, valid), [idx.numel()] * world
         else:
-            idx, counts = shard_candidates(pre, k, group, n_tokens)
+            idx, counts = shard_candidates(pre, k, group, n_tokens, backend)
             values, ok = take_unique(pre.reshape(-1), idx), None
         mark("select")
         # Local flat index in [L, N, F / M] -> global flat index in [L, N, F] (int32 when it fits: fewer
