@@ -47,11 +47,12 @@ OWN_PAGES = [
     (re.compile(r"^gpt2_(speedrun|record|ablation)_"), "docs/benchmarks/gpt2.md", "benchmarks/gpt2_report.py"),
     (re.compile(r"^reliability"), "docs/reliability.md", "benchmarks/reliability_report.py"),
     (re.compile(r"^gpt2_ddp_scaling"), "docs/benchmarks/scaling.md", "benchmarks/scaling_report.py"),
+    (re.compile(r"^corpora_manifest"), "docs/benchmarks/corpora.md", "benchmarks/build_corpora.py"),
 ]
 # The device part of a result file's name: ``nvidia-h100-80gb-hbm3``, ``2x-nvidia-h200``, ``cpu``.
 _DEVICE_TAG = re.compile(r"^(?P<bench>.+?)_(?P<device>(\d+x-)?(nvidia|amd|intel|apple|cpu)[a-z0-9-]*)$")
 # Scripts in benchmarks/ that are helpers or report writers, not benchmarks.
-NOT_BENCHMARKS = {"make_docs", "gpt2_report", "reliability_report", "scaling_report"}
+NOT_BENCHMARKS = {"make_docs", "gpt2_report", "reliability_report", "scaling_report", "build_corpora"}
 
 _DEVICE = ("device_name", "device", "gpu_name", "gpu", "machine", "hardware")
 _COMMAND = ("command", "cmd", "command_line", "argv")
