@@ -453,6 +453,13 @@ def _attend(cfg: GPTConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t
     return attention(q, k, v, window=window, doc_ids=doc_ids, backend=cfg.attn_backend)
 
 
+def _norm_in_dtype(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` with its gain cast to ``x``'s dtype: a projection's bfloat16 output under autocast stays on
+    the fused kernel (a float32 gain beside a bfloat16 input falls back to the unfused one)."""
+    weight = None if norm.weight is None else norm.weight.to(x.dtype)
+    return F.rms_norm(x, (x.shape[-1],), weight, norm.eps)
+
+
 class MultiLatentAttention(nn.Module):
     """Multi-latent attention (DeepSeek-V2, arXiv:2405.04434) with decoupled RoPE.
 
@@ -463,8 +470,10 @@ class MultiLatentAttention(nn.Module):
     part rotated), directly from the input or through a ``mla_q_rank`` latent. Query/key heads keep ``head_dim``
     dimensions, so the attention itself costs what multi-head attention costs, on the same kernels (windows,
     documents, flash/SDPA/flex). A :class:`KVCache` holds only ``c_kv`` and the (unrotated) rope key per token:
-    ``mla_kv_rank + mla_rope_dim`` numbers per layer, against ``2 * n_kv_head * head_dim`` for MHA/GQA; each call
-    up-projects the cached latents into keys and values, as the full forward pass does.
+    ``mla_kv_rank + mla_rope_dim`` numbers per layer, against ``2 * n_kv_head * head_dim`` for MHA/GQA. A call
+    on the cache with few new positions (decoding) attends in latent space, the up-projections absorbed into the
+    query and the output (no per-head keys or values are formed); a longer one (a prompt), or a model with
+    QK-norm, up-projects the cached latents into keys and values as the full forward pass does.
     """
 
     def __init__(self, cfg: GPTConfig, layer: int) -> None:
@@ -525,20 +534,51 @@ class MultiLatentAttention(nn.Module):
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x if self.q_down is None else self.q_latent_norm(self.q_down(x)))
+        q = self.q_proj(x if self.q_down is None else _norm_in_dtype(self.q_latent_norm, self.q_down(x)))
         q = q.view(b, t, self.n_head, self.hd).transpose(1, 2)
         c_kv, k_rope = self.kv_down(x).split([self.kv_rank, self.rope_dim], dim=-1)
-        c_kv = self.kv_norm(c_kv)
+        c_kv = _norm_in_dtype(self.kv_norm, c_kv)
         start = 0
-        if kv_cache is not None:  # the cache holds latents: every cached position's keys and values are rebuilt
+        if kv_cache is not None:  # the cache holds latents
             start = kv_cache.length
             c_kv, k_rope = kv_cache.update_latent(self.layer, c_kv, k_rope)
-        k, v = self.keys_values(c_kv, k_rope)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = self._rotate(q, start)
-        y = _attend(self.cfg, q, k, v, self.training, window, doc_ids, kv_cache)
+        if kv_cache is not None and self._absorb(t):
+            y = self._latent_attention(q, c_kv, k_rope, kv_cache.mask)
+        else:  # every (cached) position's keys and values, up-projected from its latent
+            k, v = self.keys_values(c_kv, k_rope)
+            y = _attend(self.cfg, q, k, v, self.training, window, doc_ids, kv_cache)
         return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    def _absorb(self, t: int) -> bool:
+        """Whether ``t`` new positions attend in latent space (:meth:`_latent_attention`): without QK-norm, and when
+        that costs less than up-projecting every cached latent (few new positions: decoding)."""
+        latent_cost = 2 * t * (self.kv_rank + self.rope_dim)  # per cached position and head: scores + mix
+        rebuild_cost = self.kv_rank * (self.nope_dim + self.hd) + 2 * t * self.hd
+        return self.k_norm is None and latent_cost <= rebuild_cost
+
+    def _latent_attention(self, q: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor,
+                          mask: torch.Tensor) -> torch.Tensor:
+        """Attention with the up-projections absorbed (DeepSeek-V2's decoding): each head's query is mapped into
+        the latent space, scored against the cached latents (plus the rope part against the rope keys), the
+        latents mixed by the softmax weights and only then up-projected to values. ``q`` ``[B, H, T, head_dim]``
+        (rotated), ``c_kv`` / ``k_rope`` ``[B, S, .]`` cached, ``mask`` the cache's; ``[B, H, T, head_dim]``.
+        Equal to attending over the up-projected keys and values: a key bias adds the same score to every key
+        of a query, and a value bias passes through the weights' unit sum."""
+        w = self.kv_up.weight.view(self.n_head, self.nope_dim + self.hd, self.kv_rank)
+        w_k, w_v = w.split([self.nope_dim, self.hd], dim=1)  # [H, nope, r], [H, head_dim, r]
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        scores = (q_nope @ w_k) @ c_kv[:, None].transpose(-2, -1)  # [B, H, T, S]
+        if self.rotary is not None:
+            scores = scores + q_rope @ self.rotary(k_rope[:, None], 0).transpose(-2, -1)
+        scores = scores.float() * (1.0 / math.sqrt(self.hd))
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(c_kv.dtype)
+        y = (probs @ c_kv[:, None]) @ w_v.transpose(-2, -1)  # [B, H, T, head_dim]
+        if self.kv_up.bias is not None:
+            y = y + self.kv_up.bias.view(self.n_head, 1, self.nope_dim + self.hd)[..., self.nope_dim :]
+        return y
 
 
 class MLP(nn.Module):

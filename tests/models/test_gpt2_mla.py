@@ -209,3 +209,23 @@ def test_checkpoint_round_trip(tmp_path):
     loaded.eval()
     with torch.no_grad():
         assert torch.equal(module(seq[:4, :-1]), loaded(seq[:4, :-1]))
+
+
+def test_decoding_attends_in_latent_space_and_equals_the_up_projected_path():
+    """One-token steps skip forming keys and values (the up-projections absorbed, biases included), prompts and
+    QK-norm models form them; both give the same attention output."""
+    model = _model("plain")  # bias=True: the key bias must drop out, the value bias pass through
+    attn = model.blocks[0].attn
+    # a block_size prompt (generate's refill of a full cache) forms them: both paths run in the generate tests
+    assert attn.kv_up.bias is not None and attn._absorb(1) and not attn._absorb(24)
+    assert not _model("speedrun").blocks[0].attn._absorb(1)
+    with torch.no_grad():
+        attn.kv_up.bias.normal_(0.0, 0.5)
+        cache = KVCache(model, batch_size=2, max_len=9)
+        cache.begin(_seq(2, 9), None, None)
+        c_kv, k_rope = torch.randn(2, 9, 12), torch.randn(2, 9, 4)
+        q = attn._rotate(torch.randn(2, 4, 9, 8), 0)
+        latent = attn._latent_attention(q, c_kv, k_rope, cache.mask)
+        k, v = attn.keys_values(c_kv, k_rope)
+        torch.testing.assert_close(latent, torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=cache.mask), atol=1e-5, rtol=1e-5)
