@@ -14,7 +14,10 @@ synthetic activations; 4096 / 8192 / 16384 / 32768 features per layer. Per featu
   dead-feature tracking, train metrics every ``log_every_n_steps=50``) and ``decode=auto`` (the decode the
   module picks by F) and the model's default ``CLT.dense_sparse_grad`` (True: gather-dot activation gradient of
   the dense decode). ``module_noaux``: the same with ``aux_coef=0``; ``module_sparsegrad`` / ``module_plaingrad``:
-  ``module`` with ``dense_sparse_grad`` forced True / False. All also count the host syncs of one
+  ``module`` with ``dense_sparse_grad`` forced True / False; ``module_compile``: ``module`` with
+  ``CLTModule(compile=True)`` (the encoder and loss regions through ``torch.compile``; the compilation happens in
+  the warmup steps, so it is outside the step time and reported apart as ``compile_s``: the warmup's wall time
+  minus ``warmup`` median steps, with ``warmup_s`` and the ``compiled_graphs``). All also count the host syncs of one
   extra step (``torch.cuda.set_sync_debug_mode``) and, at ``--profile-features``, profile one step
   (``torch.profiler``): device time per part of ``training_step`` (its ``clt/...`` record_function regions),
   the top ops, and op-call counts (``aten::copy_``, ``aten::index``, all ops).
@@ -72,7 +75,8 @@ from lightning_opt.ops.topk import batch_topk_rows  # noqa: E402
 
 SPARSITY, PREACT = 1e-3, 3e-6
 VARIANTS = ("ours_dense", "ours_dense_sparsegrad", "ours_sparse", "module", "module_noaux", "module_sparsegrad",
-            "module_plaingrad", "select", "peer")
+            "module_plaingrad", "module_compile", "select", "peer")
+MODULE_VARIANTS = ("module", "module_noaux", "module_sparsegrad", "module_plaingrad", "module_compile")
 
 
 def _sync(dev: torch.device) -> None:
@@ -136,10 +140,11 @@ def ours_step(nf: int, args: argparse.Namespace, dev: torch.device, sparse: bool
 
 
 def module_step(nf: int, args: argparse.Namespace, dev: torch.device, aux: bool = True,
-                sparse_grad: bool | None = None) -> dict[str, Any]:
+                sparse_grad: bool | None = None, compile: bool = False) -> dict[str, Any]:
     """The real ``CLTModule`` under a Lightning ``Trainer`` (bf16-mixed), with the gpt2-small config's loss terms
     (tanh sparsity, pre-activation, AuxK unless ``aux=False``, dead tracking, train metrics): step time, peak
-    memory, host syncs of one step and (at ``--profile-features``) its top ops."""
+    memory, host syncs of one step and (at ``--profile-features``) its top ops. ``compile``: ``CLTModule(compile=True)``;
+    its compilation falls in the warmup steps (``compile_s``, apart from the step time)."""
     import lightning as L
     from torch.utils.data import DataLoader, IterableDataset
 
@@ -149,7 +154,9 @@ def module_step(nf: int, args: argparse.Namespace, dev: torch.device, aux: bool 
     with torch.device(dev):
         module = CLTModule(cfg, sparsity_coef=1e-4, preact_coef=PREACT, aux_coef=0.03 if aux else 0.0, aux_k=16,
                            aux_max_dead=args.aux_max_dead,
-                           dead_tokens=args.tokens, decode=args.module_decode, eval_replacement=False)
+                           dead_tokens=args.tokens, decode=args.module_decode, eval_replacement=False,
+                           compile=compile)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     if sparse_grad is not None:  # None: the model's default
         module.model.dense_sparse_grad = sparse_grad
     decode = "sparse" if module._use_sparse(True) else "dense"
@@ -167,9 +174,13 @@ def module_step(nf: int, args: argparse.Namespace, dev: torch.device, aux: bool 
 
     class Clock(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if batch_idx == args.warmup and dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-                torch.cuda.reset_peak_memory_stats(dev)
+            if batch_idx == 0:
+                state["warmup_start"] = time.perf_counter()
+            if batch_idx == args.warmup:
+                _sync(dev)  # the warmup steps (and a compiled module's compilation) are done
+                state["warmup_s"] = time.perf_counter() - state["warmup_start"]
+                if dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(dev)
             if batch_idx == last:
                 _record(times, dev)
                 if dev.type == "cuda":
@@ -224,6 +235,11 @@ def module_step(nf: int, args: argparse.Namespace, dev: torch.device, aux: bool 
            "peak_memory_gb": state.get("peak", 0) / 1e9, "decode": decode, "aux": aux,
            "aux_max_dead": module.aux_max_dead, "log_every_n_steps": trainer.log_every_n_steps,
            "host_syncs_per_step": state.get("syncs") if dev.type == "cuda" else "not counted on CPU"}
+    if compile:
+        res["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
+        res["warmup_s"] = state.get("warmup_s")
+        if res["warmup_s"] is not None:
+            res["compile_s"] = max(0.0, res["warmup_s"] - args.warmup * res["median_ms"] / 1e3)
     try:
         if "prof" in state:
             res["profile_top_ops"] = _top_ops(state["prof"], dev)
@@ -503,9 +519,10 @@ def main() -> None:
                 if variant in ("ours_dense", "ours_sparse", "ours_dense_sparsegrad"):
                     row[variant] = ours_step(nf, args, dev, sparse=variant == "ours_sparse",
                                              sparse_grad=variant == "ours_dense_sparsegrad")
-                elif variant in ("module", "module_noaux", "module_sparsegrad", "module_plaingrad"):
+                elif variant in MODULE_VARIANTS:
                     grad = {"module_sparsegrad": True, "module_plaingrad": False}.get(variant)
-                    row[variant] = module_step(nf, args, dev, aux=variant != "module_noaux", sparse_grad=grad)
+                    row[variant] = module_step(nf, args, dev, aux=variant != "module_noaux", sparse_grad=grad,
+                                               compile=variant == "module_compile")
                 elif variant == "select":
                     row.update(selection(nf, args, dev))
                 elif variant == "peer":
@@ -539,6 +556,8 @@ def main() -> None:
             "module_plaingrad_speedup_vs_peer": (peer / ms(row, "module_plaingrad")
                                                  if peer and ms(row, "module_plaingrad") else None),
             "select_speedup_vs_peer": peer_sel / ms(row, "select_ours") if peer_sel and ms(row, "select_ours") else None,
+            "module_compile_over_module": (ms(row, "module_compile") / mod
+                                           if mod and ms(row, "module_compile") else None),
             # the goal: the module (what a user runs) no slower than the raw step (ours_dense)
             "module_over_raw_step": mod / ms(row, "ours_dense") if mod and ms(row, "ours_dense") else None,
         }
@@ -579,7 +598,14 @@ def main() -> None:
               f"{f('peer_select'):>8} | {f('module'):>7} | {f('module_noaux'):>7} | {f('module_plaingrad'):>9} | "
               f"{(f'{msp:.2f}x' if msp else '-'):>6} | {'/'.join(peaks):>32}")
     for nf, row in results.items():
-        for key in ("module", "module_noaux", "module_sparsegrad", "module_plaingrad"):
+        comp = row.get("module_compile")
+        if isinstance(comp, dict) and "median_ms" in comp:
+            base = ms(row, "module")
+            print(f"\nmodule_compile at {nf} features: {comp['median_ms']:.2f} ms per step (module: "
+                  f"{f'{base:.2f}' if base is not None else '-'} ms), "
+                  f"compile {comp.get('compile_s') or float('nan'):.1f} s "
+                  f"({comp.get('compiled_graphs')} graphs)")
+        for key in MODULE_VARIANTS:
             v = row.get(key)
             if isinstance(v, dict) and "profile_top_ops" in v:
                 print(f"\n{key} at {nf} features: decode={v['decode']}, host syncs per step: "

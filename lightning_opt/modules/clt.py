@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
@@ -10,11 +13,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import record_function
 from torchmetrics import Metric
+from typing_extensions import override
 
 from lightning_opt.callbacks._logging import trainer_logs_next_step
 from lightning_opt.models.clt import (
     CLT,
     CLTConfig,
+    CLTOutput,
     auxk_loss,
     clip_grad_norm_,
     fvu_per_layer,
@@ -135,6 +140,19 @@ class CLTModule(TrainingModule):
         decode: ``dense``, ``sparse`` (top-k activations only) or ``auto`` (sparse on CPU; on GPU sparse from
             ``SPARSE_DECODE_MIN_FEATURES`` features per layer, dense below).
         eval_replacement: compute the replacement model's KL / agreement at validation.
+        compile: ``torch.compile`` (``fullgraph``, ``dynamic=False``) the two regions of the training step that
+            have static shapes: the encoder (input normalisation + batched encoder matmul, in training mode) and
+            the loss terms (target normalisation, MSE, tanh sparsity penalty, pre-activation loss). The top-k
+            selection and the decode between them stay eager (their sizes come from the data: host syncs).
+            Not with a sharded CLT (``DecoderShardingStrategy``).
+        resample_dead_every: every this many optimizer steps, re-initialise the features dead over the
+            ``dead_tokens`` window (see :meth:`resample_dead_features`); ``None`` = never. Single process,
+            ``decoder_tying`` ``untied`` or ``per_source``, no gradient accumulation.
+        resample_encoder_scale: a resampled feature's encoder column norm, as a fraction of the mean encoder
+            column norm of the layer's live features. ``None``: 0.2 for ``relu``/``jumprelu`` (Anthropic's
+            value), 1.0 for the top-k activations (a resampled feature has to win one of the k slots; at 0.2 the
+            forced-dead features of the BatchTopK test stayed dead).
+        resample_seed: seed of the resampling's token draws (its generator state is saved in checkpoints).
     """
 
     def __init__(
@@ -152,6 +170,10 @@ class CLTModule(TrainingModule):
         dead_tokens: int = 1_000_000,
         decode: str = "auto",
         eval_replacement: bool = True,
+        compile: bool = False,
+        resample_dead_every: int | None = None,
+        resample_encoder_scale: float | None = None,
+        resample_seed: int = 0,
     ) -> None:
         super().__init__(optim or OptimConfig(lr=2e-4, betas=(0.9, 0.999), weight_decay=0.0),
                          schedule or ScheduleConfig(name="constant"))
@@ -168,9 +190,32 @@ class CLTModule(TrainingModule):
             raise ValueError("dead_tokens and aux_k must be positive")
         if aux_max_dead is not None and aux_max_dead < aux_k:
             raise ValueError(f"aux_max_dead={aux_max_dead} must be >= aux_k={aux_k} (or None for all features)")
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile={compile!r} must be true or false")
+        if resample_dead_every is not None and (isinstance(resample_dead_every, bool)
+                                                or not isinstance(resample_dead_every, int) or resample_dead_every <= 0):
+            raise ValueError(f"resample_dead_every={resample_dead_every!r} must be a positive int (steps) or None")
+        if resample_encoder_scale is not None and not resample_encoder_scale > 0:
+            raise ValueError(f"resample_encoder_scale={resample_encoder_scale} must be > 0 (or None)")
         self.save_hyperparameters()
+        if resample_dead_every is not None and clt.decoder_tying == "per_target":
+            raise ValueError(
+                "resample_dead_every needs decoder_tying 'untied' or 'per_source': a per_target decoder vector is "
+                "shared by the features of every source layer, so one feature's decoder cannot be re-initialised"
+            )
         self.clt_config = clt
         self.model = CLT(clt)
+        self.compile_clt = compile
+        self.model.compile_encode = compile
+        if resample_encoder_scale is None:
+            resample_encoder_scale = 0.2 if clt.activation in ("relu", "jumprelu") else 1.0
+        self.resample_every, self.resample_encoder_scale = resample_dead_every, resample_encoder_scale
+        # the resampling's token draws: a CPU generator's state (portable, saved in checkpoints), a running count
+        self._resample_rng_state = torch.Generator().manual_seed(resample_seed).get_state()
+        self.resampled_total = 0
+        self._resample_batch: tuple[torch.Tensor, torch.Tensor] | None = None  # (x, residual) of a resampling step
+        self._resampled_now: int | None = None  # features the resampling of this step re-initialised (logged)
+        self.last_resampled: torch.Tensor | None = None  # [L, F] bool: the features the last resampling re-initialised
         self.sparsity_coef, self.sparsity_c, self.ramp = sparsity_coef, sparsity_c, sparsity_ramp_fraction
         self.preact_coef, self.aux_coef, self.aux_k = preact_coef, aux_coef, aux_k
         self.aux_max_dead = aux_max_dead
@@ -187,7 +232,47 @@ class CLTModule(TrainingModule):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_any_dead"] = None  # a CUDA event cannot be copied or pickled; the next step recomputes it
+        state["_resample_batch"] = None  # one step's activations, consumed at the end of that step
         return state
+
+    @override
+    def on_fit_start(self) -> None:
+        # after the strategy's setup: a sharding strategy has set the model's shard spec by now
+        clt = self.model
+        sharded = clt.shard is not None
+        if self.compile_clt and sharded:
+            raise ValueError(
+                "compile=True does not support a sharded CLT (DecoderShardingStrategy: the forward issues "
+                "collectives between the compiled regions and decodes a slice of the outputs); use compile=False"
+            )
+        if self.resample_every is None:
+            return
+        world = self.trainer.world_size
+        if sharded or world > 1 or clt.topk_group is not None:
+            raise ValueError(
+                f"resample_dead_every needs a single-process, unsharded CLT (world_size={world}, "
+                f"sharded={sharded}): every rank would draw other tokens and re-initialise the features "
+                "differently; use resample_dead_every=None (AuxK, aux_coef > 0, also revives dead features)"
+            )
+        if self.trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"resample_dead_every does not support accumulate_grad_batches="
+                f"{self.trainer.accumulate_grad_batches}; use 1 (or a larger batch)"
+            )
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["clt_resampling"] = {"rng_state": self._resample_rng_state.clone(),
+                                        "resampled_total": self.resampled_total}
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        saved = checkpoint.get("clt_resampling")
+        if saved is not None:  # absent in checkpoints of runs before resampling existed: keep the seed's state
+            self._resample_rng_state = saved["rng_state"].clone()
+            self.resampled_total = int(saved["resampled_total"])
 
     # ------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
@@ -287,6 +372,116 @@ class CLTModule(TrainingModule):
         else:
             self._any_dead = (anyd, None)  # CPU: reading it is free
 
+    # ------------------------------------------------------------- dead-feature resampling
+    def _resample_due(self) -> bool:
+        """Whether the optimizer step of this training step ends a resampling period (host ints, no sync)."""
+        if self.resample_every is None or self._trainer is None:
+            return False
+        return (self.trainer.global_step + 1) % self.resample_every == 0
+
+    @override
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self._resample_batch is not None:
+            # right after the update, before any callback's on_train_batch_end (a checkpoint saved at this step
+            # then holds the resampled features, their reset optimizer state and the advanced generator)
+            x, residual = self._resample_batch
+            self._resample_batch = None
+            self._resampled_now = self.resample_dead_features(x, residual, self.trainer.optimizers)
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._resampled_now is not None:
+            self.log("train/resampled", torch.tensor(float(self._resampled_now)), on_step=True, on_epoch=False)
+            self._resampled_now = None
+
+    @torch.no_grad()
+    def resample_dead_features(self, x: torch.Tensor, residual: torch.Tensor,
+                               optimizers: list[torch.optim.Optimizer] | tuple = ()) -> int:
+        """Re-initialise every feature dead over the ``dead_tokens`` window (Anthropic, "Towards Monosemanticity",
+        2023): returns how many.
+
+        Tokens of this batch are drawn (with replacement, one per dead feature) with probability proportional to
+        the square of their reconstruction loss (squared error summed over layers and dimensions). A dead
+        feature ``f`` of layer ``l`` drawn token ``n`` gets: encoder column = the normalised input ``x_l[n]`` as
+        a unit vector times ``resample_encoder_scale`` x the mean encoder column norm of layer ``l``'s live
+        features; encoder bias 0 (JumpReLU: its initial threshold); decoder row = the residual
+        ``(target - recon)[n]`` of its targets ``l..L-1`` (``per_source``: their sum) as a unit vector times the
+        mean decoder row norm of layer ``l``'s live features. Every optimizer state tensor shaped like a
+        parameter (Adam's moments) is zeroed at those rows, other rows untouched; the features' dead counters
+        restart. With ``resample_dead_every`` set, :meth:`optimizer_step` calls it right after the update of every
+        ``resample_dead_every``-th step, on that step's batch (logged as ``train/resampled``).
+
+        Host syncs: a few (the dead set's size and layout, the token draw on the CPU generator), on the
+        resampling steps only.
+
+        Args:
+            x: the step's raw inputs ``[N, L, d_model]``.
+            residual: ``normalised targets - recon`` ``[N, L, d_model]`` of that step (detached).
+            optimizers: optimizers whose state for the CLT's parameters is reset at the resampled rows.
+        """
+        clt = self.model
+        dead = self.tokens_since_fired >= self.dead_tokens
+        where = dead.nonzero()  # [D, 2] (layer, feature), grouped by layer: host sync
+        count = where.shape[0]
+        self.last_resampled = dead
+        if count == 0:
+            return 0
+        per_layer = dead.sum(1).tolist()
+        err = residual.float().pow(2).sum(dim=(1, 2))  # [N]
+        weights = err.double().pow(2).cpu()
+        if not bool(weights.sum() > 0) or not bool(torch.isfinite(weights).all()):
+            weights = torch.ones_like(weights)  # an exact fit (or a non-finite loss): uniform draws
+        gen = torch.Generator().manual_seed(0)
+        gen.set_state(self._resample_rng_state)
+        tok = torch.multinomial(weights, count, replacement=True, generator=gen).to(x.device)
+        self._resample_rng_state = gen.get_state()
+        layer, feat = where[:, 0], where[:, 1]
+        alive = ~dead
+
+        def mean_live(norms: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+            """Mean of ``norms`` over the live entries of each row (all entries for a row with none live)."""
+            live_mean = (norms * live).sum(-1) / live.sum(-1).clamp_min(1)
+            return torch.where(live.any(-1), live_mean, norms.mean(-1))
+
+        # encoder: unit normalised inputs of the drawn tokens, scaled to the layer's live norm
+        W_enc = clt.W_enc  # [L, d, F]
+        enc_norms = torch.linalg.vector_norm(W_enc, dim=1, dtype=torch.float32)  # [L, F]
+        enc_scale = mean_live(enc_norms, alive) * self.resample_encoder_scale
+        u = clt.normalize_inputs(x.to(W_enc.dtype))[tok, layer].float()  # [D, d]
+        u = u / torch.linalg.vector_norm(u, dim=1, keepdim=True).clamp_min(1e-12)
+        W_enc[layer, :, feat] = (u * enc_scale[layer, None]).to(W_enc.dtype)
+        clt.b_enc[layer, feat] = 0
+        reset: list[tuple[torch.Tensor, tuple[Any, ...]]] = [(W_enc, (layer, slice(None), feat)),
+                                                               (clt.b_enc, (layer, feat))]
+        if clt.log_threshold is not None:
+            clt.log_threshold[layer, feat] = math.log(self.clt_config.jumprelu_threshold)
+            reset.append((clt.log_threshold, (layer, feat)))
+        # decoder: unit residuals of the drawn tokens over the feature's targets, scaled to the layer's live norm
+        res = residual.float()
+        start = 0
+        for source, c in enumerate(per_layer):
+            if c == 0:
+                continue
+            rows, toks = feat[start : start + c], tok[start : start + c]
+            start += c
+            w = clt.W_dec[source]  # [F, L - source (1: per_source), d]
+            r = res[toks, source:]  # [c, L - source, d]
+            if w.shape[1] == 1:
+                r = r.sum(1, keepdim=True)
+            dec_scale = mean_live(torch.linalg.vector_norm(w, dim=(1, 2), dtype=torch.float32), alive[source])
+            r = r / torch.linalg.vector_norm(r, dim=(1, 2), keepdim=True).clamp_min(1e-12)
+            w[rows] = (r * dec_scale).to(w.dtype)
+            reset.append((w, (rows,)))
+        for opt in optimizers:
+            for p, index in reset:
+                for v in opt.state.get(p, {}).values():
+                    if isinstance(v, torch.Tensor) and v.shape == p.shape:
+                        v[index] = 0
+        self.tokens_since_fired.masked_fill_(dead, 0)
+        self.resampled_total += count
+        return count
+
     # ------------------------------------------------------------- training
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         # record_function regions ("clt/...") let a profiler attribute device time to the parts of the step
@@ -298,27 +493,24 @@ class CLTModule(TrainingModule):
         with record_function("clt/forward"):
             out = clt(x, dense=not self._use_sparse(has_indices))
         with record_function("clt/loss"):
-            yn = clt.normalize_targets(y.float())
-            if clt.d_out_slice is not None:
-                yn = yn[..., clt.d_out_slice[0] : clt.d_out_slice[1]]
-            mse = (out.recon - yn).pow(2).mean()
-            loss = mse
             lam = self.sparsity_lambda()
             log = self._should_log()
+            terms = _compiled_loss_terms() if self.compile_clt else _loss_terms
+            # the penalty whenever it has a weight, also while the ramp holds it at 0: the same terms every
+            # step (one compiled graph)
+            yn, mse, sp, pa = terms(clt, out, y, n, self.sparsity_c, self.sparsity_coef > 0, self.preact_coef > 0)
+            loss = mse
             # host numbers as CPU tensors: self.log would copy a Python number to the GPU with a blocking copy
             logs: dict[str, Any] = {"train/mse": mse.detach(), "train/sparsity_lambda": torch.tensor(float(lam))}
-            if lam > 0:
-                norms = clt.decoder_norms()
-                if out.indices is not None:  # the kept entries only, even when decoding densely
-                    sp = tanh_sparsity_penalty_sparse(out.indices, out.values, norms * self.sparsity_c, n)
-                else:
-                    sp = tanh_sparsity_penalty(out.acts, norms, self.sparsity_c)
+            if sp is not None:
                 loss = loss + lam * sp
                 logs["train/sparsity"] = sp.detach()
-            if self.preact_coef > 0:
-                pa = preactivation_loss(out.pre, clt.threshold)
+            if pa is not None:
                 loss = loss + self.preact_coef * pa
                 logs["train/preact"] = pa.detach()
+            if self._resample_due():
+                # the inputs and reconstruction errors the resampling at the end of this step draws from
+                self._resample_batch = (x.detach(), (yn - out.recon).detach())
         with record_function("clt/dead_tracking"):
             fired = self._fired(out, n)
             dead = self.tokens_since_fired >= self.dead_tokens
@@ -394,6 +586,35 @@ class CLTModule(TrainingModule):
         self.log("val/fvu_pb", total, prog_bar=True, logger=False)
         for m in (self.val_fvu, self.val_l0, self.val_kl, self.val_agree):
             m.reset()
+
+
+def _loss_terms(clt: CLT, out: CLTOutput, y: torch.Tensor, n_tokens: int, sparsity_c: float, sparsity: bool,
+                preact: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The training step's loss terms from the forward's output ``out`` and the raw targets ``y``: ``(yn, mse,
+    tanh sparsity penalty or None, pre-activation loss or None)``, ``yn`` the normalised targets (this rank's
+    output columns). Shapes are static for a fixed batch, so ``CLTModule(compile=True)`` compiles it whole."""
+    yn = clt.normalize_targets(y.float())
+    cols = clt.d_out_slice
+    if cols is not None:
+        yn = yn[..., cols[0] : cols[1]]
+    mse = (out.recon - yn).pow(2).mean()
+    sp = pa = None
+    if sparsity:
+        norms = clt.decoder_norms()
+        if out.indices is not None:  # the kept entries only, even when decoding densely
+            sp = tanh_sparsity_penalty_sparse(out.indices, out.values, norms * sparsity_c, n_tokens)
+        else:
+            sp = tanh_sparsity_penalty(out.acts, norms, sparsity_c)
+    if preact:
+        pa = preactivation_loss(out.pre, clt.threshold)
+    return yn, mse, sp, pa
+
+
+@functools.cache
+def _compiled_loss_terms() -> Callable[..., Any]:
+    """:func:`_loss_terms` through ``torch.compile`` (one wrapper per process; graphs keyed on shapes, dtypes,
+    the flags and the ambient autocast state)."""
+    return torch.compile(_loss_terms, fullgraph=True, dynamic=False)
 
 
 @contextmanager
