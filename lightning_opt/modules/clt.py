@@ -144,7 +144,7 @@ class CLTModule(TrainingModule):
             have static shapes: the encoder (input normalisation + batched encoder matmul, in training mode) and
             the loss terms (target normalisation, MSE, tanh sparsity penalty, pre-activation loss). The top-k
             selection and the decode between them stay eager (their sizes come from the data: host syncs).
-            Not with a sharded CLT (``DecoderShardingStrategy``).
+            Not with a sharded CLT (``DecoderShardingStrategy``) nor a BatchTopK over ranks (``topk_group``).
         resample_dead_every: every this many optimizer steps, re-initialise the features dead over the
             ``dead_tokens`` window (see :meth:`resample_dead_features`); ``None`` = never. Single process,
             ``decoder_tying`` ``untied`` or ``per_source``, no gradient accumulation.
@@ -244,6 +244,12 @@ class CLTModule(TrainingModule):
             raise ValueError(
                 "compile=True does not support a sharded CLT (DecoderShardingStrategy: the forward issues "
                 "collectives between the compiled regions and decodes a slice of the outputs); use compile=False"
+            )
+        if self.compile_clt and clt.topk_group is not None:
+            raise ValueError(
+                "compile=True does not support a BatchTopK over ranks (topk_group set, e.g. GlobalBatchTopK): "
+                "each rank keeps a different number of entries per step, so the static-shape loss region would "
+                "recompile every step; use compile=False"
             )
         if self.resample_every is None:
             return

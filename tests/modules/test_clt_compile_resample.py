@@ -87,6 +87,10 @@ def test_compile_refuses_a_sharded_clt(tmp_path) -> None:
         _trainer(tmp_path, 1).fit(module, train_dataloaders=_loader(_batches(1)))
     with pytest.raises(ValueError, match="compile="):
         CLTModule(cfg, compile="yes")  # type: ignore[arg-type]
+    over_ranks = CLTModule(cfg, compile=True)
+    over_ranks.model.topk_group = "a process group"  # what GlobalBatchTopK attaches at setup; refused before use
+    with pytest.raises(ValueError, match="BatchTopK over ranks"):
+        _trainer(tmp_path, 1).fit(over_ranks, train_dataloaders=_loader(_batches(1)))
 
 
 # ------------------------------------------------------------------ resampling
