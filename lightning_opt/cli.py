@@ -204,7 +204,7 @@ def run_recipe(cli: RecipeCLI, summary: RunSummary, **extra: Any) -> dict[str, A
     ckpt_path = cli.config.get("ckpt_path")
     if ckpt_path not in (None, "last", "hpc", "best", "registry"):
         check_checkpoint_file(ckpt_path)
-    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)  # never unpickle code
     if not summary.val_history or summary.val_history[-1]["step"] != trainer.global_step:
         trainer.validate(model, datamodule=data, verbose=False)
     metrics = summary.summary(trainer, model, **extra)

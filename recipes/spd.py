@@ -8,7 +8,9 @@ Toy targets (TMS, residual MLP) and the demo language model are trained by the r
 SPD starts, so no download is needed. ``metrics.json`` (for TMS: ``mmcs``, ``ml2r``, ``ci_l0``,
 identity-CI errors; for language models: CE / KL under CI, stochastic, unmasked and zero masks) is
 written into the run directory, and for toy targets ``components.png`` (components vs features);
-``--plot_path FILE`` writes a second copy of the plot to FILE. See ``docs/spd.md``.
+``--plot_path FILE`` writes a second copy of the plot to FILE; ``--ckpt_path FILE`` resumes a run (add a
+checkpoint callback, e.g. ``--trainer.enable_checkpointing true --trainer.callbacks+=ModelCheckpoint``).
+See ``docs/spd.md``.
 """
 
 from __future__ import annotations
@@ -17,14 +19,13 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from lightning_opt.cli import RecipeCLI, device_name, run_dir, write_metrics  # noqa: E402
+from lightning_opt.cli import RecipeCLI, check_checkpoint_file, device_name, run_dir, write_metrics  # noqa: E402
 from lightning_opt.modules.spd import SPDModule  # noqa: E402
 
 
@@ -100,83 +101,24 @@ def plot_decomposition(model: SPDModule, path: Path) -> Path | None:
     return path
 
 
-def _set_dotted(cfg: dict, key: str, value: Any) -> None:
-    *path, last = key.split(".")
-    node = cfg
-    for k in path:
-        node = node.setdefault(k, {})
-        if not isinstance(node, dict):
-            raise ValueError(f"--{key}: '{k}' is not a section of the config")
-    node[last] = value
-
-
-def _plain_cli(args: list[str]) -> tuple[L.Trainer, SPDModule, dict]:
-    """``--config file.yaml`` plus ``--a.b.c value`` overrides without jsonargparse (the GPU image may
-    lack it): YAML values, ``class_path``/``init_args`` for the logger, SPDModule from ``model``."""
-    import importlib
-
-    import yaml
-
-    cfg: dict = {}
-    it = iter(args)
-    for flag in it:
-        if not flag.startswith("--"):
-            raise ValueError(f"unexpected argument {flag!r}; use --config FILE and --section.key VALUE")
-        key, _, val = flag[2:].partition("=")
-        val = val or next(it, None)
-        if val is None:
-            raise ValueError(f"--{key} needs a value")
-        if key == "config":
-            cfg = {**cfg, **yaml.safe_load(Path(val).read_text())}
-        else:
-            _set_dotted(cfg, key, yaml.safe_load(val))
-    if "seed_everything" in cfg:
-        L.seed_everything(int(cfg["seed_everything"]))
-    tcfg = dict(cfg.get("trainer", {}))
-    logger = tcfg.get("logger")
-    if isinstance(logger, dict) and "class_path" in logger:
-        mod, _, cls = logger["class_path"].rpartition(".")
-        tcfg["logger"] = getattr(importlib.import_module(mod), cls)(**logger.get("init_args", {}))
-    model = SPDModule(**cfg.get("model", {}))
-    return L.Trainer(**tcfg), model, cfg
-
-
-def _pop_option(argv: list[str], name: str) -> str | None:
-    """Remove ``name VALUE`` (or ``name=VALUE``) from ``argv`` and return VALUE (None if absent)."""
-    for i, a in enumerate(argv):
-        if a == name:
-            if i + 1 >= len(argv):
-                raise ValueError(f"{name} needs a value, e.g. {name} out/components.png")
-            value = argv[i + 1]
-            del argv[i : i + 2]
-            return value
-        if a.startswith(name + "="):
-            del argv[i]
-            return a.split("=", 1)[1]
-    return None
+class SPDRecipeCLI(RecipeCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        super().add_arguments_to_parser(parser)
+        parser.add_argument("--plot_path", type=str | None, default=None,
+                            help="also write the components plot (toy targets) to this file")
 
 
 def main(args: list[str] | None = None) -> dict:
-    try:
-        import jsonargparse  # noqa: F401
-
-        plain = False
-    except ImportError:
-        plain = True
-    argv = list(sys.argv[1:] if args is None else args)
-    if "--plain" in argv:  # force the jsonargparse-free parser
-        argv.remove("--plain")
-        plain = True
-    plot_copy = _pop_option(argv, "--plot_path")
-    if plain:
-        trainer, model, config = _plain_cli(argv)
-    else:
-        # args=None lets LightningCLI read sys.argv itself (it warns when given both)
-        cli_args = None if args is None and argv == sys.argv[1:] else argv
-        cli = RecipeCLI(SPDModule, args=cli_args, run=False, save_config_kwargs={"overwrite": True})
-        trainer, model, config = cli.trainer, cli.model, cli.config
+    # LightningCLI (jsonargparse) parses the config and the overrides: it instantiates only the classes the
+    # typed arguments allow (a logger must be a Logger, a callback a Callback). args=None reads sys.argv.
+    cli = SPDRecipeCLI(SPDModule, args=args, run=False, save_config_kwargs={"overwrite": True})
+    trainer, model, config = cli.trainer, cli.model, cli.config
+    plot_copy = config.get("plot_path")
+    ckpt_path = config.get("ckpt_path")
+    if ckpt_path not in (None, "last", "hpc", "best", "registry"):
+        check_checkpoint_file(ckpt_path)
     t0 = time.perf_counter()
-    trainer.fit(model, ckpt_path=config.get("ckpt_path"))
+    trainer.fit(model, ckpt_path=ckpt_path, weights_only=True)
     metrics = {
         **model.final_metrics,
         "steps": trainer.global_step,

@@ -296,10 +296,63 @@ def write_activation_cache(
 
 
 def read_cache_meta(directory: str | os.PathLike) -> dict[str, Any]:
+    """``meta.json`` of an activation cache, checked: known dtype, positive sizes, and shard files that are plain
+    names inside the cache folder (a ``"file": "../secret.bin"`` or an absolute path is refused)."""
     path = Path(directory) / "meta.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: the activation cache is missing or was not completed")
-    return json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); delete the cache folder to rewrite it") from None
+    _check_cache_meta(meta, Path(directory), path)
+    return meta
+
+
+def _check_cache_meta(meta: Any, directory: Path, path: Path) -> None:
+    def bad(what: str) -> ValueError:
+        return ValueError(f"activation cache {path}: {what}; it was not written by write_activation_cache or was "
+                          "altered. Delete the cache folder to rewrite it")
+
+    if not isinstance(meta, dict):
+        raise bad("meta.json does not hold an object")
+    if meta.get("dtype") not in _DTYPES:
+        raise bad(f"dtype={meta.get('dtype')!r} is not one of {sorted(_DTYPES)}")
+    for key in ("n_layers", "d_model", "shard_capacity", "tokens_per_batch"):
+        v = meta.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise bad(f"{key}={v!r} is not a positive integer")
+    shards = meta.get("shards")
+    if not isinstance(shards, list) or not shards:
+        raise bad("it lists no shards")
+    for shard in shards:
+        if not isinstance(shard, dict):
+            raise bad(f"shard entry {shard!r} is not an object")
+        n = shard.get("n_tokens")
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= meta["shard_capacity"]:
+            raise bad(f"shard {shard.get('file')!r} has n_tokens={n!r} (capacity {meta['shard_capacity']})")
+        cache_file(directory, shard.get("file"), path)
+
+
+def cache_file(directory: str | os.PathLike, name: Any, meta_path: str | os.PathLike | None = None) -> Path:
+    """The path of shard ``name`` of the cache in ``directory``: refused unless it is a plain file name that
+    stays inside the folder (no ``..``, no absolute path, no link leading out)."""
+    folder = Path(directory)
+    where = meta_path or folder / "meta.json"
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+        raise ValueError(
+            f"activation cache {where}: shard file {name!r} is not a plain file name inside the cache folder "
+            f"{folder}; refusing to read it (paths outside the cache entry are not allowed). Delete the cache "
+            "folder to rewrite it"
+        )
+    path = folder / name
+    root = folder.resolve()
+    if path.resolve().parent != root:
+        raise ValueError(
+            f"activation cache {where}: shard file {name!r} resolves to {path.resolve()}, outside the cache "
+            f"folder {root}; refusing to read it. Delete the cache folder to rewrite it"
+        )
+    return path
 
 
 class CachedActivations(Dataset):
@@ -329,7 +382,8 @@ class CachedActivations(Dataset):
             L, d = self.meta["n_layers"], self.meta["d_model"]
             np_dtype = _NP_STORAGE[self.meta["dtype"]]
             self._maps = [
-                np.memmap(self.dir / s["file"], dtype=np_dtype, mode="r", shape=(self.meta["shard_capacity"], 2, L, d))
+                np.memmap(cache_file(self.dir, s["file"]), dtype=np_dtype, mode="r",
+                          shape=(self.meta["shard_capacity"], 2, L, d))
                 for s in self.meta["shards"]
             ]
         return self._maps
@@ -401,25 +455,71 @@ def load_target_model(target: str | nn.Module, cache_dir: str | os.PathLike | No
     return _load_gpt_checkpoint(Path(target))
 
 
+def load_checkpoint_file(path: str | os.PathLike, what: str = "checkpoint") -> Any:
+    """``torch.load(path, weights_only=True)``: tensors, plain Python data and our config dataclasses only.
+
+    A file that holds any other object (a pickle whose ``__reduce__`` would call a function, say) is refused
+    with a ``ValueError`` before anything in it runs: loading a file never executes code from it.
+    """
+    import pickle
+
+    from lightning_opt.models.gpt2 import GPTConfig
+    from lightning_opt.modules.base import register_safe_globals  # also registers OptimConfig, ScheduleConfig
+
+    register_safe_globals(GPTConfig)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        # torch's message: boilerplate, then what was refused ("Trying to load unsupported GLOBAL posix.system ...")
+        lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), lines[-1] if lines else "")
+        raise ValueError(
+            f"{what} {str(path)!r} holds objects other than tensors and plain data ({why}); refusing to "
+            "unpickle it, since that could run code from the file. Use a GPT2SpeedrunModule checkpoint or a "
+            "{'config': GPTConfig.to_dict(), 'model': state_dict} file saved with torch.save"
+        ) from None
+    except (RuntimeError, EOFError, OSError) as err:  # not a torch file, truncated, unreadable
+        raise ValueError(f"{what} {str(path)!r} cannot be read as a torch checkpoint ({err})") from None
+
+
 def _load_gpt_checkpoint(path: Path) -> nn.Module:
     from lightning_opt.models.gpt2 import GPT, GPTConfig
 
     if not path.exists():
         raise FileNotFoundError(f"target checkpoint {path} not found (or use target='demo' / 'hf:gpt2')")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = load_checkpoint_file(path, "target checkpoint")
+    if not isinstance(ckpt, dict):
+        raise ValueError(f"{path} holds a {type(ckpt).__name__}, not a checkpoint dict")
     if "config" in ckpt and "model" in ckpt:
-        model = GPT(GPTConfig(**ckpt["config"]))
+        model = GPT(GPTConfig.from_dict(ckpt["config"]))
         model.load_state_dict(ckpt["model"])
         return model
     hp = ckpt.get("hyper_parameters", {})
     cfg = hp.get("model_config") or hp.get("config")
     if cfg is None:
         raise ValueError(f"{path} holds neither {{'config', 'model'}} nor a GPT2SpeedrunModule checkpoint")
-    cfg = cfg if isinstance(cfg, GPTConfig) else GPTConfig(**dict(cfg))
-    model = GPT(cfg)
+    model = GPT(GPTConfig.from_dict(cfg))
     sd = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     model.load_state_dict(sd)
     return model
+
+
+def demo_target_path(
+    steps: int = 300,
+    n_layer: int = 4,
+    n_embd: int = 64,
+    seq_len: int = 64,
+    batch_size: int = 16,
+    cache_dir: str | os.PathLike | None = None,
+) -> Path:
+    """Where :func:`train_demo_target` caches the target trained with these settings."""
+    from lightning_opt.data.corpus import cache_root
+    from lightning_opt.models.gpt2 import GPTConfig
+
+    cfg = GPTConfig(vocab_size=256, n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=seq_len)
+    key = hashlib.sha256(json.dumps([cfg.to_dict(), steps, batch_size]).encode()).hexdigest()[:12]
+    folder = Path(cache_dir) if cache_dir is not None else cache_root() / "clt_demo"
+    return folder / f"demo_gpt_{key}.pt"
 
 
 def train_demo_target(
@@ -432,15 +532,14 @@ def train_demo_target(
 ) -> nn.Module:
     """A tiny byte-level GPT trained on :func:`~lightning_opt.data.corpus.default_corpus_shards` (CPU, a few
     seconds), cached on disk by its settings so later runs reuse it."""
-    from lightning_opt.data.corpus import cache_root, default_corpus_shards
+    from lightning_opt.data.corpus import default_corpus_shards
     from lightning_opt.models.gpt2 import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=256, n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=seq_len)
-    key = hashlib.sha256(json.dumps([cfg.to_dict(), steps, batch_size]).encode()).hexdigest()[:12]
-    folder = Path(cache_dir) if cache_dir is not None else cache_root() / "clt_demo"
-    path = folder / f"demo_gpt_{key}.pt"
+    path = demo_target_path(steps, n_layer, n_embd, seq_len, batch_size, cache_dir=cache_dir)
+    folder = path.parent
     if path.exists():
-        return _load_gpt_checkpoint(path)
+        return _load_gpt_checkpoint(path)  # weights_only: a file planted in the cache cannot run code
     train, _ = default_corpus_shards()
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -613,3 +712,11 @@ class CLTDataModule(pl.LightningDataModule):
         if files is None or self.val_tokens <= 0:
             return []
         return DataLoader(_OnlineStream(self, files, self.val_tokens, True), batch_size=None)
+
+    def test_dataloader(self) -> DataLoader | list:
+        """The validation stream (``val_files``, ``val_tokens``): ``(x, y, tokens)`` batches."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader | list:
+        """The validation stream's batches (``CLTModule.predict_step`` reads their ``x``)."""
+        return self.val_dataloader()

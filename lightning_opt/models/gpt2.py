@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -333,6 +333,26 @@ class GPTConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Any) -> GPTConfig:
+        """The config that :meth:`to_dict` (or a checkpoint's hyperparameters) describes.
+
+        Accepts a ``GPTConfig``, a dict or a jsonargparse ``Namespace``: LightningCLI saves a model's
+        hyperparameters as the parsed config (lists where the dataclass holds tuples), so
+        ``GPTConfig.from_dict(checkpoint["hyper_parameters"]["model_config"]) == config`` for the config that
+        made it. Fields the dict predates take their defaults; keys this version does not know are refused.
+        """
+        if isinstance(values, cls):
+            return values
+        if hasattr(values, "as_dict"):  # jsonargparse Namespace
+            values = values.as_dict()
+        values = dict(values)
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(k for k in values if k not in names)
+        if unknown:
+            raise ValueError(f"GPTConfig has no field(s) {unknown}; the config comes from another version or model")
+        return cls(**values)
 
 
 class RMSNorm(nn.Module):

@@ -8,6 +8,7 @@ import lightning as L
 import torch
 import torch.nn as nn
 from torch.optim.lr_scheduler import LambdaLR
+from typing_extensions import override
 
 from lightning_opt.optim.combined import CombinedOptimizer
 from lightning_opt.optim.factory import OptimConfig, build_optimizer
@@ -35,12 +36,39 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): value}
 
 
+def normalised(value: Any) -> Any:
+    """``value`` with lists as tuples and dataclasses as dicts, recursively: a config as a checkpoint saved it
+    (YAML and LightningCLI give lists where the dataclass holds tuples) compares equal to the same config."""
+    if hasattr(value, "__dataclass_fields__"):
+        value = {f: getattr(value, f) for f in value.__dataclass_fields__}
+    if isinstance(value, dict):
+        return {k: normalised(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return tuple(normalised(v) for v in value)
+    return value
+
+
+def as_config(cls: type, value: Any) -> Any:
+    """``value`` as a ``cls`` dataclass: ``None`` gives the defaults, a dict (or jsonargparse ``Namespace``) its
+    fields, as a checkpoint's hyperparameters hold them when LightningCLI made it or a user edited it."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    if isinstance(value, dict):
+        from_dict = getattr(cls, "from_dict", None)
+        return from_dict(value) if from_dict is not None else cls(**value)
+    raise TypeError(f"expected a {cls.__name__} or a dict of its fields, got {type(value).__name__}")
+
+
 def _differs(x: Any, y: Any) -> bool:
     if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
         return not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
                     and x.shape == y.shape and torch.equal(x, y))
     try:
-        return bool(x != y)
+        return bool(normalised(x) != normalised(y))
     except Exception:  # values that cannot be compared count as different
         return True
 
@@ -85,9 +113,17 @@ class TrainingModule(L.LightningModule):
 
     def __init__(self, optim: OptimConfig | None = None, schedule: ScheduleConfig | None = None) -> None:
         super().__init__()
-        self.optim_config = optim or OptimConfig()
-        self.schedule_config = schedule or ScheduleConfig()
+        self.optim_config = as_config(OptimConfig, optim)
+        self.schedule_config = as_config(ScheduleConfig, schedule)
         self.tokens_seen = 0
+
+    @classmethod
+    @override
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, weights_only: bool | None = True,
+                             **kwargs: Any) -> Any:  # type: ignore[override]
+        """Lightning's ``load_from_checkpoint``, reading the file with ``weights_only=True`` by default (torch
+        before 2.6 defaults to unpickling anything): tensors, plain data and our registered configs only."""
+        return super().load_from_checkpoint(checkpoint_path, *args, weights_only=weights_only, **kwargs)
 
     def optimizer_roles(self) -> dict[str, list[nn.Parameter] | None]:
         return {"hidden": None, "embeddings": None, "head": None}
@@ -98,6 +134,7 @@ class TrainingModule(L.LightningModule):
             return int(self.trainer.max_steps)
         return int(self.schedule_config.total_steps)
 
+    @override
     def configure_optimizers(self) -> dict[str, Any]:
         # the schedule follows the run's length (max_steps) when it is set
         schedule = self.schedule_config.stretched(self.schedule_total_steps())
@@ -106,6 +143,7 @@ class TrainingModule(L.LightningModule):
         scheduler = LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    @override
     def configure_gradient_clipping(
         self, optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
     ) -> None:
@@ -129,9 +167,11 @@ class TrainingModule(L.LightningModule):
     def count_tokens(self, batch_tokens: int) -> None:
         self.tokens_seen += batch_tokens * max(1, self.trainer.world_size if self._trainer else 1)
 
+    @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["tokens_seen"] = self.tokens_seen
 
+    @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_checkpoint_matches(self, checkpoint)
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))

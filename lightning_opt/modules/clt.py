@@ -27,16 +27,18 @@ from lightning_opt.models.clt import (
     tanh_sparsity_penalty,
     tanh_sparsity_penalty_sparse,
 )
-from lightning_opt.modules.base import TrainingModule
+from lightning_opt.modules.base import TrainingModule, as_config, register_safe_globals
 from lightning_opt.optim.factory import OptimConfig
 from lightning_opt.optim.schedules import ScheduleConfig
 
 __all__ = ["CLTModule", "FVUMetric", "L0Metric", "ScalarMean", "replacement_kl"]
 
+register_safe_globals(CLTConfig)  # a module made in Python saves its CLTConfig in the checkpoint's hyperparameters
+
 _DECODES = ("auto", "dense", "sparse")
-# decode="auto" on CUDA: sparse from this many features per layer. Measured on an H200 (12 x 768, 4096 tokens,
-# k=200, benchmarks/results/clt_step.json): the dense decode with the gather-dot activation gradient (the
-# model's default) wins at 8192 (35.9 vs 52.5 ms) and at 16384 (64.5 vs 73.5 ms); sparse stays from 32768
+# decode="auto" on CUDA: sparse from this many features per layer. On an H200 (12 x 768, 4096 tokens, k=200;
+# `benchmarks/clt_step.py`, variants ours_dense_sparsegrad / ours_sparse) the dense decode with the gather-dot
+# activation gradient (the model's default) is the faster one at 8192 and 16384 features; sparse from 32768
 # (less memory; the crossover above 16384 is not measured).
 SPARSE_DECODE_MIN_FEATURES = 24576
 
@@ -127,7 +129,9 @@ class CLTModule(TrainingModule):
     ``train/sparsity``, ``train/preact``, ``train/auxk``, ``train/dead_fraction``; ``val/fvu``,
     ``val/fvu_layer{l}``, ``val/explained_variance``, ``val/l0``, ``val/l0_layer{l}``, ``val/dead_fraction``,
     ``val/kl`` and ``val/next_token_agreement`` (replacement model vs original, when the datamodule has a
-    target model), ``val/loss`` (= ``val/fvu``).
+    target model), ``val/loss`` (= ``val/fvu``). ``trainer.test`` logs the same keys under ``test/``;
+    ``forward(x)`` and ``trainer.predict`` give the reconstructed MLP outputs ``[N, L, d]`` (raw space) of
+    ``x`` or ``(x, y, ...)`` batches.
 
     Args:
         clt: the transcoder's config; ``n_layers`` and ``d_model`` must match the target model.
@@ -198,6 +202,7 @@ class CLTModule(TrainingModule):
         if resample_encoder_scale is not None and not resample_encoder_scale > 0:
             raise ValueError(f"resample_encoder_scale={resample_encoder_scale} must be > 0 (or None)")
         self.save_hyperparameters()
+        clt = as_config(CLTConfig, clt)  # load_from_checkpoint hands a checkpoint's saved dict back as it is
         if resample_dead_every is not None and clt.decoder_tying == "per_target":
             raise ValueError(
                 "resample_dead_every needs decoder_tying 'untied' or 'per_source': a per_target decoder vector is "
@@ -229,6 +234,7 @@ class CLTModule(TrainingModule):
         self.val_kl = ScalarMean()
         self.val_agree = ScalarMean()
 
+    @override
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_any_dead"] = None  # a CUDA event cannot be copied or pickled; the next step recomputes it
@@ -281,6 +287,7 @@ class CLTModule(TrainingModule):
             self.resampled_total = int(saved["resampled_total"])
 
     # ------------------------------------------------------------- setup
+    @override
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if dm is None or not hasattr(dm, "n_layers"):
@@ -489,6 +496,7 @@ class CLTModule(TrainingModule):
         return count
 
     # ------------------------------------------------------------- training
+    @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         # record_function regions ("clt/...") let a profiler attribute device time to the parts of the step
         # (benchmarks/clt_step.py prints them); without a profiler they cost a few microseconds.
@@ -554,6 +562,7 @@ class CLTModule(TrainingModule):
         self.count_tokens(n)
         return loss
 
+    @override
     def configure_gradient_clipping(
         self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
     ) -> None:
@@ -565,7 +574,35 @@ class CLTModule(TrainingModule):
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     # ------------------------------------------------------------- evaluation
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The CLT's reconstruction of every layer's MLP output, ``[N, L, d]`` in raw (denormalised) space, from
+        the MLP inputs ``x`` ``[N, L, d_model]``."""
+        return self.model.denormalize(self.model(x).recon)
+
+    @override
     def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
+        self._eval_update(batch)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self._eval_log("val")
+
+    @override
+    def test_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
+        self._eval_update(batch)
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        self._eval_log("test")
+
+    @override
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        """The reconstructed MLP outputs ``[N, L, d]`` (float32, raw space) of ``x`` or ``(x, y, ...)``."""
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(x).float()
+
+    def _eval_update(self, batch: tuple[torch.Tensor, ...]) -> None:
         x, y = batch[0], batch[1]
         out = self.model(x)
         recon = self.model.denormalize(out.recon)
@@ -577,19 +614,20 @@ class CLTModule(TrainingModule):
             self.val_kl.update(kl)
             self.val_agree.update(agree)
 
-    def on_validation_epoch_end(self) -> None:
+    def _eval_log(self, prefix: str) -> None:
         per_layer, total = self.val_fvu.compute()
         l0 = self.val_l0.compute()
-        logs = {"val/fvu": total, "val/loss": total, "val/explained_variance": 1 - total, "val/l0": l0.sum()}
+        logs = {"fvu": total, "loss": total, "explained_variance": 1 - total, "l0": l0.sum()}
         for i in range(per_layer.numel()):
-            logs[f"val/fvu_layer{i}"] = per_layer[i]
-            logs[f"val/l0_layer{i}"] = l0[i]
-        logs["val/dead_fraction"] = (self.tokens_since_fired >= self.dead_tokens).float().mean()
+            logs[f"fvu_layer{i}"] = per_layer[i]
+            logs[f"l0_layer{i}"] = l0[i]
+        logs["dead_fraction"] = (self.tokens_since_fired >= self.dead_tokens).float().mean()
         if self.val_kl.update_count > 0:
-            logs["val/kl"] = self.val_kl.compute()
-            logs["val/next_token_agreement"] = self.val_agree.compute()
-        self.log_dict(logs, prog_bar=False)
-        self.log("val/fvu_pb", total, prog_bar=True, logger=False)
+            logs["kl"] = self.val_kl.compute()
+            logs["next_token_agreement"] = self.val_agree.compute()
+        self.log_dict({f"{prefix}/{k}": v for k, v in logs.items()}, prog_bar=False)
+        if prefix == "val":
+            self.log("val/fvu_pb", total, prog_bar=True, logger=False)
         for m in (self.val_fvu, self.val_l0, self.val_kl, self.val_agree):
             m.reset()
 

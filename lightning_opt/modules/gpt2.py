@@ -9,10 +9,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torchmetrics import MeanMetric
+from typing_extensions import override
 
 from lightning_opt.callbacks._logging import trainer_logs_next_step
 from lightning_opt.models.gpt2 import GPT, GPTConfig
-from lightning_opt.modules.base import TrainingModule, register_safe_globals
+from lightning_opt.modules.base import TrainingModule, normalised, register_safe_globals
 from lightning_opt.optim.factory import OptimConfig
 from lightning_opt.optim.schedules import ScheduleConfig
 
@@ -24,6 +25,18 @@ _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f
 # with other values of these (say, a checkpoint from before the recipe set head_fp8: auto)
 EXECUTION_ONLY_FIELDS = frozenset({"loss_impl", "loss_chunk_size", "head_fp8", "mlp_fp8", "attn_fp8", "grad_checkpoint",
                                    "attn_backend", "fp8_backward_fast_accum", "layer_drop"})
+
+
+def saved_model_config(saved: Any) -> dict[str, Any]:
+    """A checkpoint's ``model_config`` (a ``GPTConfig``, or the dict LightningCLI saved) as a normalised dict
+    of every field: fields it predates at their defaults, lists as tuples."""
+    if not isinstance(saved, GPTConfig):
+        saved = saved.as_dict() if hasattr(saved, "as_dict") else dict(saved)
+        try:
+            saved = GPTConfig.from_dict(saved)
+        except (TypeError, ValueError):  # a field this version no longer accepts: compare the values as saved
+            saved = {**_FIELD_DEFAULTS, **saved}
+    return normalised(saved.to_dict() if isinstance(saved, GPTConfig) else saved)
 
 
 def check_compile_options(compile: bool, options: dict[str, Any] | None) -> None:
@@ -64,6 +77,9 @@ class GPT2SpeedrunModule(TrainingModule):
             files' ``n_positions`` are free). The weights are read when a Trainer first sets the module up; a
             checkpoint (``ckpt_path``, ``load_from_checkpoint``) replaces them and needs no HF files.
 
+    ``trainer.test`` logs ``test/loss`` and ``test/ppl`` over ``(x, y)`` batches; ``trainer.predict`` returns the
+    next-token logits ``[B, T, vocab_size]`` (float32) of ``x`` or ``(x, y)`` batches.
+
     Logged keys: ``train/loss``, ``val/loss``, ``val/ppl``, ``tokens_seen``, ``lr/group{i}`` (the last two on
     the steps the logger writes, ``Trainer(log_every_n_steps=...)``: logging a Python number syncs the GPU).
     Exposes ``flops_per_batch`` (Lightning's convention) once the first batch is seen.
@@ -79,7 +95,8 @@ class GPT2SpeedrunModule(TrainingModule):
         init_from: str | None = None,
     ) -> None:
         super().__init__(optim, schedule)
-        self.model_config = model_config or GPTConfig()
+        # a dict (a checkpoint's hyperparameters as LightningCLI saved them) is normalised: lists become tuples
+        self.model_config = GPTConfig.from_dict(model_config) if model_config is not None else GPTConfig()
         check_compile_options(compile, compile_options)
         self.save_hyperparameters()
         self.model = GPT(self.model_config)
@@ -88,8 +105,10 @@ class GPT2SpeedrunModule(TrainingModule):
         self.init_from = init_from
         self._init_loaded = init_from is None  # HF weights are read at the first setup, unless a checkpoint came
         self.val_loss = MeanMetric()
+        self.test_loss = MeanMetric()
         self.flops_per_batch: float | None = None
 
+    @override
     def setup(self, stage: str) -> None:
         data = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         seq_len = getattr(data, "seq_len", None)
@@ -107,16 +126,19 @@ class GPT2SpeedrunModule(TrainingModule):
         self.model.load_state_dict(pretrained.state_dict())
         self._init_loaded = True
 
+    @override
     def configure_model(self) -> None:
         if self.compile_model and not getattr(self, "_compiled", False):
             self.model.compile(dynamic=False, options=self.compile_options)
             self._compiled = True
 
+    @override
     def optimizer_roles(self) -> dict[str, list[nn.Parameter] | None]:
         m = self.model
         head = [] if self.model_config.tie_embeddings else [m.lm_head.weight]
         return {"hidden": m.hidden_matrices(), "embeddings": None, "head": head}
 
+    @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         theirs = checkpoint.get("hyper_parameters", {}).get("model_config")
         if theirs is None and "model.wte.weight" not in checkpoint.get("state_dict", {}):
@@ -126,13 +148,12 @@ class GPT2SpeedrunModule(TrainingModule):
                 f"{keys}...); pass a GPT2SpeedrunModule checkpoint or train from scratch"
             )
         diffs = {}
-        if theirs is not None and theirs != self.model_config:
-            a, b = self.model_config.to_dict(), theirs.to_dict() if hasattr(theirs, "to_dict") else dict(theirs)
+        if theirs is not None:
             # how the same model is computed (loss kernel, FP8 head, attention kernel, recomputation) may change
-            # between runs; what the weights mean may not
-            # a field the checkpoint predates counts as its default (what that code computed)
-            b = {k: b.get(k, _FIELD_DEFAULTS.get(k)) for k in a}
-            diffs = {k: (b[k], a[k]) for k in a if a[k] != b[k] and k not in EXECUTION_ONLY_FIELDS}
+            # between runs; what the weights mean may not. A field the checkpoint predates counts as its default
+            # (what that code computed); lists and tuples compare equal (LightningCLI saves the parsed YAML)
+            a, b = normalised(self.model_config.to_dict()), saved_model_config(theirs)
+            diffs = {k: (b.get(k), a[k]) for k in a if a[k] != b.get(k) and k not in EXECUTION_ONLY_FIELDS}
         if diffs:
             raise ValueError(
                 "checkpoint comes from another model: (checkpoint, this run) differ in "
@@ -142,17 +163,20 @@ class GPT2SpeedrunModule(TrainingModule):
         self._init_loaded = True  # the checkpoint's weights, not init_from's
         super().on_load_checkpoint(checkpoint)
 
+    @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
     def compute_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.model(x, y)
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.model_config.window_schedule is not None:  # the attention window follows training progress,
             # over the steps the learning-rate schedule spans (max_steps, else the schedule's total_steps)
             self.model.set_train_progress(self.trainer.global_step / max(1, self.schedule_total_steps()))
 
+    @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         if self.flops_per_batch is None:
@@ -172,17 +196,42 @@ class GPT2SpeedrunModule(TrainingModule):
     def _logs_this_step(self) -> bool:
         return self._trainer is None or trainer_logs_next_step(self._trainer)
 
+    @override
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
         self.val_loss.update(self.compute_loss(x, y), weight=x.numel())
 
+    @override
     def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()
-        # validate() runs under inference mode; states re-created there could not be updated in training
-        with torch.inference_mode(False):
-            self.val_loss.reset()
+        loss = self._epoch_loss(self.val_loss)
         self.log("val/loss", loss, prog_bar=True, sync_dist=False)
         self.log("val/ppl", torch.exp(loss.clamp(max=20)))
+
+    @override
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.test_loss.update(self.compute_loss(x, y), weight=x.numel())
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        loss = self._epoch_loss(self.test_loss)
+        self.log("test/loss", loss, sync_dist=False)
+        self.log("test/ppl", torch.exp(loss.clamp(max=20)))
+
+    @override
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        """Next-token logits ``[B, T, vocab]`` (float32) for ``x`` or ``(x, y)`` batches."""
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(x).float()
+
+    @staticmethod
+    def _epoch_loss(metric: MeanMetric) -> torch.Tensor:
+        """The token-weighted mean loss over the epoch (all ranks), and the metric reset for the next one."""
+        loss = metric.compute()
+        # validate() / test() run under inference mode; states re-created there could not be updated in training
+        with torch.inference_mode(False):
+            metric.reset()
+        return loss
 
     @staticmethod
     def val_ppl(loss: float) -> float:

@@ -8,9 +8,12 @@ metrics (CI-L0, MMCS/ML2R, identity-CI error, LM CE/KL under masks). See ``docs/
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
+import itertools
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -19,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
+from typing_extensions import override
 
 from lightning_opt.models import spd as S
 from lightning_opt.models.toy import (
@@ -96,8 +100,20 @@ class SPDTargetConfig:
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.train_device
 
-    def build(self) -> nn.Module:
-        """Build (and for toy / demo targets, train) the frozen target."""
+    def build(self, train: bool = True) -> nn.Module:
+        """Build (and for toy / demo targets, train) the frozen target.
+
+        ``train=False`` builds the same architecture untrained (``SPDModule.load_from_checkpoint`` does: the
+        trained weights come from the checkpoint).
+        """
+        if not train and self.kind == "tms" and not self.checkpoint:
+            return TMSModel(TMSConfig(**self.model)).untie_().requires_grad_(False).eval()  # train_tms' result
+        if not train and self.kind == "resid_mlp" and not self.checkpoint:
+            from lightning_opt.models.toy import ResidMLP
+
+            return ResidMLP(ResidMLPConfig(**self.model), seed=self.seed).requires_grad_(False).eval()
+        if not train and self.kind == "gpt" and self.train_steps:
+            return _build_gpt(dataclasses.replace(self, train_steps=0))
         if self.kind == "tms":
             cfg = TMSConfig(**self.model)
             if self.checkpoint:
@@ -255,6 +271,29 @@ def _as(cls: type, value: Any) -> Any:
     return value if isinstance(value, cls) else cls(**(value or {}))
 
 
+def _register_safe_globals() -> None:
+    from lightning_opt.modules.base import register_safe_globals
+
+    # a module made in Python saves these configs in its checkpoint's hyperparameters
+    register_safe_globals(SPDTargetConfig, PGDConfig, SPDLossConfig, SPDTrainConfig, S.SPDConfig, S.ComponentPattern)
+
+
+_register_safe_globals()
+
+# set while SPDModule.load_from_checkpoint builds a module: the target's trained weights come from the checkpoint
+_LOADING_CHECKPOINT: contextvars.ContextVar[bool] = contextvars.ContextVar("spd_loading_checkpoint", default=False)
+
+
+class _SkipFirst(IterableDataset):
+    """``dataset`` without its first ``skip`` items: a resumed run continues the seeded stream where it stopped."""
+
+    def __init__(self, dataset: Any, skip: int) -> None:
+        self.dataset, self.skip = dataset, skip
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.dataset), self.skip, None)
+
+
 # --------------------------------------------------------------------------------------------------
 # Module
 # --------------------------------------------------------------------------------------------------
@@ -283,6 +322,8 @@ class SPDModule(L.LightningModule):
         train: SPDTrainConfig | None = None,
     ) -> None:
         super().__init__()
+        # a target given as an nn.Module is not a hyperparameter: load_from_checkpoint(path, target=model) then
+        self.save_hyperparameters(ignore=["target"] if isinstance(target, nn.Module) else None)
         self.target_cfg = target if isinstance(target, nn.Module) else _as(SPDTargetConfig, target)
         if spd is None:
             raise ValueError("SPDModule needs spd=SPDConfig(components=[...]) saying which modules to decompose")
@@ -290,26 +331,63 @@ class SPDModule(L.LightningModule):
         self.loss_cfg = _as(SPDLossConfig, loss)
         self.train_cfg = _as(SPDTrainConfig, train)
         torch.manual_seed(self.train_cfg.seed)
-        model = target if isinstance(target, nn.Module) else self.target_cfg.build()
+        model = target if isinstance(target, nn.Module) else self.target_cfg.build(train=not _LOADING_CHECKPOINT.get())
         torch.manual_seed(self.train_cfg.seed)
         self.spd = S.SPDModel(model, self.spd_cfg)
         self.register_buffer("_frac", torch.zeros(()), persistent=False)
         self._loss_fn: Callable[..., tuple[Tensor, dict[str, Tensor]]] = self.compute_losses
         self.final_metrics: dict[str, float] = {}
+        self._restored = False  # weights come from a checkpoint (resume): no faithfulness warmup
+
+    @classmethod
+    @override
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, weights_only: bool | None = True,
+                             **kwargs: Any) -> SPDModule:  # type: ignore[override]
+        """Lightning's ``load_from_checkpoint``; a target from an :class:`SPDTargetConfig` is built untrained (its
+        trained weights are in the checkpoint). A module made with an ``nn.Module`` target needs it again:
+        ``SPDModule.load_from_checkpoint(path, target=model)``. The file is read with ``weights_only=True`` by
+        default (torch before 2.6 defaults to unpickling anything)."""
+        token = _LOADING_CHECKPOINT.set(True)
+        try:
+            return super().load_from_checkpoint(checkpoint_path, *args, weights_only=weights_only, **kwargs)
+        finally:
+            _LOADING_CHECKPOINT.reset(token)
 
     # -- data for toy targets -------------------------------------------------------------------
-    def train_dataloader(self) -> DataLoader:
+    def _own_stream(self, seed: int, split: str = "train") -> Any:
+        """The endless stream of batches this target brings (toy features, or demo-corpus windows)."""
         cfg = self.target_cfg
         if isinstance(cfg, SPDTargetConfig) and cfg.is_toy:
             n = self.spd.target.config.n_features
-            ds = SparseFeatureDataset(n, cfg.feature_probability, self.train_cfg.batch_size, cfg.value_range, seed=self.train_cfg.seed + 1)
-            return DataLoader(ds, batch_size=None)
+            return SparseFeatureDataset(n, cfg.feature_probability, self.train_cfg.batch_size, cfg.value_range, seed=seed)
         if isinstance(cfg, SPDTargetConfig) and cfg.kind == "gpt" and cfg.checkpoint is None:
-            return _demo_corpus_loader(cfg.seq_len, self.train_cfg.batch_size, self.train_cfg.seed + 1)
+            return _RandomWindows(_demo_tokens(split), cfg.seq_len, self.train_cfg.batch_size, seed)
         raise ValueError(
-            "this target brings no data of its own: pass a datamodule to Trainer.fit (e.g. "
+            "this target brings no data of its own: pass a datamodule or dataloaders to the Trainer (e.g. "
             "lightning_opt.data.TokenShardDataModule yielding (x, y) token batches)"
         )
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        stream = self._own_stream(self.train_cfg.seed + 1)
+        # a resumed run (global_step restored before the loaders are made) continues the stream where it stopped
+        skip = self.global_step if self._trainer is not None else 0
+        return DataLoader(_SkipFirst(stream, skip) if skip else stream, batch_size=None)
+
+    def _held_out_batches(self) -> list[Any]:
+        """``eval_batches`` batches the training stream never gives (another seed; the demo corpus' val split)."""
+        it = iter(self._own_stream(self.train_cfg.seed + 2, split="val"))
+        return [next(it) for _ in range(self.train_cfg.eval_batches)]
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        """Toy and demo targets: ``train.eval_batches`` held-out batches."""
+        return DataLoader(self._held_out_batches(), batch_size=None)
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        """Toy and demo targets: ``train.eval_batches`` held-out batches."""
+        return DataLoader(self._held_out_batches(), batch_size=None)
 
     # -- the step ---------------------------------------------------------------------------------
     @staticmethod
@@ -428,12 +506,15 @@ class SPDModule(L.LightningModule):
         return loss_with(ci)
 
     # -- Lightning hooks ------------------------------------------------------------------------------
+    @override
     def setup(self, stage: str) -> None:
-        if self.train_cfg.compile and self._loss_fn == self.compute_losses:
+        if stage == "fit" and self.train_cfg.compile and self._loss_fn == self.compute_losses:
             self._loss_fn = torch.compile(self.compute_losses)
 
+    @override
     def on_fit_start(self) -> None:
-        self.faithfulness_warmup()
+        if not self._restored:  # a resumed run continues from the checkpoint's components
+            self.faithfulness_warmup()
 
     def faithfulness_warmup(self) -> float:
         """AdamW on the faithfulness loss alone, so that V U starts close to W. Returns the final loss."""
@@ -455,15 +536,27 @@ class SPDModule(L.LightningModule):
 
         return {"spd": dataclasses.asdict(self.spd_cfg)}
 
+    @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["lightning_opt_config"] = self._config_record()  # plain types: weights_only-safe
+        record = self._config_record()
+        record["target_is_module"] = isinstance(self.target_cfg, nn.Module)
+        checkpoint["lightning_opt_config"] = record  # plain types: weights_only-safe
 
+    @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         from lightning_opt.modules.base import check_checkpoint_matches
 
-        check_checkpoint_matches(self, checkpoint, ours=self._config_record(),
-                                 theirs=checkpoint.get("lightning_opt_config"))
+        theirs = checkpoint.get("lightning_opt_config") or {}
+        if theirs.get("target_is_module") and not isinstance(self.target_cfg, nn.Module):
+            raise ValueError(
+                "this checkpoint decomposes a target that was passed as an nn.Module (not an SPDTargetConfig); "
+                "pass that model again: SPDModule.load_from_checkpoint(path, target=model)"
+            )
+        theirs = {k: v for k, v in theirs.items() if k != "target_is_module"}
+        check_checkpoint_matches(self, checkpoint, ours=self._config_record(), theirs=theirs or None)
+        self._restored = True
 
+    @override
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         max_steps = max(int(self.trainer.max_steps), 1) if self._trainer is not None else 1
         self._frac.fill_(self.global_step / max_steps)
@@ -473,6 +566,7 @@ class SPDModule(L.LightningModule):
             self.log(f"train/{k}", v)
         return total
 
+    @override
     def configure_optimizers(self) -> Any:
         tc = self.train_cfg
         params = self.spd.component_parameters() + self.spd.ci_parameters()
@@ -483,6 +577,7 @@ class SPDModule(L.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, mult)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    @override
     def on_fit_end(self) -> None:
         self.final_metrics = self.evaluate()
         if self.trainer.is_global_zero and self.train_cfg.metrics_path:
@@ -490,6 +585,48 @@ class SPDModule(L.LightningModule):
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             with open(path, "w") as f:
                 json.dump(self.final_metrics, f, indent=2, sort_keys=True)
+
+    # -- inference, test, predict -------------------------------------------------------------------
+    @override
+    def forward(self, x: Tensor) -> Tensor:
+        """The decomposed model's output on ``x`` with every component masked by its causal importance."""
+        spd = self.spd
+        spd.refresh_delta_weights()
+        try:
+            _, inputs = spd.target_forward(x)
+            return spd.masked_forward(x, masks=dict(spd.causal_importances(inputs).lower))
+        finally:
+            spd.state.delta_weights = {}
+
+    @override
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        """Logs ``test/<metric>`` (CI-L0, reconstruction under CI / stochastic / unmasked / zero masks; CE and KL
+        for language models), averaged over the test batches."""
+        n = self.batch_inputs(batch).shape[0]
+        metrics = {f"test/{k}": v for k, v in self._eval_batch(batch).items()}
+        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=n)
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        """Toy targets: ``test/mmcs``, ``test/ml2r`` (TMS), ``test/identity_ci_error/<layer>``."""
+        toy = self.toy_metrics()
+        if toy:
+            self.log_dict({f"test/{k}": v for k, v in toy.items()})
+
+    @override
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
+        """For a batch ``x`` (or ``(x, y)``): the target's output ``target``, the output with components masked
+        by their causal importances ``output``, and the importances ``ci`` (``{layer: [..., C]}``)."""
+        x = self.batch_inputs(batch)
+        spd = self.spd
+        spd.refresh_delta_weights()
+        try:
+            target_out, inputs = spd.target_forward(x)
+            ci = spd.causal_importances(inputs).lower
+            out = spd.masked_forward(x, masks=dict(ci))
+        finally:
+            spd.state.delta_weights = {}
+        return {"target": target_out, "output": out, "ci": dict(ci)}
 
     # -- evaluation -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -580,18 +717,19 @@ class SPDModule(L.LightningModule):
 # --------------------------------------------------------------------------------------------------
 
 
-def _demo_tokens() -> Any:
+def _demo_tokens(split: str = "train") -> Any:
     from lightning_opt.data.corpus import default_corpus_shards
 
-    train_path, _ = default_corpus_shards()
+    train_path, val_path = default_corpus_shards()
+    path = train_path if split == "train" else val_path
     try:
         from lightning_opt.data import read_shard
 
-        return read_shard(train_path)
+        return read_shard(path)
     except ImportError:  # pragma: no cover - older data package
         import numpy as np
 
-        return np.fromfile(train_path, dtype=np.uint16, offset=256 * 4)
+        return np.fromfile(path, dtype=np.uint16, offset=256 * 4)
 
 
 class _RandomWindows(torch.utils.data.IterableDataset):

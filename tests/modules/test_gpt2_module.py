@@ -175,7 +175,7 @@ def test_checkpoint_from_before_a_new_model_field_resumes(tmp_path):
     from dataclasses import replace
 
     ckpt = _one_step_checkpoint(tmp_path)
-    state = torch.load(ckpt, weights_only=False)
+    state = torch.load(ckpt, weights_only=True)
     old = state["hyper_parameters"]["model_config"].to_dict()
     del old["norm_weight"]
     state["hyper_parameters"]["model_config"] = old

@@ -72,25 +72,19 @@ def test_lm_demo_recipe_reports_ce_and_kl_under_masks(tmp_path):
     assert m["kl/unmasked"] >= 0
 
 
-def test_plain_parser_without_jsonargparse_matches_cli(tmp_path):
-    """The GPU image may lack jsonargparse: ``--plain`` parses the same config and overrides and gives
-    the same seeded run as LightningCLI (the TMS 40-10 GPU command uses it)."""
-    extra = (
-        "--trainer.max_steps", "3", "--model.target.train_steps", "10", "--model.target.train_device", "auto",
-        "--model.train.batch_size", "64", "--model.train.faithfulness_warmup_steps", "2", "--model.train.eval_batches", "1",
-    )
-    cli = _run(tmp_path / "cli", "spd_tms_40-10.yaml", *extra)
-    plain = _run(tmp_path / "plain", "spd_tms_40-10.yaml", "--plain", *extra)
-    assert plain["steps"] == cli["steps"] == 3
-    for k in ("mmcs", "ml2r", "ci_l0", "recon/stochastic"):
-        assert plain[k] == pytest.approx(cli[k], rel=1e-6), k
-
-
-def test_plain_parser_rejects_bad_arguments(tmp_path):
-    with pytest.raises(ValueError, match="--config FILE"):
-        _main()(["--plain", "stray"])
-    with pytest.raises(ValueError, match="needs a value"):
-        _main()(["--plain", "--config"])
+def test_there_is_no_hand_written_yaml_parser(tmp_path):
+    """``--plain`` (a YAML parser of the recipe's own that instantiated any ``class_path``) is gone: the flag is
+    an error of LightningCLI's parser, and a logger whose class_path is not a Logger is refused unbuilt."""
+    marker = tmp_path / "ran"
+    config = ROOT / "recipes" / "configs" / "spd_tms_5-2.yaml"
+    with pytest.raises(SystemExit):
+        _main()(["--plain", "--config", str(config)])
+    with pytest.raises(SystemExit):
+        _main()(["--config", str(config), "--trainer.logger.class_path", "os.system",
+                 "--trainer.logger.init_args.command", f"touch {marker}"])
+    assert not marker.exists()
+    source = (ROOT / "recipes" / "spd.py").read_text()
+    assert "import yaml" not in source and "import_module" not in source
 
 
 def test_plot_path_writes_a_copy_of_the_components_plot(tmp_path):
@@ -98,7 +92,7 @@ def test_plot_path_writes_a_copy_of_the_components_plot(tmp_path):
     the cosine panel for more than 2 hidden dimensions is drawn too)."""
     out = tmp_path / "top" / "spd_tms_40-10_components.png"
     _run(
-        tmp_path / "run", "spd_tms_40-10.yaml", "--plain", "--plot_path", str(out),
+        tmp_path / "run", "spd_tms_40-10.yaml", "--plot_path", str(out),
         "--trainer.max_steps", "2", "--model.target.train_steps", "5",
         "--model.train.batch_size", "64", "--model.train.faithfulness_warmup_steps", "2",
         "--model.train.eval_batches", "1",
@@ -107,5 +101,5 @@ def test_plot_path_writes_a_copy_of_the_components_plot(tmp_path):
     assert len(in_run) == 1
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out.read_bytes() == in_run[0].read_bytes()
-    with pytest.raises(ValueError, match="--plot_path needs a value"):
-        _main()(["--plain", "--config", str(ROOT / "recipes" / "configs" / "spd_tms_40-10.yaml"), "--plot_path"])
+    with pytest.raises(SystemExit):  # jsonargparse: "expected one argument"
+        _main()(["--config", str(ROOT / "recipes" / "configs" / "spd_tms_40-10.yaml"), "--plot_path"])
