@@ -20,14 +20,17 @@ import json
 import platform
 import re
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
-from lightning_opt.models.gpt2 import GPT, GPTConfig
-from lightning_opt.optim.factory import OptimConfig, build_optimizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's package, as the other benchmarks
+
+from lightning_opt.models.gpt2 import GPT, GPTConfig  # noqa: E402
+from lightning_opt.optim.factory import OptimConfig, build_optimizer  # noqa: E402
 
 NAMES = ("adamw", "adamw8bit", "lion")
 
