@@ -15,10 +15,10 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) recipes/gpt2_speedrun.py --config recipes/configs/gpt2/demo.yaml
+	$(VENV)/bin/lightning-opt-gpt2 --config gpt2/demo
 
 test: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check lightning_opt tests recipes benchmarks
+	$(VENV)/bin/ruff check lightning_opt tests benchmarks

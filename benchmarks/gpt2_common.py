@@ -189,10 +189,10 @@ def autocast(dev: torch.device, amp: str):
 
 
 def load_yaml_config(name: str) -> tuple[GPTConfig, OptimConfig, ScheduleConfig, dict[str, Any]]:
-    """Model, optimizer and schedule of ``recipes/configs/gpt2/<name>.yaml`` (the recipe's own config)."""
+    """Model, optimizer and schedule of ``lightning_opt/recipes/configs/gpt2/<name>.yaml`` (the recipe's own config)."""
     import yaml
 
-    raw = yaml.safe_load((ROOT / "recipes" / "configs" / "gpt2" / f"{name}.yaml").read_text())
+    raw = yaml.safe_load((ROOT / "lightning_opt" / "recipes" / "configs" / "gpt2" / f"{name}.yaml").read_text())
     m = raw["model"]
     return (GPTConfig(**m["model_config"]), OptimConfig(**m.get("optim", {})),
             ScheduleConfig(**m.get("schedule", {})), raw)

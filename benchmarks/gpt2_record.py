@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "steps for the same token budget (the schedule follows)")
     p.add_argument("--ours-long", action="store_true",
                    help="ours on the record's geometry: 65,536-token sequences, document-causal FlexAttention with "
-                        "a window growing 128 -> 1792 (recipes/configs/gpt2/gpt2-124m-speedrun-long.yaml); "
+                        "a window growing 128 -> 1792 (lightning_opt/recipes/configs/gpt2/gpt2-124m-speedrun-long.yaml); "
                         "tokens per step as --ours-accum says")
     p.add_argument("--ours-micro-batch", type=int, default=32,
                    help="1024-token sequences per micro-batch for ours (the same tokens per step in fewer, larger "

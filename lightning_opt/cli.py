@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -137,8 +138,44 @@ def write_metrics(path: Path, metrics: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+CONFIGS = Path(__file__).resolve().parent / "recipes" / "configs"  # the recipes' shipped YAML configs
+
+
+def shipped_configs() -> list[str]:
+    """The names ``--config`` accepts besides paths, e.g. ``gpt2/demo``, ``clt_demo``, ``spd_tms_5-2``."""
+    return sorted(str(p.relative_to(CONFIGS).with_suffix("")) for p in CONFIGS.rglob("*.yaml"))
+
+
+def resolve_config(value: str) -> str:
+    """``value`` when it names an existing file (or is not a shipped config's name), else that config's path."""
+    if Path(value).exists():
+        return value
+    name = value[: -len(".yaml")] if value.endswith(".yaml") else value
+    path = CONFIGS / f"{name}.yaml"
+    return str(path) if name and path.is_file() and path.resolve().is_relative_to(CONFIGS) else value
+
+
+def resolve_config_args(args: list[str]) -> list[str]:
+    """``--config NAME`` (or ``--config=NAME``) of a shipped config becomes its path; paths pass as given."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        if arg == "--config" and i + 1 < len(out):
+            out[i + 1] = resolve_config(out[i + 1])
+        elif arg.startswith("--config="):
+            out[i] = "--config=" + resolve_config(arg[len("--config="):])
+    return out
+
+
 class RecipeCLI(LightningCLI):
-    """LightningCLI that picks bf16-mixed on a GPU and 32-bit on CPU when ``trainer.precision`` is unset."""
+    """LightningCLI that picks bf16-mixed on a GPU and 32-bit on CPU when ``trainer.precision`` is unset,
+    and takes ``--config NAME`` for a shipped config (``gpt2/demo``, ``clt_demo``, ``spd_tms_5-2``)."""
+
+    def parse_arguments(self, parser, args) -> None:
+        if args is None:
+            args = sys.argv[1:]
+        if isinstance(args, list):
+            args = resolve_config_args(args)
+        super().parse_arguments(parser, args)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="resume from this checkpoint")

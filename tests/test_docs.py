@@ -42,21 +42,23 @@ def test_every_docs_page_is_reachable_from_the_docs_home():
 
 # -- every documented command runs ------------------------------------------------------------------
 #
-# Shell commands in README.md and docs/**/*.md that invoke a recipe (recipes/*.py), `lightning-opt-data` or
-# `python -m` are run here, in-process, with tiny overrides (one training step, one val batch) in a scratch
+# Shell commands in README.md and docs/**/*.md that invoke a recipe (`lightning-opt-gpt2`, `-clt`, `-spd`,
+# `-sample`, or `python -m lightning_opt.recipes.<name>`), `lightning-opt-data` or `python -m` are run here, in-process, with tiny overrides (one training step, one val batch) in a scratch
 # folder. A command that needs a GPU or the network carries a marker comment on the line before it (or at
 # its end) that this test recognises:
 #   # [GPU] ...       a recipe: its configuration and overrides are parsed and checked with --print_config
 #   # [network] ...   lightning-opt-data: its arguments are parsed (nothing is downloaded)
 # A command without a marker must run on the CPU, offline, within seconds.
 
-_INVOKES = re.compile(r"(^|\s)(\S*python3?\s+(recipes/\S+\.py|-m\s+\S+)|lightning-opt-data)(\s|$)")
+_INVOKES = re.compile(r"(^|\s)(\S*python3?\s+-m\s+\S+|lightning-opt-(data|gpt2|clt|spd|sample))(\s|$)")
+_RECIPE_SCRIPT = re.compile(r"lightning-opt-(gpt2|clt|spd|sample)$")
+_RECIPE_MODULE = re.compile(r"lightning_opt\.recipes\.(gpt2|clt|spd|sample)$")
 _MARKER = re.compile(r"#\s*\[(GPU|network)\]")
 RECIPE_TINY = {
-    "gpt2_speedrun.py": ["--trainer.max_steps", "1", "--trainer.val_check_interval", "1",
+    "gpt2": ["--trainer.max_steps", "1", "--trainer.val_check_interval", "1",
                          "--trainer.limit_val_batches", "1", "--data.val_tokens", "1024"],
-    "clt.py": ["--trainer.max_steps", "1", "--trainer.val_check_interval", "1", "--trainer.limit_val_batches", "1"],
-    "spd.py": ["--trainer.max_steps", "1", "--model.target.train_steps", "2", "--model.target.train_batch_size", "64",
+    "clt": ["--trainer.max_steps", "1", "--trainer.val_check_interval", "1", "--trainer.limit_val_batches", "1"],
+    "spd": ["--trainer.max_steps", "1", "--model.target.train_steps", "2", "--model.target.train_batch_size", "64",
                "--model.train.batch_size", "64", "--model.train.faithfulness_warmup_steps", "0",
                "--model.train.eval_batches", "1"],
 }
@@ -105,17 +107,19 @@ def test_docs_commands_are_found():
 
 
 def _recipe_main(name: str):
-    import importlib.util
+    import importlib
 
-    spec = importlib.util.spec_from_file_location(f"docs_recipe_{name}", ROOT / "recipes" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
+    return importlib.import_module(f"lightning_opt.recipes.{name}").main
 
 
-@pytest.fixture(scope="module")
-def recipes():
-    return {p.name: _recipe_main(p.stem) for p in sorted((ROOT / "recipes").glob("*.py"))}
+def _recipe_call(argv: list[str]) -> tuple[str, list[str]] | None:
+    """``(recipe, its arguments)`` for a console script or ``python -m lightning_opt.recipes.<recipe>``."""
+    for i, arg in enumerate(argv):
+        if m := _RECIPE_SCRIPT.search(arg):
+            return m.group(1), argv[i + 1 :]
+        if i > 0 and argv[i - 1] == "-m" and (m := _RECIPE_MODULE.fullmatch(arg)):
+            return m.group(1), argv[i + 1 :]
+    return None
 
 
 def _workspace(tmp_path: Path) -> None:
@@ -161,23 +165,23 @@ def _run_data_cli(argv: list[str], marker: str | None, capsys) -> None:
 
 
 @pytest.mark.parametrize("where,command,marker", COMMANDS, ids=[w for w, _, _ in COMMANDS])
-def test_docs_command_runs(where, command, marker, tmp_path, monkeypatch, capsys, recipes):
+def test_docs_command_runs(where, command, marker, tmp_path, monkeypatch, capsys):
     import os
     import shlex
 
     argv = [os.path.expandvars(a) for a in shlex.split(command)]
-    argv = [str(ROOT / a) if a.startswith(("recipes/", "docs/")) else a for a in argv]
+    argv = [str(ROOT / a) if a.startswith("docs/") else a for a in argv]
     _workspace(tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PWD", str(tmp_path))
     if argv[0] == "lightning-opt-data":
         _run_data_cli(argv[1:], marker, capsys)
         return
-    script = next((Path(a).name for a in argv if a.endswith(".py")), None)
-    if script == "sample.py":  # it needs a run to sample from: the demo's, one step, where the docs train it
-        _run_recipe(recipes["gpt2_speedrun.py"], ["--config", str(ROOT / "recipes/configs/gpt2/demo.yaml")], None,
-                    "gpt2_speedrun.py")
-        assert _recipe_main("sample")([*argv[2:], "--max_new_tokens", "8"])
+    call = _recipe_call(argv)
+    assert call is not None, f"{where}: {command!r} runs no recipe (lightning-opt-<recipe>)"
+    name, args = call
+    if name == "sample":  # it needs a run to sample from: the demo's, one step, where the docs train it
+        _run_recipe(_recipe_main("gpt2"), ["--config", "gpt2/demo"], None, "gpt2")
+        assert _recipe_main("sample")([*args, "--max_new_tokens", "8"])
         return
-    assert script in recipes, f"{where}: {command!r} runs no recipe in recipes/"
-    _run_recipe(recipes[script], argv[argv.index(next(a for a in argv if a.endswith(".py"))) + 1 :], marker, script)
+    _run_recipe(_recipe_main(name), args, marker, name)

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCOPES = ("lightning_opt", "recipes", "docs", "benchmarks", "README.md", "tests")
+SCOPES = ("lightning_opt", "docs", "benchmarks", "README.md", "tests")
 SUFFIXES = {".py", ".md", ".yaml", ".yml", ".json", ".txt", ".toml", ".cfg", ".ipynb"}
 PATTERNS = [
     re.compile(r"\bsessions? \d", re.I),  # "session 7", "sessions 4-6"

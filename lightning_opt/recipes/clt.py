@@ -1,7 +1,7 @@
 """Cross-layer transcoder (CLT) recipe.
 
-    python recipes/clt.py --config recipes/configs/clt_demo.yaml          # CPU, offline, < 2 min
-    python recipes/clt.py --config recipes/configs/clt_gpt2_small.yaml \
+    lightning-opt-clt --config clt_demo          # CPU, offline, < 2 min
+    lightning-opt-clt --config clt_gpt2_small \
         --data.train_files '/data/fineweb_train_*.bin' --data.val_files '/data/fineweb_val_*.bin'
 
 The demo trains a tiny byte-level GPT on the built-in corpus first (cached after the first run), then a CLT
@@ -12,14 +12,9 @@ L0, dead fraction, the replacement model's KL and next-token agreement, tokens/s
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from lightning_opt.cli import RecipeCLI, RunSummary, run_dir, run_recipe, write_metrics  # noqa: E402
-from lightning_opt.data.activations import CLTDataModule  # noqa: E402
-from lightning_opt.modules.clt import CLTModule  # noqa: E402
+from lightning_opt.cli import RecipeCLI, RunSummary, run_dir, run_recipe, write_metrics
+from lightning_opt.data.activations import CLTDataModule
+from lightning_opt.modules.clt import CLTModule
 
 
 class CLTRecipeCLI(RecipeCLI):
@@ -56,5 +51,10 @@ def main(args: list[str] | None = None) -> dict:
     return metrics
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``lightning-opt-clt`` console script: ``main`` on the command line, exit status 0 when it ends."""
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,7 +1,7 @@
 """GPT-2 speedrun recipe.
 
-    python recipes/gpt2_speedrun.py --config recipes/configs/gpt2/demo.yaml
-    python recipes/gpt2_speedrun.py --config recipes/configs/gpt2/gpt2-124m-speedrun.yaml \
+    lightning-opt-gpt2 --config gpt2/demo
+    lightning-opt-gpt2 --config gpt2/gpt2-124m-speedrun \
         --data.train_files '/data/fineweb_train_*.bin' --data.val_files '/data/fineweb_val_*.bin'
 
 Any value can be overridden on the command line (``--trainer.max_steps 100``); ``--print_config``
@@ -11,14 +11,9 @@ the run directory at the end.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from lightning_opt.cli import RecipeCLI, RunSummary, run_recipe  # noqa: E402
-from lightning_opt.data.datamodule import TokenShardDataModule  # noqa: E402
-from lightning_opt.modules.gpt2 import GPT2SpeedrunModule  # noqa: E402
+from lightning_opt.cli import RecipeCLI, RunSummary, run_recipe
+from lightning_opt.data.datamodule import TokenShardDataModule
+from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
 
 
 def main(args: list[str] | None = None) -> dict:
@@ -34,5 +29,10 @@ def main(args: list[str] | None = None) -> dict:
     return run_recipe(cli, summary, recipe="gpt2_speedrun")
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``lightning-opt-gpt2`` console script: ``main`` on the command line, exit status 0 when it ends."""
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,6 +1,6 @@
-"""Sample text from a GPT-2 recipe checkpoint (``recipes/gpt2_speedrun.py``).
+"""Sample text from a GPT-2 recipe checkpoint (``lightning-opt-gpt2``).
 
-    python recipes/sample.py --ckpt_path runs/gpt2-demo/version_0 \
+    lightning-opt-sample --ckpt_path runs/gpt2-demo/version_0 \
         --prompt "The for statement" --max_new_tokens 200 --temperature 0.8 --top_k 50 --seed 0
 
 ``--ckpt_path`` is a checkpoint file or a run directory (its ``last.ckpt``, else its newest checkpoint), read
@@ -13,23 +13,20 @@ uses the model's KV cache (``GPT.generate``) and stops at the tokenizer's docume
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import torch
 
-import torch  # noqa: E402
-
-from lightning_opt.cli import check_checkpoint_file  # noqa: E402
-from lightning_opt.data.tokenizer import ByteTokenizer, GPT2Tokenizer, get_tokenizer  # noqa: E402
-from lightning_opt.modules.gpt2 import GPT2SpeedrunModule  # noqa: E402
+from lightning_opt.cli import check_checkpoint_file
+from lightning_opt.data.tokenizer import ByteTokenizer, GPT2Tokenizer, get_tokenizer
+from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt_path", required=True,
-                   help="a checkpoint written by recipes/gpt2_speedrun.py, or its run directory (newest checkpoint)")
+                   help="a checkpoint written by lightning-opt-gpt2, or its run directory (newest checkpoint)")
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     p.add_argument("--max_new_tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (argmax)")
@@ -96,5 +93,10 @@ def main(args: list[str] | None = None) -> list[str]:
     return texts
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``lightning-opt-sample`` console script: ``main`` on the command line, exit status 0 when it ends."""
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,8 +1,8 @@
 """Stochastic parameter decomposition (SPD) recipe.
 
-    python recipes/spd.py --config recipes/configs/spd_tms_5-2.yaml
-    python recipes/spd.py --config recipes/configs/spd_resid_mlp1.yaml --trainer.max_steps 2000
-    python recipes/spd.py --config recipes/configs/spd_lm_demo.yaml
+    lightning-opt-spd --config spd_tms_5-2
+    lightning-opt-spd --config spd_resid_mlp1 --trainer.max_steps 2000
+    lightning-opt-spd --config spd_lm_demo
 
 Toy targets (TMS, residual MLP) and the demo language model are trained by the recipe itself before
 SPD starts, so no download is needed. ``metrics.json`` (for TMS: ``mmcs``, ``ml2r``, ``ci_l0``,
@@ -16,17 +16,14 @@ See ``docs/spd.md``.
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import lightning as L
+import torch
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-
-from lightning_opt.cli import RecipeCLI, check_checkpoint_file, device_name, run_dir, write_metrics  # noqa: E402
-from lightning_opt.modules.spd import SPDModule  # noqa: E402
+from lightning_opt.cli import RecipeCLI, check_checkpoint_file, device_name, run_dir, write_metrics
+from lightning_opt.modules.spd import SPDModule
 
 
 def plot_decomposition(model: SPDModule, path: Path) -> Path | None:
@@ -143,5 +140,10 @@ def main(args: list[str] | None = None) -> dict:
     return metrics
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``lightning-opt-spd`` console script: ``main`` on the command line, exit status 0 when it ends."""
     main()
+
+
+if __name__ == "__main__":
+    cli()

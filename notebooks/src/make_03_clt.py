@@ -19,7 +19,7 @@ CELLS = [
 
     Runs on CPU; `NB_STEPS` sets the CLT's training steps (the target GPT trains for `5 * NB_STEPS`
     steps, at most 300). Docs: `docs/clt.md`; the same run as a recipe:
-    `python recipes/clt.py --config recipes/configs/clt_demo.yaml`.
+    `lightning-opt-clt --config clt_demo`.
     """),
     ("code", """
     import logging

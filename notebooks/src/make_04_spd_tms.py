@@ -20,7 +20,7 @@ CELLS = [
       cosine (1 = perfectly aligned);
     * **ML2R**, mean L2 ratio: that subcomponent's norm over the feature direction's norm (1 = same size).
 
-    Settings are `recipes/configs/spd_tms_5-2.yaml`'s (goodfire's TMS 5-2 config). With `NB_STEPS`
+    Settings are `lightning_opt/recipes/configs/spd_tms_5-2.yaml`'s (goodfire's TMS 5-2 config). With `NB_STEPS`
     unset SPD runs its full 10,000 steps (several minutes on one CPU core); the CI run uses a handful
     of steps, so its numbers are those of a decomposition that has barely started. Docs: `docs/spd.md`.
     """),

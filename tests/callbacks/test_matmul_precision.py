@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-from pathlib import Path
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -10,8 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_opt.callbacks import MatmulPrecision
-
-ROOT = Path(__file__).resolve().parents[2]
+from lightning_opt.recipes import CONFIGS
 
 
 class _Recorder(pl.LightningModule):
@@ -80,5 +77,5 @@ def test_unknown_precision_is_refused():
 @pytest.mark.parametrize("config", ["gpt2/gpt2-124m-classic.yaml", "gpt2/gpt2-124m-speedrun.yaml",
                                     "clt_gpt2_small.yaml"])
 def test_gpu_recipes_run_with_tf32(config):
-    callbacks = yaml.safe_load((ROOT / "recipes/configs" / config).read_text())["trainer"]["callbacks"]
+    callbacks = yaml.safe_load((CONFIGS / config).read_text())["trainer"]["callbacks"]
     assert {"class_path": "lightning_opt.callbacks.MatmulPrecision", "init_args": {"precision": "high"}} in callbacks

@@ -10,7 +10,7 @@ from lightning_opt.models.gpt2 import GPT, GPTConfig, KVCache, sample_next
 TINY = dict(vocab_size=300, n_layer=4, n_head=4, n_embd=32, block_size=24)
 CONFIGS = {
     "classic": {},
-    # the speedrun recipe's architecture (recipes/configs/gpt2/gpt2-124m-speedrun.yaml) at tiny size
+    # the speedrun recipe's architecture (lightning_opt/recipes/configs/gpt2/gpt2-124m-speedrun.yaml) at tiny size
     "speedrun": dict(vocab_multiple=128, pos_emb="rope", rope_base=1024.0, rope_truncate=True, norm="rmsnorm",
                      bias=False, qk_norm=True, mlp="relu2", tie_embeddings=False, zero_init_proj=True,
                      logit_softcap=15.0, n_value_embeds=1, unet_skips=True, x0_mix=True, embed_norm=True,

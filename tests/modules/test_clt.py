@@ -115,7 +115,7 @@ def test_replacement_with_exact_outputs_has_zero_kl(gpt: GPT) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpt2_small_clt_fits_one_80gb_gpu(tmp_path) -> None:
-    # recipes/configs/clt_gpt2_small.yaml's model: 12 x 768, 32768 features, global BatchTopK k=200, 4096 tokens
+    # lightning_opt/recipes/configs/clt_gpt2_small.yaml's model: 12 x 768, 32768 features, global BatchTopK k=200, 4096 tokens
     cfg = CLTConfig(n_layers=12, d_model=768, n_features=32768, activation="batchtopk_global", k=200,
                     normalization="mean_std")
     with torch.device("cuda"):

@@ -1,16 +1,12 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_opt.models.gpt2 import GPT, GPTConfig
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "recipes"))
+from lightning_opt.recipes import CONFIGS
 
 
 @pytest.fixture()
@@ -23,11 +19,11 @@ def target_ckpt(tmp_path) -> str:
 
 
 def test_clt_recipe_demo_config_runs_and_writes_metrics(tmp_path, target_ckpt: str) -> None:
-    import clt as recipe
+    from lightning_opt.recipes import clt as recipe
 
     export = tmp_path / "export"
     metrics = recipe.main([
-        "--config", str(ROOT / "recipes/configs/clt_demo.yaml"),
+        "--config", str(CONFIGS / "clt_demo.yaml"),
         "--data.target", target_ckpt,
         "--data.seq_len", "32", "--data.tokens_per_batch", "128", "--data.val_tokens", "256", "--data.stats_tokens", "1024",
         "--model.clt.n_layers", "2", "--model.clt.d_model", "32", "--model.clt.n_features", "64",
@@ -47,11 +43,11 @@ def test_clt_recipe_demo_config_runs_and_writes_metrics(tmp_path, target_ckpt: s
 
 
 def test_clt_recipe_rejects_a_layer_mismatch(tmp_path, target_ckpt: str) -> None:
-    import clt as recipe
+    from lightning_opt.recipes import clt as recipe
 
     with pytest.raises(ValueError, match="target model has 2 layers"):
         recipe.main([
-            "--config", str(ROOT / "recipes/configs/clt_demo.yaml"),
+            "--config", str(CONFIGS / "clt_demo.yaml"),
             "--data.target", target_ckpt, "--data.seq_len", "32", "--data.tokens_per_batch", "128", "--data.stats_tokens", "512",
             "--model.clt.d_model", "32", "--trainer.max_steps", "1",
             "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),

@@ -1,25 +1,22 @@
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from lightning_opt.recipes import CONFIGS
 
 
 def _recipe():
-    spec = importlib.util.spec_from_file_location("gpt2_speedrun_recipe", ROOT / "recipes" / "gpt2_speedrun.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from lightning_opt.recipes import gpt2
+
+    return gpt2
 
 
 def test_demo_recipe_end_to_end(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     metrics = _recipe().main([
-        "--config", str(ROOT / "recipes/configs/gpt2/demo.yaml"),
+        "--config", str(CONFIGS / "gpt2/demo.yaml"),
         "--trainer.max_steps", "40", "--trainer.val_check_interval", "20",
         "--trainer.enable_progress_bar", "false",
         "--model.model_config.n_layer", "2", "--model.model_config.n_embd", "64",
@@ -39,7 +36,7 @@ def test_demo_recipe_end_to_end(tmp_path, monkeypatch):
 def test_bad_config_value_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises((SystemExit, ValueError)):
-        _recipe().main(["--config", str(ROOT / "recipes/configs/gpt2/demo.yaml"), "--model.optim.lr", "-1"])
+        _recipe().main(["--config", str(CONFIGS / "gpt2/demo.yaml"), "--model.optim.lr", "-1"])
 
 
 @pytest.mark.parametrize("name", ["gpt2-124m-classic", "gpt2-124m-speedrun"])
@@ -47,7 +44,7 @@ def test_full_size_configs_parse_and_run_shrunk(name, tmp_path, monkeypatch):
     """The GPU configs stay valid: run them shrunk to seconds on CPU (built-in corpus, no compile)."""
     monkeypatch.chdir(tmp_path)
     metrics = _recipe().main([
-        "--config", str(ROOT / f"recipes/configs/gpt2/{name}.yaml"),
+        "--config", str(CONFIGS / f"gpt2/{name}.yaml"),
         "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
         "--model.model_config.n_layer", "6", "--model.model_config.n_embd", "64", "--model.model_config.n_head", "2",
         "--model.model_config.block_size", "64", "--model.compile", "false",
@@ -62,8 +59,8 @@ def _run_overlay_shrunk(tmp_path, monkeypatch, overlay: str, *extra: str) -> tup
     """The speedrun config + an overlay, shrunk to seconds on CPU; its metrics and the saved config text."""
     monkeypatch.chdir(tmp_path)
     metrics = _recipe().main([
-        "--config", str(ROOT / "recipes/configs/gpt2/gpt2-124m-speedrun.yaml"),
-        "--config", str(ROOT / f"recipes/configs/gpt2/{overlay}.yaml"),
+        "--config", str(CONFIGS / "gpt2/gpt2-124m-speedrun.yaml"),
+        "--config", str(CONFIGS / f"gpt2/{overlay}.yaml"),
         "--trainer.max_steps", "2",
         "--model.model_config.n_layer", "6", "--model.model_config.n_embd", "64", "--model.model_config.n_head", "2",
         "--model.model_config.skip_attn_layers", "[3]", "--model.compile", "false", "--data.val_tokens", "1024",
@@ -88,5 +85,5 @@ def test_half_batch_overlay_parses_and_runs_shrunk(tmp_path, monkeypatch):
                                    "--trainer.val_check_interval", "8", "--data.batch_size", "2",
                                    "--model.model_config.block_size", "64", "--data.seq_len", "64")
     assert "accumulate_grad_batches: 4" in saved
-    overlay = (ROOT / "recipes/configs/gpt2/gpt2-124m-speedrun-halfbatch.yaml").read_text()
+    overlay = (CONFIGS / "gpt2/gpt2-124m-speedrun-halfbatch.yaml").read_text()
     assert "max_steps: 216" in overlay and "batch_size: 64" in overlay

@@ -10,12 +10,12 @@ Each config runs shrunk to seconds on CPU with command-line overrides (as a user
 * ``load_from_checkpoint`` on the resumed run's ``last.ckpt`` gives the saved weights, equal to the trained
   module's.
 
-``test_every_shipped_config_is_covered`` fails when a YAML under ``recipes/configs`` has no case here.
+``test_every_shipped_config_is_covered`` fails when a YAML under ``lightning_opt/recipes/configs`` has no case here.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = ROOT / "recipes" / "configs"
+from lightning_opt.recipes import CONFIGS
+
 torch.set_num_threads(1)
 
 # --- the shrinking overrides, per recipe ---------------------------------------------------------------------
@@ -58,21 +58,21 @@ def _resid_mlp(n_layers: int, d_mlp: int, n_features: int = 100) -> list[str]:
             "--model.spd.components", '[{pattern: "layers.*.mlp_in", C: 16}, {pattern: "layers.*.mlp_out", C: 16}]',
             "--model.spd.ci_hidden", "[8]"]
 
-# config (relative to recipes/configs) -> (recipe, module class path, extra --config overlays, overrides)
+# config (relative to lightning_opt/recipes/configs) -> (recipe, module class path, extra --config overlays, overrides)
 CASES: dict[str, tuple[str, str, list[str], list[str]]] = {
-    "gpt2/demo.yaml": ("gpt2_speedrun", "gpt2", [], _GPT2_SHORT),
-    "gpt2/gpt2-124m-classic.yaml": ("gpt2_speedrun", "gpt2", [], _GPT2_SHORT),
-    "gpt2/gpt2-124m-speedrun.yaml": ("gpt2_speedrun", "gpt2", [], [*_GPT2_SHORT, *_GPT2_SPEEDRUN]),
+    "gpt2/demo.yaml": ("gpt2", "gpt2", [], _GPT2_SHORT),
+    "gpt2/gpt2-124m-classic.yaml": ("gpt2", "gpt2", [], _GPT2_SHORT),
+    "gpt2/gpt2-124m-speedrun.yaml": ("gpt2", "gpt2", [], [*_GPT2_SHORT, *_GPT2_SPEEDRUN]),
     "gpt2/gpt2-124m-speedrun-long.yaml": (  # an overlay on the speedrun config: FlexAttention's CPU fallback here
-        "gpt2_speedrun", "gpt2", ["gpt2/gpt2-124m-speedrun.yaml"],
+        "gpt2", "gpt2", ["gpt2/gpt2-124m-speedrun.yaml"],
         [*_GPT2_SMALL, *_GPT2_SPEEDRUN, "--model.model_config.block_size", "256", "--data.seq_len", "256",
          "--model.model_config.window_schedule", "[128, 256]", "--trainer.accumulate_grad_batches", "2",
          "--trainer.val_check_interval", "4"]),
     "gpt2/gpt2-124m-speedrun-halfbatch.yaml": (  # an overlay: 4 micro-batches per step
-        "gpt2_speedrun", "gpt2", ["gpt2/gpt2-124m-speedrun.yaml"],
+        "gpt2", "gpt2", ["gpt2/gpt2-124m-speedrun.yaml"],
         [*_GPT2_SHORT, *_GPT2_SPEEDRUN, "--trainer.val_check_interval", "8"]),
     "gpt2/finetune-hf-gpt2.yaml": (  # init_from: a tiny Hugging Face GPT-2 written here (no download)
-        "gpt2_speedrun", "gpt2", [],
+        "gpt2", "gpt2", [],
         [*_GPT2_SHORT, "--model.init_from", "{hf_dir}"]),
     "clt_demo.yaml": ("clt", "clt", [], _CLT),
     "clt_gpt2_small.yaml": ("clt", "clt", [], [*_CLT, *_CLT_GPU]),
@@ -102,10 +102,7 @@ def _module_class(kind: str) -> type[pl.LightningModule]:
 
 
 def _recipe_main(recipe: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"resume_{recipe}_recipe", ROOT / "recipes" / f"{recipe}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
+    return importlib.import_module(f"lightning_opt.recipes.{recipe}").main
 
 
 @pytest.fixture(scope="module")

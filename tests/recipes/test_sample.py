@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import importlib
 
 import pytest
 import torch
@@ -11,13 +10,13 @@ import torch
 from lightning_opt.data.datamodule import TokenShardDataModule
 from lightning_opt.models.gpt2 import GPT, GPTConfig
 from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
+from lightning_opt.recipes import CONFIGS
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
 SHAPE = dict(vocab_size=256, n_layer=2, n_head=2, n_embd=32, block_size=64)
 SHRINK = [  # the fine-tuning config at the tiny HF model's shape, on the built-in (byte-level) corpus
-    "--config", str(ROOT / "recipes/configs/gpt2/finetune-hf-gpt2.yaml"),
+    "--config", str(CONFIGS / "gpt2/finetune-hf-gpt2.yaml"),
     *[a for k, v in SHAPE.items() for a in (f"--model.model_config.{k}", str(v))],
     "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu",
     "--data.seq_len", "64", "--data.batch_size", "8", "--data.val_tokens", "4096",
@@ -25,10 +24,7 @@ SHRINK = [  # the fine-tuning config at the tiny HF model's shape, on the built-
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "recipes" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"lightning_opt.recipes.{name}")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +77,7 @@ def test_init_from_refuses_a_mismatched_config(hf_dir, tmp_path):
 
 def test_finetune_from_hf_then_sample(hf_dir, tmp_path, monkeypatch, capsys):
     path, hf = hf_dir
-    recipe = _load("gpt2_speedrun")
+    recipe = _load("gpt2")
     monkeypatch.chdir(tmp_path)
     # no training steps: the recipe validates the model it starts from, the HF one
     start = recipe.main([*SHRINK, "--model.init_from", str(path), "--trainer.max_steps", "0",

@@ -1,8 +1,7 @@
-"""recipes/spd.py end to end on CPU: the real CLI, configs and metrics.json, at tiny sizes."""
+"""lightning_opt/recipes/spd.py (lightning-opt-spd) end to end on CPU: the real CLI, configs and metrics.json, at tiny sizes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -10,20 +9,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_opt.recipes import CONFIGS
+
 ROOT = Path(__file__).resolve().parents[2]
 torch.set_num_threads(1)
 
 
 def _main():
-    spec = importlib.util.spec_from_file_location("spd_recipe", ROOT / "recipes" / "spd.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
+    from lightning_opt.recipes import spd
+
+    return spd.main
 
 
 def _run(tmp_path: Path, config: str, *extra: str) -> dict:
     args = [
-        "--config", str(ROOT / "recipes" / "configs" / config),
+        "--config", str(CONFIGS / config),
         "--trainer.logger.init_args.save_dir", str(tmp_path),
         "--trainer.enable_progress_bar", "false",
         "--trainer.enable_model_summary", "false",
@@ -76,14 +76,14 @@ def test_there_is_no_hand_written_yaml_parser(tmp_path):
     """``--plain`` (a YAML parser of the recipe's own that instantiated any ``class_path``) is gone: the flag is
     an error of LightningCLI's parser, and a logger whose class_path is not a Logger is refused unbuilt."""
     marker = tmp_path / "ran"
-    config = ROOT / "recipes" / "configs" / "spd_tms_5-2.yaml"
+    config = CONFIGS / "spd_tms_5-2.yaml"
     with pytest.raises(SystemExit):
         _main()(["--plain", "--config", str(config)])
     with pytest.raises(SystemExit):
         _main()(["--config", str(config), "--trainer.logger.class_path", "os.system",
                  "--trainer.logger.init_args.command", f"touch {marker}"])
     assert not marker.exists()
-    source = (ROOT / "recipes" / "spd.py").read_text()
+    source = (ROOT / "lightning_opt" / "recipes" / "spd.py").read_text()
     assert "import yaml" not in source and "import_module" not in source
 
 
@@ -102,4 +102,4 @@ def test_plot_path_writes_a_copy_of_the_components_plot(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out.read_bytes() == in_run[0].read_bytes()
     with pytest.raises(SystemExit):  # jsonargparse: "expected one argument"
-        _main()(["--config", str(ROOT / "recipes" / "configs" / "spd_tms_40-10.yaml"), "--plot_path"])
+        _main()(["--config", str(CONFIGS / "spd_tms_40-10.yaml"), "--plot_path"])

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = ROOT / "recipes" / "configs"
+from lightning_opt.recipes import CONFIGS
 
 RECIPES = {
-    "gpt2": ("gpt2_speedrun", CONFIGS / "gpt2" / "demo.yaml"),
+    "gpt2": ("gpt2", CONFIGS / "gpt2" / "demo.yaml"),
     "spd": ("spd", CONFIGS / "spd_tms_5-2.yaml"),
     "clt": ("clt", CONFIGS / "clt_demo.yaml"),
 }
@@ -23,13 +22,7 @@ COMMON = ["--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false",
 
 def recipe_main(recipe: str) -> Any:
     module, _ = RECIPES[recipe]
-    path = ROOT / "recipes" / f"{module}.py"
-    if not path.exists():
-        pytest.skip(f"recipes/{module}.py is not there yet")
-    spec = importlib.util.spec_from_file_location(f"reliability_{module}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
+    return importlib.import_module(f"lightning_opt.recipes.{module}").main
 
 
 class _FitWatch:

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_opt.recipes import CONFIGS
 from tests.strategies._clt_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +43,7 @@ _COMMON = ["--model.schedule.name", "constant", "--model.schedule.warmup_steps",
            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
            "--trainer.num_sanity_val_steps", "0"]
 
-_CLT = ["--config", str(ROOT / "recipes/configs/clt_demo.yaml"),
+_CLT = ["--config", str(CONFIGS / "clt_demo.yaml"),
         "--data.seq_len", "32", "--data.tokens_per_batch", "64", "--data.stats_tokens", "512",
         "--data.val_tokens", "128",  # one validation batch per data rank (GlobalBatchTopKStrategy: two)
         "--model.clt.n_layers", "2", "--model.clt.d_model", "32", "--model.clt.n_features", "64",
@@ -51,7 +52,7 @@ _CLT = ["--config", str(ROOT / "recipes/configs/clt_demo.yaml"),
         "--trainer.val_check_interval", "null", "--trainer.check_val_every_n_epoch", "1",
         "--trainer.limit_val_batches", "1"]
 
-_GPT2 = ["--config", str(ROOT / "recipes/configs/gpt2/demo.yaml"),
+_GPT2 = ["--config", str(CONFIGS / "gpt2/demo.yaml"),
          "--model.model_config.n_layer", "2", "--model.model_config.n_embd", "32",
          "--model.model_config.n_head", "2", "--model.model_config.block_size", "32",
          "--data.seq_len", "32", "--data.batch_size", "2", "--data.val_tokens", "256",
@@ -64,7 +65,7 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "clt_decoder_sharding": ("clt", [*_CLT, "--data.train_tokens", "128", "--trainer.strategy.class_path",
                                      "lightning_opt.strategies.DecoderShardingStrategy",
                                      "--trainer.strategy.init_args.shard_encoder", "true"]),
-    "gpt2_ddp": ("gpt2_speedrun", [*_GPT2, "--trainer.strategy", "ddp"]),
+    "gpt2_ddp": ("gpt2", [*_GPT2, "--trainer.strategy", "ddp"]),
 }
 
 
@@ -100,14 +101,14 @@ def _args(recipe_args: list[str], run: Path, max_steps: int, nodes: int, devices
 def _launch(recipe: str, args: list[str], run: Path, nodes: int) -> None:
     """``torchrun`` on each of ``nodes`` "nodes" (one process each), or one node with two processes."""
     run.mkdir(parents=True, exist_ok=True)
-    script = str(ROOT / "recipes" / f"{recipe}.py")
+    script = ["-m", f"lightning_opt.recipes.{recipe}"]
     port = str(free_port())
     if nodes == 1:
         cmds = [[TORCHRUN, "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-                 f"--master-port={port}", script, *args]]
+                 f"--master-port={port}", *script, *args]]
     else:
         cmds = [[TORCHRUN, f"--nnodes={nodes}", "--nproc-per-node=1", f"--node-rank={r}",
-                 "--master-addr=127.0.0.1", f"--master-port={port}", script, *args] for r in range(nodes)]
+                 "--master-addr=127.0.0.1", f"--master-port={port}", *script, *args] for r in range(nodes)]
     logs = [open(run / f"node{r}.log", "w") for r in range(len(cmds))]  # noqa: SIM115 - closed below
     try:
         procs = [subprocess.Popen(c, cwd=run, env=_env(), stdout=log, stderr=subprocess.STDOUT)
