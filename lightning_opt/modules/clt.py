@@ -92,7 +92,8 @@ class L0Metric(Metric):
 
 class ScalarMean(Metric):
     """Mean of scalar updates. Updates are out of place, so states created under ``inference_mode`` (a
-    ``validate`` before ``fit``) stay usable afterwards."""
+    ``validate`` before ``fit``) stay usable afterwards. torchmetrics' ``MeanMetric`` updates in place
+    (``mean_value += ...``) and raises "Inplace update to inference tensor outside InferenceMode" there."""
 
     full_state_update = False
 
