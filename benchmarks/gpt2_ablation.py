@@ -43,6 +43,7 @@ from gpt2_common import (  # noqa: E402
     train_bare,
     with_model,
     write_json,
+    yaml_execution,
 )
 
 from lightning_opt.optim.factory import OptimConfig  # noqa: E402
@@ -106,9 +107,11 @@ def rows(steps: int, classic_heads: int = 12) -> list[Row]:
          "SwiGLU is the LLaMA default"),
         ("gqa", "6 KV heads -> 2 (GQA)", lambda s: with_model(s, n_kv_head=2),
          "GQA shrinks the KV cache for inference; little training gain at 124M"),
-        ("mtp_k2", "multi-token prediction, k=2 (one extra head)", lambda s: with_model(s, mtp_heads=1),
-         "an auxiliary signal; pays off on larger models"),
-        ("moe_2", "dense MLP -> MoE, 2 experts top-1", lambda s: with_model(s, moe_experts=2, moe_top_k=1),
+        # architecture variants the library does not carry: benchmarks/gpt2_variants.py builds them
+        ("mtp_k2", "multi-token prediction, k=2 (one extra head; gpt2_variants.py)",
+         lambda s: with_model(s, mtp_heads=1), "an auxiliary signal; pays off on larger models"),
+        ("moe_2", "dense MLP -> MoE, 2 experts top-1 (gpt2_variants.py)",
+         lambda s: with_model(s, moe_experts=2, moe_top_k=1),
          "dense-evaluated experts here: a quality probe, not a speed feature"),
         ("no_value_embeds", "value embeddings off", lambda s: with_model(s, n_value_embeds=0),
          "value embeddings add parameters (embeddings only) for loss"),
@@ -224,11 +227,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     deadline = deadline_from(args)
     dev = device()
     train_path, val_path = find_shards(args.data_dir)
-    model, optim, sched, _ = load_yaml_config("gpt2-124m-speedrun")
+    model, optim, sched, raw = load_yaml_config("gpt2-124m-speedrun")
     # the FP8 matmuls are rows of their own (fp8_head, fp8_mlp, fp8_attn, fp8_all): every other row toggles one
     # thing against bfloat16 matmuls
-    model = replace(model, head_fp8=False, mlp_fp8=False, attn_fp8=False)
-    base = RunSpec(model, optim, sched, steps=args.steps, micro_batch=args.micro_batch, accum=1,
+    execution = replace(yaml_execution(raw), head_fp8=False, mlp_fp8=False, attn_fp8=False)
+    base = RunSpec(model, optim, sched, execution, steps=args.steps, micro_batch=args.micro_batch, accum=1,
                    seq_len=args.seq_len, compile=False, amp="bf16", warm=args.warm, val_every=0,
                    val_batch=args.micro_batch, val_seq_len=args.seq_len)
     vocab_mod = None

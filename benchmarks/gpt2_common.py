@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:
 
 from lightning_opt.data.schedule import BatchGeometry  # noqa: E402
 from lightning_opt.data.shards import read_shard  # noqa: E402
-from lightning_opt.models.gpt2 import GPT, GPTConfig  # noqa: E402
+from lightning_opt.models.gpt2 import GPTConfig, GPTExecution, split_model_config  # noqa: E402
 from lightning_opt.optim.combined import CombinedOptimizer  # noqa: E402
 from lightning_opt.optim.factory import OptimConfig, build_optimizer  # noqa: E402
 from lightning_opt.optim.schedules import ScheduleConfig  # noqa: E402
@@ -253,6 +253,8 @@ class RunSpec:
     model: GPTConfig
     optim: OptimConfig
     schedule: ScheduleConfig
+    execution: GPTExecution = field(default_factory=GPTExecution)  # how the model is computed
+    variants: dict[str, Any] = field(default_factory=dict)  # gpt2_variants.Variants settings (MTP, MoE)
     steps: int = 20
     micro_batch: int = 32
     accum: int = 1
@@ -292,12 +294,14 @@ def build_model_and_optimizer(spec: RunSpec, dev: torch.device, init_on_device: 
     The module builds the model on the CPU (same seed, same numbers as here); ``init_on_device`` builds it
     on the GPU directly (seconds faster, other random numbers) for runs that are not compared with it.
     """
+    from gpt2_variants import build_gpt
+
     torch.manual_seed(spec.seed)
     if init_on_device:
         with dev:
-            model = GPT(spec.model)
+            model = build_gpt(spec.model, spec.execution, **spec.variants)
     else:
-        model = GPT(spec.model).to(dev)
+        model = build_gpt(spec.model, spec.execution, **spec.variants).to(dev)
     head = [] if spec.model.tie_embeddings else [model.lm_head.weight]
     opts = build_optimizer(model, spec.optim, hidden=model.hidden_matrices(), embeddings=None, head=head)
     opt = opts[0] if len(opts) == 1 else CombinedOptimizer(opts)
@@ -492,10 +496,12 @@ def train_lightning(spec: RunSpec, data: Tokens, train_path: Path, logger: str =
     dev = data.device
     if spec.seq_schedule:
         raise ValueError("the Lightning runner does not do sequence-length curricula")
+    if spec.variants:
+        raise ValueError("the Lightning runner builds the library's GPT: architecture variants run in train_bare")
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     torch.manual_seed(spec.seed)
-    module = GPT2SpeedrunModule(spec.model, spec.optim, schedule_for(spec), compile=spec.compile,
+    module = GPT2SpeedrunModule(spec.model, spec.optim, schedule_for(spec), spec.execution, compile=spec.compile,
                                 compile_options=spec.compile_options if spec.compile else None)
     dm = TokenShardDataModule(str(train_path), None, seq_len=spec.seq_len, batch_size=spec.micro_batch,
                               shuffle=False)
@@ -597,4 +603,18 @@ def with_compile_options(spec: RunSpec, **options: Any) -> RunSpec:
 
 
 def with_model(spec: RunSpec, **model_changes: Any) -> RunSpec:
-    return replace(spec, model=replace(spec.model, **model_changes))
+    """The spec with model settings changed: ``GPTExecution`` fields go to its execution, the
+    ``gpt2_variants`` ones (MTP, MoE) to its variants, the rest to its architecture."""
+    from gpt2_variants import VARIANT_FIELDS
+
+    execution = {k: v for k, v in model_changes.items() if k in GPTExecution.__dataclass_fields__}
+    variants = {k: v for k, v in model_changes.items() if k in VARIANT_FIELDS}
+    arch = {k: v for k, v in model_changes.items() if k not in execution and k not in variants}
+    return replace(spec, model=replace(spec.model, **arch), execution=replace(spec.execution, **execution),
+                   variants={**spec.variants, **variants})
+
+
+def yaml_execution(raw: dict[str, Any]) -> GPTExecution:
+    """The ``model.execution`` of a recipe YAML that :func:`load_yaml_config` read (``raw``)."""
+    _, legacy = split_model_config(raw["model"].get("model_config", {}))
+    return GPTExecution(**{**legacy, **(raw["model"].get("execution") or {})})

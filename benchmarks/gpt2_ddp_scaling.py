@@ -60,6 +60,7 @@ from gpt2_common import (  # noqa: E402
     schedule_for,
     with_model,
     write_json,
+    yaml_execution,
 )
 
 RECORD_TARGET_FALLBACK = 4.2893  # the record script's final val loss on the novels shards (H100, 127 steps)
@@ -183,7 +184,7 @@ def run_ddp(
     if use_cuda:
         torch.cuda.reset_peak_memory_stats(dev)
     torch.manual_seed(spec.seed)
-    module = GPT2SpeedrunModule(spec.model, spec.optim, schedule_for(spec), compile=spec.compile)
+    module = GPT2SpeedrunModule(spec.model, spec.optim, schedule_for(spec), spec.execution, compile=spec.compile)
     unused = freeze_unused(module.model)
     dm = TokenShardDataModule(
         train_path, None, seq_len=spec.seq_len, batch_size=spec.micro_batch, shuffle=False
@@ -354,7 +355,7 @@ def _worker(
 
 def make_specs(args: argparse.Namespace, max_world: int) -> dict[str, RunSpec]:
     """The throughput and time-to-target runs; ``accum`` here is the 1-GPU value (divided by N per size)."""
-    model, optim, schedule, _ = load_yaml_config("gpt2-124m-speedrun")
+    model, optim, schedule, raw = load_yaml_config("gpt2-124m-speedrun")
     per_micro = args.micro_batch * args.seq_len
     if args.global_tokens % (per_micro * max_world):
         raise ValueError(
@@ -365,6 +366,7 @@ def make_specs(args: argparse.Namespace, max_world: int) -> dict[str, RunSpec]:
         model,
         optim,
         schedule,
+        execution=yaml_execution(raw),
         steps=args.steps,
         micro_batch=args.micro_batch,
         accum=args.global_tokens // per_micro,

@@ -61,6 +61,7 @@ from gpt2_common import (  # noqa: E402
     with_compile_options,
     with_model,
     write_json,
+    yaml_execution,
 )
 from patch_record import write_patched  # noqa: E402
 
@@ -182,7 +183,7 @@ OURS_VARIANTS: dict[str, tuple] = {
 
 
 def apply_overrides(spec: RunSpec, overrides: dict[str, Any]) -> RunSpec:
-    """A variant's overrides: ``GPTConfig`` fields, ``OptimConfig`` fields under the key ``"optim"``, and
+    """A variant's overrides: ``GPTConfig`` / ``GPTExecution`` fields, ``OptimConfig`` fields under the key ``"optim"``, and
     inductor settings (merged into the recipe's) under ``"compile_options"``."""
     overrides = dict(overrides)
     if "compile_options" in overrides:
@@ -193,7 +194,7 @@ def apply_overrides(spec: RunSpec, overrides: dict[str, Any]) -> RunSpec:
 
 
 def parse_model_override(item: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` for one ``GPTConfig`` field; the value is read as YAML (``true``, ``auto``, ``15.0``)."""
+    """``KEY=VALUE`` for one ``GPTConfig`` or ``GPTExecution`` field; the value is read as YAML (``true``, ``auto``, ``15.0``)."""
     import yaml
 
     key, sep, value = item.partition("=")
@@ -215,7 +216,7 @@ def ours_spec(args: argparse.Namespace, target: float | None, accum: int, long: 
     mb = getattr(args, "ours_micro_batch", 32)
     if (32 * accum) % mb:
         raise ValueError(f"--ours-micro-batch {mb} must divide the {32 * accum} sequences of a step")
-    spec = RunSpec(sp_model, sp_optim, sp_sched, steps=steps, micro_batch=mb, accum=32 * accum // mb,
+    spec = RunSpec(sp_model, sp_optim, sp_sched, yaml_execution(sp_raw), steps=steps, micro_batch=mb, accum=32 * accum // mb,
                    seq_len=1024, compile=True, amp="bf16", warm=3 * per, val_every=args.ours_val_every * per,
                    stop_at_loss=target, compile_options=sp_raw["model"].get("compile_options"))
     if args.smoke:

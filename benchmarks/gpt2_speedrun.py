@@ -80,6 +80,7 @@ from gpt2_common import (  # noqa: E402
     with_compile_options,
     with_model,
     write_json,
+    yaml_execution,
 )
 from nanogpt_runner import train_nanogpt  # noqa: E402
 
@@ -89,15 +90,15 @@ SMOKE_VOCAB = 512
 
 def make_specs(args: argparse.Namespace) -> dict[str, RunSpec]:
     sp_model, sp_optim, sp_sched, sp_raw = load_yaml_config("gpt2-124m-speedrun")
-    cl_model, cl_optim, cl_sched, _ = load_yaml_config("gpt2-124m-classic")
+    cl_model, cl_optim, cl_sched, cl_raw = load_yaml_config("gpt2-124m-classic")
     common = dict(steps=args.steps, micro_batch=args.micro_batch, accum=args.accum, seq_len=args.seq_len,
                   compile=not args.no_compile, amp=args.amp, warm=args.warm, val_every=args.val_every,
                   val_batch=args.micro_batch)
     # the classic config warms up for 100 of 1000 steps: keep that proportion in a short run
     cl_sched = replace(cl_sched, warmup_steps=max(1, args.steps // 10))
-    speedrun = RunSpec(sp_model, sp_optim, sp_sched, **common,
+    speedrun = RunSpec(sp_model, sp_optim, sp_sched, yaml_execution(sp_raw), **common,
                        compile_options=sp_raw["model"].get("compile_options") if not args.no_compile else None)
-    classic = RunSpec(cl_model, cl_optim, cl_sched, clip=1.0, **common)
+    classic = RunSpec(cl_model, cl_optim, cl_sched, yaml_execution(cl_raw), clip=1.0, **common)
     if args.smoke:
         small = dict(SMOKE_SHAPE, block_size=args.seq_len, vocab_size=SMOKE_VOCAB, vocab_multiple=1)
         speedrun = with_model(speedrun, **small, n_value_embeds=1,

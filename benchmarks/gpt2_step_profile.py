@@ -43,6 +43,7 @@ from gpt2_common import (  # noqa: E402
     find_shards,
     load_yaml_config,
     with_model,
+    yaml_execution,
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
@@ -116,8 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("gpt2_step_profile.py profiles CUDA kernels: run it on a GPU machine")
     torch.set_float32_matmul_precision("high")
     dev = torch.device("cuda")
-    m, o, s, _ = load_yaml_config("gpt2-124m-speedrun")
-    base = RunSpec(m, o, s, steps=20, micro_batch=32, accum=16)
+    m, o, s, raw = load_yaml_config("gpt2-124m-speedrun")
+    base = RunSpec(m, o, s, yaml_execution(raw), steps=20, micro_batch=32, accum=16)
     tr, va = find_shards(a.data_dir)
     data = Tokens(tr, va, dev, val_tokens=65536)
     fp8mm64 = with_model(replace(base, micro_batch=64, accum=8), mlp_fp8="auto", attn_fp8="auto")

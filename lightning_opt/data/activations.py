@@ -463,10 +463,10 @@ def load_checkpoint_file(path: str | os.PathLike, what: str = "checkpoint") -> A
     """
     import pickle
 
-    from lightning_opt.models.gpt2 import GPTConfig
+    from lightning_opt.models.gpt2 import GPTConfig, GPTExecution
     from lightning_opt.modules.base import register_safe_globals  # also registers OptimConfig, ScheduleConfig
 
-    register_safe_globals(GPTConfig)
+    register_safe_globals(GPTConfig, GPTExecution)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
@@ -670,12 +670,35 @@ class CLTDataModule(pl.LightningDataModule):
         self.capture = MLPActivationCapture(self.target_model, self.dtype)
         return self.capture
 
+    def _check_token_ids(self, with_train: bool) -> None:
+        """Refuse shards holding token ids the target's input embedding has no row for (every token is
+        checked), naming the shard and the target, before the target sees a batch."""
+        from lightning_opt.data.shards import check_vocab, resolve_files
+
+        get = getattr(self.target_model, "get_input_embeddings", None)
+        emb = get() if callable(get) else getattr(self.target_model, "wte", None)
+        if not isinstance(emb, nn.Embedding):
+            return
+        for which in ("train", "val") if with_train else ("val",):
+            files = self._files(which)
+            if files is None:
+                continue
+            try:
+                check_vocab(resolve_files(files), emb.num_embeddings)
+            except ValueError as err:
+                raise ValueError(f"CLTDataModule ({which} files, target {self.target_spec!r} with "
+                                 f"{emb.num_embeddings} token ids): {err}") from None
+
     def setup(self, stage: str | None = None) -> None:
         cap = self.prepare()
         trainer = getattr(self, "trainer", None)
         if trainer is not None:
             self.target_device = trainer.strategy.root_device
         self.target_model.to(self.target_device)
+        if not getattr(self, "_ids_checked", False):
+            cached = self.cache_dir is not None and (Path(self.cache_dir) / "meta.json").exists()
+            self._check_token_ids(with_train=not cached)  # a complete cache is not re-read from the shards
+            self._ids_checked = True
         if self.cache_dir is not None and self._cached is None:
             meta = Path(self.cache_dir) / "meta.json"
             if not meta.exists():

@@ -11,6 +11,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (explicit re-exports); at r
     from lightning_opt.models.clt import CLTConfig as CLTConfig
     from lightning_opt.models.gpt2 import GPT as GPT
     from lightning_opt.models.gpt2 import GPTConfig as GPTConfig
+    from lightning_opt.models.gpt2 import GPTExecution as GPTExecution
     from lightning_opt.models.spd import ComponentLayer as ComponentLayer
     from lightning_opt.models.spd import ComponentPattern as ComponentPattern
     from lightning_opt.models.spd import SPDConfig as SPDConfig
@@ -23,6 +24,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (explicit re-exports); at r
 
 _EXPORTS = {
     "GPTConfig": "gpt2",
+    "GPTExecution": "gpt2",
     "GPT": "gpt2",
     "CLTConfig": "clt",
     "CLT": "clt",

@@ -2,7 +2,8 @@
 
 The classic model is GPT-2 exactly (learned positions, LayerNorm with bias, tanh-GELU, tied embeddings,
 biases), so :meth:`GPT.from_hf` loads a ``transformers`` ``GPT2LMHeadModel`` and gives the same logits.
-Every speedrun idea is one :class:`GPTConfig` field, so an ablation is a config change.
+Every speedrun idea is one :class:`GPTConfig` field (the architecture: what the weights mean) or one
+:class:`GPTExecution` field (how the same model is computed), so an ablation is a config change.
 """
 
 from __future__ import annotations
@@ -82,13 +83,192 @@ class GPTConfig:
             ``window_size``; use it with ``attn_backend="flex"`` for long sequences.
         doc_causal: attend only within documents delimited by ``eot_token``.
         eot_token: the document separator for ``doc_causal``.
-        mtp_heads: extra multi-token-prediction heads (head j predicts token t+1+j).
-        mtp_weight: weight of the auxiliary heads' mean loss.
-        moe_experts: experts in a mixture-of-experts MLP (0 = dense MLP).
-        moe_top_k: experts used per token.
-        moe_aux_weight: weight of the load-balancing loss.
-        attn_backend: ``auto``, ``flash``, ``sdpa`` or ``math`` (see :mod:`lightning_opt.ops.attention`).
         init_std: standard deviation of the normal initialisation.
+
+    How the model is computed (attention kernel, FP8 matmuls, loss kernel, recomputation) and regularised in
+    training (dropout, LayerDrop) is :class:`GPTExecution`: the same weights under other settings.
+    """
+
+    vocab_size: int = 50257
+    vocab_multiple: int = 1
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    block_size: int = 1024
+    n_kv_head: int | None = None
+    attention: Literal["mha", "mla"] = "mha"
+    mla_kv_rank: int = 256
+    mla_q_rank: int | None = None
+    mla_rope_dim: int = 32
+    pos_emb: str = "learned"
+    rope_base: float = 10000.0
+    rope_truncate: bool = False
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    norm_weight: bool | str = True
+    bias: bool = True
+    qk_norm: bool = False
+    mlp: str = "gelu"
+    mlp_ratio: float = 4.0
+    tie_embeddings: bool = True
+    zero_init_proj: bool = False
+    logit_softcap: float | None = None
+    n_value_embeds: int = 0
+    unet_skips: bool = False
+    x0_mix: bool = False
+    embed_norm: bool = False
+    skip_attn_layers: tuple[int, ...] = ()
+    window_size: int | None = None
+    window_schedule: tuple[int, int] | None = None
+    doc_causal: bool = False
+    eot_token: int = 50256
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        def bad(field: str, value: Any, want: str) -> ValueError:
+            return ValueError(f"GPTConfig.{field}={value!r} is invalid: {want}")
+
+        for name in ("vocab_size", "vocab_multiple", "n_layer", "n_head", "n_embd", "block_size"):
+            if int(getattr(self, name)) <= 0:
+                raise bad(name, getattr(self, name), "must be a positive integer")
+        if self.n_embd % self.n_head:
+            raise bad("n_embd", self.n_embd, f"must be divisible by n_head={self.n_head}")
+        if self.n_kv_head is not None and (self.n_kv_head <= 0 or self.n_head % self.n_kv_head):
+            raise bad("n_kv_head", self.n_kv_head, f"must divide n_head={self.n_head}")
+        if self.attention not in _ATTENTIONS:
+            raise bad("attention", self.attention, f"choose one of {_ATTENTIONS}")
+        if self.attention == "mla":
+            self._check_mla(bad)
+        if self.pos_emb not in _POS:
+            raise bad("pos_emb", self.pos_emb, f"choose one of {_POS}")
+        if self.pos_emb == "rope" and self.head_dim % 2:
+            raise bad("n_embd", self.n_embd, "rotary embeddings need an even head dimension")
+        if self.norm not in _NORMS:
+            raise bad("norm", self.norm, f"choose one of {_NORMS}")
+        if self.mlp not in _MLPS:
+            raise bad("mlp", self.mlp, f"choose one of {_MLPS}")
+        if self.logit_softcap is not None and self.logit_softcap <= 0:
+            raise bad("logit_softcap", self.logit_softcap, "must be positive or None")
+        if self.window_size is not None and self.window_size <= 0:
+            raise bad("window_size", self.window_size, "must be positive or None")
+        if self.window_schedule is not None:
+            self.window_schedule = tuple(int(w) for w in self.window_schedule)  # YAML gives lists
+            if len(self.window_schedule) != 2 or not 0 < self.window_schedule[0] <= self.window_schedule[1]:
+                raise bad("window_schedule", self.window_schedule, "must be (start, end) with 0 < start <= end")
+        if not 0 <= self.n_value_embeds <= self.n_layer // 2:
+            raise bad("n_value_embeds", self.n_value_embeds, f"must be in [0, n_layer // 2 = {self.n_layer // 2}]")
+        if self.norm_weight not in (True, False, "qk", "blocks"):
+            raise bad("norm_weight", self.norm_weight, "choose true, false, 'qk' (gains in QK-norm only) or 'blocks' "
+                      "(gains in the block and final norms only)")
+        if self.norm_weight == "qk" and not self.qk_norm:
+            raise bad("norm_weight", self.norm_weight, "'qk' puts gains in QK-norm, which needs qk_norm=True")
+        self.skip_attn_layers = tuple(int(i) for i in self.skip_attn_layers)  # YAML gives lists
+        bad_layers = [i for i in self.skip_attn_layers if not 0 <= i < self.n_layer]
+        if bad_layers:
+            raise bad("skip_attn_layers", self.skip_attn_layers, f"layers must be in [0, n_layer={self.n_layer})")
+        for i in range(self.n_value_embeds):  # value embedding i feeds layers i and n_layer - n_value_embeds + i
+            pair = {i, self.n_layer - self.n_value_embeds + i}
+            if pair <= set(self.skip_attn_layers):
+                raise bad("skip_attn_layers", self.skip_attn_layers,
+                          f"drops the attention of both layers {sorted(pair)} that value embedding {i} feeds; the "
+                          "table would get no gradient (plain DDP fails): keep one of them or lower n_value_embeds")
+        if self.rope_truncate and self.head_dim % 4:
+            raise bad("rope_truncate", self.rope_truncate, f"needs a head dimension divisible by 4, got {self.head_dim}")
+        if self.doc_causal and not 0 <= self.eot_token < self.vocab_size:
+            raise bad("eot_token", self.eot_token, f"must be a token id below vocab_size={self.vocab_size}")
+
+    def _check_mla(self, bad: Any) -> None:
+        """The ``attention="mla"`` fields, and the options multi-latent attention does not take."""
+        if self.n_kv_head not in (None, self.n_head):
+            raise bad("n_kv_head", self.n_kv_head, "is for attention='mha' (grouped-query attention); MLA shares "
+                      "keys and values through its latent (mla_kv_rank): leave n_kv_head unset")
+        if self.mla_kv_rank <= 0:
+            raise bad("mla_kv_rank", self.mla_kv_rank, "must be a positive integer")
+        if self.mla_q_rank is not None and self.mla_q_rank <= 0:
+            raise bad("mla_q_rank", self.mla_q_rank, "must be a positive integer, or None for uncompressed queries")
+        if not 0 <= self.mla_rope_dim < self.head_dim or self.mla_rope_dim % 2:
+            raise bad("mla_rope_dim", self.mla_rope_dim, f"must be even and in [0, head_dim={self.head_dim})")
+        if self.mla_rope_dim == 0 and self.pos_emb == "rope":
+            raise bad("mla_rope_dim", self.mla_rope_dim, "MLA rotates only its rope part: pos_emb='rope' needs "
+                      "mla_rope_dim > 0 (or use pos_emb='learned')")
+        if self.rope_truncate and self.mla_rope_dim % 4:
+            raise bad("rope_truncate", self.rope_truncate, f"needs mla_rope_dim divisible by 4, got {self.mla_rope_dim}")
+        if self.n_value_embeds:
+            raise bad("n_value_embeds", self.n_value_embeds, "is not supported with attention='mla' (value "
+                      "embeddings would have to be cached beside the latent)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Any) -> GPTConfig:
+        """The config that :meth:`to_dict` (or a checkpoint's hyperparameters) describes.
+
+        Accepts a ``GPTConfig``, a dict or a jsonargparse ``Namespace``: LightningCLI saves a model's
+        hyperparameters as the parsed config (lists where the dataclass holds tuples), so
+        ``GPTConfig.from_dict(checkpoint["hyper_parameters"]["model_config"]) == config`` for the config that
+        made it. Fields the dict predates take their defaults; keys this version does not know are refused.
+        Older checkpoints kept the execution settings in the model config: those keys are skipped here (read
+        them with :meth:`GPTExecution.from_dict`, or :func:`split_model_config`), and so are the retired
+        multi-token-prediction and mixture-of-experts fields at their "off" values (a model that used them is
+        refused: ``benchmarks/gpt2_variants.py`` builds those).
+        """
+        if isinstance(values, cls):
+            return values
+        architecture, _ = split_model_config(values)
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(k for k in architecture if k not in names)
+        if unknown:
+            raise ValueError(f"GPTConfig has no field(s) {unknown}; the config comes from another version or model")
+        return cls(**architecture)
+
+
+# Older checkpoints held these GPTExecution fields inside their model_config (one dataclass held both); they
+# are read back into the execution (split_model_config)
+EXECUTION_KEYS = ("attn_backend", "dropout", "layer_drop", "loss_impl", "loss_chunk_size", "grad_checkpoint",
+                  "head_fp8", "mlp_fp8", "attn_fp8", "fp8_backward_fast_accum")
+# fields older model configs had for architecture variants that now live in benchmarks/gpt2_variants.py, with
+# the values that meant "not used"
+RETIRED_KEYS = {"mtp_heads": 0, "mtp_weight": None, "moe_experts": 0, "moe_top_k": None, "moe_aux_weight": None}
+
+
+def split_model_config(values: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(architecture, execution)`` dicts of a model config as a checkpoint or an older YAML may hold it (a
+    ``GPTConfig``, a dict or a jsonargparse ``Namespace``): the :data:`EXECUTION_KEYS` that older layouts kept
+    in the model config go to the second dict. A retired variant field (:data:`RETIRED_KEYS`) at its "off"
+    value is dropped; in use, it is refused (this library no longer builds that model)."""
+    if isinstance(values, GPTConfig):  # one unpickled from an older checkpoint holds the execution attributes
+        return values.to_dict(), {k: v for k, v in vars(values).items() if k in EXECUTION_KEYS}
+    if hasattr(values, "as_dict"):  # jsonargparse Namespace
+        values = values.as_dict()
+    values = dict(values)
+    execution = {k: values.pop(k) for k in EXECUTION_KEYS if k in values}
+    in_use = {k: values[k] for k, off in RETIRED_KEYS.items() if k in values and off is not None and values[k] != off}
+    if in_use:
+        raise ValueError(f"the model config uses {in_use}: multi-token prediction and mixture-of-experts MLPs are "
+                         "not part of GPTConfig (benchmarks/gpt2_variants.py builds them)")
+    return {k: v for k, v in values.items() if k not in RETIRED_KEYS}, execution
+
+
+@dataclass
+class GPTExecution:
+    """How a :class:`GPT` is computed, and regularised in training: settings under which the same weights mean
+    the same model, so a checkpoint resumes with other values (a recipe's ``model.execution``).
+
+    Args:
+        attn_backend: ``auto``, ``flash``, ``sdpa``, ``math`` or ``flex`` (see :mod:`lightning_opt.ops.attention`).
         dropout: dropout probability in training, as in nanoGPT: on the embedding, on the attention weights
             and on the attention and MLP outputs before they join the residual stream (``0.0``: none, the
             pretraining default; ``0.1`` is common for fine-tuning). Training with dropout attends through
@@ -131,124 +311,27 @@ class GPTConfig:
             ``False`` promotes partial sums to float32. Within noise in tokens/s on an H100 (+0.4%).
     """
 
-    vocab_size: int = 50257
-    vocab_multiple: int = 1
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    block_size: int = 1024
-    n_kv_head: int | None = None
-    attention: Literal["mha", "mla"] = "mha"
-    mla_kv_rank: int = 256
-    mla_q_rank: int | None = None
-    mla_rope_dim: int = 32
-    pos_emb: str = "learned"
-    rope_base: float = 10000.0
-    rope_truncate: bool = False
-    norm: str = "layernorm"
-    norm_eps: float = 1e-5
-    norm_weight: bool | str = True
-    bias: bool = True
-    qk_norm: bool = False
-    mlp: str = "gelu"
-    mlp_ratio: float = 4.0
-    tie_embeddings: bool = True
-    zero_init_proj: bool = False
-    logit_softcap: float | None = None
-    n_value_embeds: int = 0
-    unet_skips: bool = False
-    x0_mix: bool = False
-    embed_norm: bool = False
-    skip_attn_layers: tuple[int, ...] = ()
-    window_size: int | None = None
-    window_schedule: tuple[int, int] | None = None
-    doc_causal: bool = False
-    eot_token: int = 50256
-    mtp_heads: int = 0
-    mtp_weight: float = 0.3
-    moe_experts: int = 0
-    moe_top_k: int = 1
-    moe_aux_weight: float = 0.01
     attn_backend: str = "auto"
-    init_std: float = 0.02
     dropout: float = 0.0
+    layer_drop: float = 0.0
     loss_impl: str = "torch"
     loss_chunk_size: int = 4096
     grad_checkpoint: bool | int = False
-    layer_drop: float = 0.0
     head_fp8: bool | str = False
     mlp_fp8: bool | str = False
     attn_fp8: bool | str = False
     fp8_backward_fast_accum: bool = False
 
     def __post_init__(self) -> None:
-        def bad(field: str, value: Any, want: str) -> ValueError:
-            return ValueError(f"GPTConfig.{field}={value!r} is invalid: {want}")
-
-        for name in ("vocab_size", "vocab_multiple", "n_layer", "n_head", "n_embd", "block_size"):
-            if int(getattr(self, name)) <= 0:
-                raise bad(name, getattr(self, name), "must be a positive integer")
-        if self.n_embd % self.n_head:
-            raise bad("n_embd", self.n_embd, f"must be divisible by n_head={self.n_head}")
-        if self.n_kv_head is not None and (self.n_kv_head <= 0 or self.n_head % self.n_kv_head):
-            raise bad("n_kv_head", self.n_kv_head, f"must divide n_head={self.n_head}")
-        if self.attention not in _ATTENTIONS:
-            raise bad("attention", self.attention, f"choose one of {_ATTENTIONS}")
-        if self.attention == "mla":
-            self._check_mla(bad)
-        if self.pos_emb not in _POS:
-            raise bad("pos_emb", self.pos_emb, f"choose one of {_POS}")
-        if self.pos_emb == "rope" and self.head_dim % 2:
-            raise bad("n_embd", self.n_embd, "rotary embeddings need an even head dimension")
-        if self.norm not in _NORMS:
-            raise bad("norm", self.norm, f"choose one of {_NORMS}")
-        if self.mlp not in _MLPS:
-            raise bad("mlp", self.mlp, f"choose one of {_MLPS}")
+        bad = _bad("GPTExecution")
         if self.attn_backend not in BACKENDS:
             raise bad("attn_backend", self.attn_backend, f"choose one of {BACKENDS}")
-        if self.logit_softcap is not None and self.logit_softcap <= 0:
-            raise bad("logit_softcap", self.logit_softcap, "must be positive or None")
-        if self.window_size is not None and self.window_size <= 0:
-            raise bad("window_size", self.window_size, "must be positive or None")
-        if self.window_schedule is not None:
-            self.window_schedule = tuple(int(w) for w in self.window_schedule)  # YAML gives lists
-            if len(self.window_schedule) != 2 or not 0 < self.window_schedule[0] <= self.window_schedule[1]:
-                raise bad("window_schedule", self.window_schedule, "must be (start, end) with 0 < start <= end")
-            if self.attn_backend == "flash":
-                raise bad("window_schedule", self.window_schedule,
-                          "needs attn_backend 'flex', 'sdpa', 'math' or 'auto' (flash-attn takes a fixed window)")
-        if not 0 <= self.n_value_embeds <= self.n_layer // 2:
-            raise bad("n_value_embeds", self.n_value_embeds, f"must be in [0, n_layer // 2 = {self.n_layer // 2}]")
-        if self.mtp_heads < 0:
-            raise bad("mtp_heads", self.mtp_heads, "must be >= 0")
-        if self.moe_experts < 0 or self.moe_experts == 1:
-            raise bad("moe_experts", self.moe_experts, "use 0 (dense MLP) or at least 2 experts")
-        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
-            raise bad("moe_top_k", self.moe_top_k, f"must be in [1, moe_experts={self.moe_experts}]")
         if self.loss_impl not in _LOSS_IMPLS:
             raise bad("loss_impl", self.loss_impl, f"choose one of {_LOSS_IMPLS}")
         for name in ("head_fp8", "mlp_fp8", "attn_fp8"):
             value = getattr(self, name)
             if not (isinstance(value, bool) or value == "auto"):
                 raise bad(name, value, "choose true, false or 'auto' (FP8 where the GPU supports it)")
-        if self.mlp_fp8 and (self.n_embd % 16 or int(self.mlp_ratio * self.n_embd) % 16):
-            raise bad("mlp_fp8", self.mlp_fp8, f"needs n_embd ({self.n_embd}) and the MLP width "
-                      f"({int(self.mlp_ratio * self.n_embd)}) divisible by 16")
-        if self.norm_weight not in (True, False, "qk", "blocks"):
-            raise bad("norm_weight", self.norm_weight, "choose true, false, 'qk' (gains in QK-norm only) or 'blocks' "
-                      "(gains in the block and final norms only)")
-        if self.norm_weight == "qk" and not self.qk_norm:
-            raise bad("norm_weight", self.norm_weight, "'qk' puts gains in QK-norm, which needs qk_norm=True")
-        if self.attn_fp8 and ((self.n_head + 2 * self.kv_heads) * self.head_dim % 16 or self.n_embd % 16):
-            raise bad("attn_fp8", self.attn_fp8, f"needs n_embd ({self.n_embd}) and the q/k/v width "
-                      f"({(self.n_head + 2 * self.kv_heads) * self.head_dim}) divisible by 16")
-        if self.mlp_fp8 and self.mlp == "swiglu":
-            raise bad("mlp_fp8", self.mlp_fp8, "is for the gelu and relu2 MLPs (not swiglu)")
-        # True insists; "auto" is off wherever it cannot apply (a tied head, another loss, odd sizes)
-        if self.head_fp8 is True and not self.fp8_head_applicable:
-            raise bad("head_fp8", self.head_fp8, "needs tie_embeddings=False, loss_impl 'torch' or 'fused', and n_embd "
-                      f"and the padded vocabulary divisible by 16 (got {self.n_embd} and {self.padded_vocab_size}; "
-                      "set vocab_multiple to 128)")
         if not 0.0 <= self.dropout < 1.0:
             raise bad("dropout", self.dropout, "must be in [0, 1)")
         if self.dropout and self.attn_backend in ("flash", "flex"):
@@ -256,104 +339,77 @@ class GPTConfig:
                       f"{self.attn_backend!r}: its kernel here takes no attention dropout)")
         if self.loss_chunk_size <= 0:
             raise bad("loss_chunk_size", self.loss_chunk_size, "must be a positive integer")
-        if not isinstance(self.grad_checkpoint, bool) and not 0 <= self.grad_checkpoint <= self.n_layer:
-            raise bad("grad_checkpoint", self.grad_checkpoint,
-                      f"must be true, false or a number of leading blocks in [0, n_layer={self.n_layer}]")
+        if not isinstance(self.grad_checkpoint, bool) and self.grad_checkpoint < 0:
+            raise bad("grad_checkpoint", self.grad_checkpoint, "must be true, false or a number of leading blocks")
         if not 0.0 <= self.layer_drop < 1.0:
             raise bad("layer_drop", self.layer_drop, "must be in [0, 1)")
-        if self.layer_drop and self.moe_experts:
-            raise bad("layer_drop", self.layer_drop, "is not supported with moe_experts (a skipped block has no "
-                      "load-balancing loss)")
-        self.skip_attn_layers = tuple(int(i) for i in self.skip_attn_layers)  # YAML gives lists
-        bad_layers = [i for i in self.skip_attn_layers if not 0 <= i < self.n_layer]
-        if bad_layers:
-            raise bad("skip_attn_layers", self.skip_attn_layers, f"layers must be in [0, n_layer={self.n_layer})")
-        for i in range(self.n_value_embeds):  # value embedding i feeds layers i and n_layer - n_value_embeds + i
-            pair = {i, self.n_layer - self.n_value_embeds + i}
-            if pair <= set(self.skip_attn_layers):
-                raise bad("skip_attn_layers", self.skip_attn_layers,
-                          f"drops the attention of both layers {sorted(pair)} that value embedding {i} feeds; the "
-                          "table would get no gradient (plain DDP fails): keep one of them or lower n_value_embeds")
-        if self.rope_truncate and self.head_dim % 4:
-            raise bad("rope_truncate", self.rope_truncate, f"needs a head dimension divisible by 4, got {self.head_dim}")
-        if self.doc_causal and not 0 <= self.eot_token < self.vocab_size:
-            raise bad("eot_token", self.eot_token, f"must be a token id below vocab_size={self.vocab_size}")
 
-    def _check_mla(self, bad: Any) -> None:
-        """The ``attention="mla"`` fields, and the options multi-latent attention does not take."""
-        if self.n_kv_head not in (None, self.n_head):
-            raise bad("n_kv_head", self.n_kv_head, "is for attention='mha' (grouped-query attention); MLA shares "
-                      "keys and values through its latent (mla_kv_rank): leave n_kv_head unset")
-        if self.mla_kv_rank <= 0:
-            raise bad("mla_kv_rank", self.mla_kv_rank, "must be a positive integer")
-        if self.mla_q_rank is not None and self.mla_q_rank <= 0:
-            raise bad("mla_q_rank", self.mla_q_rank, "must be a positive integer, or None for uncompressed queries")
-        if not 0 <= self.mla_rope_dim < self.head_dim or self.mla_rope_dim % 2:
-            raise bad("mla_rope_dim", self.mla_rope_dim, f"must be even and in [0, head_dim={self.head_dim})")
-        if self.mla_rope_dim == 0 and self.pos_emb == "rope":
-            raise bad("mla_rope_dim", self.mla_rope_dim, "MLA rotates only its rope part: pos_emb='rope' needs "
-                      "mla_rope_dim > 0 (or use pos_emb='learned')")
-        if self.rope_truncate and self.mla_rope_dim % 4:
-            raise bad("rope_truncate", self.rope_truncate, f"needs mla_rope_dim divisible by 4, got {self.mla_rope_dim}")
-        if self.n_value_embeds:
-            raise bad("n_value_embeds", self.n_value_embeds, "is not supported with attention='mla' (value "
-                      "embeddings would have to be cached beside the latent)")
-        if self.attn_fp8 is True:
+    def check(self, config: GPTConfig) -> None:
+        """Refuse the settings that ``config``'s architecture cannot run with (what :class:`GPT` checks)."""
+        bad = _bad("GPTExecution")
+        if config.window_schedule is not None and self.attn_backend == "flash":
+            raise bad("attn_backend", self.attn_backend, "cannot move the window of GPTConfig.window_schedule "
+                      "(flash-attn takes a fixed window): use 'flex', 'sdpa', 'math' or 'auto'")
+        hidden = int(config.mlp_ratio * config.n_embd)
+        if self.mlp_fp8 and (config.n_embd % 16 or hidden % 16):
+            raise bad("mlp_fp8", self.mlp_fp8, f"needs n_embd ({config.n_embd}) and the MLP width ({hidden}) "
+                      "divisible by 16")
+        if self.mlp_fp8 and config.mlp == "swiglu":
+            raise bad("mlp_fp8", self.mlp_fp8, "is for the gelu and relu2 MLPs (not swiglu)")
+        qkv = (config.n_head + 2 * config.kv_heads) * config.head_dim
+        if self.attn_fp8 and (qkv % 16 or config.n_embd % 16):
+            raise bad("attn_fp8", self.attn_fp8, f"needs n_embd ({config.n_embd}) and the q/k/v width ({qkv}) "
+                      "divisible by 16")
+        if self.attn_fp8 is True and config.attention == "mla":
             raise bad("attn_fp8", self.attn_fp8, "is not supported with attention='mla' (its projections run in the "
                       "compute dtype; 'auto' leaves them there)")
+        # True insists; "auto" is off wherever it cannot apply (a tied head, another loss, odd sizes)
+        if self.head_fp8 is True and not self.fp8_head_applicable(config):
+            raise bad("head_fp8", self.head_fp8, "needs tie_embeddings=False, loss_impl 'torch' or 'fused', and n_embd "
+                      f"and the padded vocabulary divisible by 16 (got {config.n_embd} and "
+                      f"{config.padded_vocab_size}; set vocab_multiple to 128)")
+        if not isinstance(self.grad_checkpoint, bool) and self.grad_checkpoint > config.n_layer:
+            raise bad("grad_checkpoint", self.grad_checkpoint,
+                      f"must be true, false or a number of leading blocks in [0, n_layer={config.n_layer}]")
 
-    @property
-    def checkpointed_blocks(self) -> int:
-        """How many leading blocks ``grad_checkpoint`` recomputes in the backward pass."""
+    def checkpointed_blocks(self, n_layer: int) -> int:
+        """How many leading blocks of ``n_layer`` ``grad_checkpoint`` recomputes in the backward pass."""
         if isinstance(self.grad_checkpoint, bool):
-            return self.n_layer if self.grad_checkpoint else 0
+            return n_layer if self.grad_checkpoint else 0
         return int(self.grad_checkpoint)
 
-    def layer_drop_prob(self, layer: int) -> float:
-        """The probability that training skips block ``layer`` (see ``layer_drop``)."""
-        return self.layer_drop * (layer + 1) / self.n_layer
+    def layer_drop_prob(self, layer: int, n_layer: int) -> float:
+        """The probability that training skips block ``layer`` of ``n_layer`` (see ``layer_drop``)."""
+        return self.layer_drop * (layer + 1) / n_layer
 
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_head or self.n_head
-
-    @property
-    def padded_vocab_size(self) -> int:
-        return math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple
-
-    @property
-    def fp8_head_applicable(self) -> bool:
-        """Whether this architecture can run its head in FP8 (what ``head_fp8="auto"`` checks first)."""
-        return (not self.tie_embeddings and self.loss_impl in ("torch", "fused") and self.n_embd % 16 == 0
-                and self.padded_vocab_size % 16 == 0)
+    def fp8_head_applicable(self, config: GPTConfig) -> bool:
+        """Whether ``config``'s head can run in FP8 under this loss (what ``head_fp8="auto"`` checks first)."""
+        return (not config.tie_embeddings and self.loss_impl in ("torch", "fused") and config.n_embd % 16 == 0
+                and config.padded_vocab_size % 16 == 0)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: Any) -> GPTConfig:
-        """The config that :meth:`to_dict` (or a checkpoint's hyperparameters) describes.
-
-        Accepts a ``GPTConfig``, a dict or a jsonargparse ``Namespace``: LightningCLI saves a model's
-        hyperparameters as the parsed config (lists where the dataclass holds tuples), so
-        ``GPTConfig.from_dict(checkpoint["hyper_parameters"]["model_config"]) == config`` for the config that
-        made it. Fields the dict predates take their defaults; keys this version does not know are refused.
-        """
+    def from_dict(cls, values: Any) -> GPTExecution:
+        """The settings a dict, a jsonargparse ``Namespace`` or a checkpoint's hyperparameters describe (keys
+        this version does not know are refused)."""
         if isinstance(values, cls):
             return values
         if hasattr(values, "as_dict"):  # jsonargparse Namespace
             values = values.as_dict()
         values = dict(values)
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(k for k in values if k not in names)
+        unknown = sorted(k for k in values if k not in {f.name for f in fields(cls)})
         if unknown:
-            raise ValueError(f"GPTConfig has no field(s) {unknown}; the config comes from another version or model")
+            raise ValueError(f"GPTExecution has no field(s) {unknown}; the config comes from another version")
         return cls(**values)
 
+
+def _bad(owner: str) -> Any:
+    def bad(field: str, value: Any, want: str) -> ValueError:
+        return ValueError(f"{owner}.{field}={value!r} is invalid: {want}")
+
+    return bad
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, weight: bool = True) -> None:
@@ -405,9 +461,9 @@ class Rotary(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig, layer: int) -> None:
+    def __init__(self, cfg: GPTConfig, layer: int, ex: GPTExecution) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.ex = cfg, ex
         self.layer = layer
         self.n_head, self.n_kv, self.hd = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.c_attn = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.hd, bias=cfg.bias)
@@ -425,7 +481,7 @@ class CausalSelfAttention(nn.Module):
         has_ve = layer < cfg.n_value_embeds or layer >= cfg.n_layer - cfg.n_value_embeds
         self.ve_lambda = nn.Parameter(torch.tensor(0.5)) if cfg.n_value_embeds and has_ve else None
         # decide flash-attn vs SDPA now: inside torch.compile the import probe would break the graph
-        resolve_backend(cfg.attn_backend)
+        resolve_backend(ex.attn_backend)
 
     def forward(
         self,
@@ -436,8 +492,8 @@ class CausalSelfAttention(nn.Module):
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        fp8 = fp8_wanted(self.cfg.attn_fp8, x, self.training, compiled_only=True)
-        fast = self.cfg.fp8_backward_fast_accum
+        fp8 = fp8_wanted(self.ex.attn_fp8, x, self.training, compiled_only=True)
+        fast = self.ex.fp8_backward_fast_accum
         qkv = linear_maybe_fp8(self.c_attn, x, fp8, backward_fast_accum=fast)  # x normalised: default FP8 scale
         q, k, v = qkv.split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
         q = q.view(b, t, self.n_head, self.hd).transpose(1, 2)
@@ -452,12 +508,12 @@ class CausalSelfAttention(nn.Module):
             q, k = self.rotary(q, start), self.rotary(k, start)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)
-        y = _attend(self.cfg, q, k, v, self.training, window, doc_ids, kv_cache)
+        y = _attend(self.cfg, self.ex, q, k, v, self.training, window, doc_ids, kv_cache)
         return linear_maybe_fp8(self.c_proj, y.transpose(1, 2).reshape(b, t, -1), fp8, x_scale=1.0,
                                 backward_fast_accum=fast)
 
 
-def _attend(cfg: GPTConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, training: bool,
+def _attend(cfg: GPTConfig, ex: GPTExecution, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, training: bool,
             window: int | torch.Tensor | None, doc_ids: torch.Tensor | None, kv_cache: KVCache | None) -> torch.Tensor:
     """Causal attention of ``q`` ``[B, H, T, D]`` over ``k, v`` ``[B, H_kv, S, D]``: with ``kv_cache``, under its
     mask (``k, v`` hold the cached positions too); in training with dropout, through SDPA; else through the
@@ -466,11 +522,11 @@ def _attend(cfg: GPTConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t
     gqa = k.shape[1] != q.shape[1]
     if kv_cache is not None:  # these positions attend to everything cached before them, and to themselves
         return F.scaled_dot_product_attention(q, k, v, attn_mask=kv_cache.mask, enable_gqa=gqa)
-    if training and cfg.dropout:
+    if training and ex.dropout:
         mask = None if window is None and doc_ids is None else build_mask(q.shape[2], q.device, window, doc_ids)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=cfg.dropout,
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=ex.dropout,
                                               is_causal=mask is None, enable_gqa=gqa)
-    return attention(q, k, v, window=window, doc_ids=doc_ids, backend=cfg.attn_backend)
+    return attention(q, k, v, window=window, doc_ids=doc_ids, backend=ex.attn_backend)
 
 
 def _norm_in_dtype(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -496,9 +552,9 @@ class MultiLatentAttention(nn.Module):
     QK-norm, up-projects the cached latents into keys and values as the full forward pass does.
     """
 
-    def __init__(self, cfg: GPTConfig, layer: int) -> None:
+    def __init__(self, cfg: GPTConfig, layer: int, ex: GPTExecution) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.ex = cfg, ex
         self.layer = layer
         self.n_head, self.hd, self.rope_dim = cfg.n_head, cfg.head_dim, cfg.mla_rope_dim
         self.nope_dim, self.kv_rank = self.hd - self.rope_dim, cfg.mla_kv_rank
@@ -523,7 +579,7 @@ class MultiLatentAttention(nn.Module):
         qk_gain = cfg.norm_weight in (True, "qk")
         self.q_norm = RMSNorm(self.hd, weight=qk_gain) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, weight=qk_gain) if cfg.qk_norm else None
-        resolve_backend(cfg.attn_backend)
+        resolve_backend(ex.attn_backend)
 
     def _rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """``x`` ``[B, H, T, head_dim]`` at positions ``start..`` with its rope part rotated."""
@@ -569,7 +625,7 @@ class MultiLatentAttention(nn.Module):
             y = self._latent_attention(q, c_kv, k_rope, kv_cache.mask)
         else:  # every (cached) position's keys and values, up-projected from its latent
             k, v = self.keys_values(c_kv, k_rope)
-            y = _attend(self.cfg, q, k, v, self.training, window, doc_ids, kv_cache)
+            y = _attend(self.cfg, self.ex, q, k, v, self.training, window, doc_ids, kv_cache)
         return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
 
     def _absorb(self, t: int) -> bool:
@@ -602,11 +658,11 @@ class MultiLatentAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, ex: GPTExecution) -> None:
         super().__init__()
         self.kind = cfg.mlp
-        self.fp8 = cfg.mlp_fp8
-        self.fp8_fast_accum = cfg.fp8_backward_fast_accum
+        self.fp8 = ex.mlp_fp8
+        self.fp8_fast_accum = ex.fp8_backward_fast_accum
         hidden = int(cfg.mlp_ratio * cfg.n_embd)
         if cfg.mlp == "swiglu":
             hidden = int(2 * hidden / 3)
@@ -629,43 +685,17 @@ class MLP(nn.Module):
         return linear_maybe_fp8(self.c_proj, h, fp8, x_scale=1.0, backward_fast_accum=fast)
 
 
-class MoE(nn.Module):
-    """Mixture of expert MLPs with top-k routing.
-
-    Experts are evaluated densely and combined with the (sparse) routing weights: with the few experts
-    an ablation uses this avoids data-dependent shapes, so it compiles and needs no host sync.
-    ``aux_loss`` holds the load-balancing loss of the last forward (Switch Transformer form).
-    """
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.top_k = cfg.moe_top_k
-        self.router = nn.Linear(cfg.n_embd, cfg.moe_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.moe_experts))
-        self.aux_loss: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = self.router(x).float().softmax(-1)
-        top_p, top_i = probs.topk(self.top_k, dim=-1)
-        gates = torch.zeros_like(probs).scatter(-1, top_i, top_p / top_p.sum(-1, keepdim=True))
-        n_exp = probs.shape[-1]
-        frac = F.one_hot(top_i[..., 0], n_exp).float().mean(dim=(0, 1))
-        self.aux_loss = n_exp * (frac * probs.mean(dim=(0, 1))).sum()
-        out = torch.stack([e(x) for e in self.experts], dim=-1)
-        return (out * gates.unsqueeze(-2).to(out.dtype)).sum(-1)
-
-
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, layer: int) -> None:
+    def __init__(self, cfg: GPTConfig, layer: int, ex: GPTExecution) -> None:
         super().__init__()
         has_attn = layer not in cfg.skip_attn_layers
         self.ln_1 = make_norm(cfg, cfg.n_embd) if has_attn else None
         attn_cls = MultiLatentAttention if cfg.attention == "mla" else CausalSelfAttention
-        self.attn = attn_cls(cfg, layer) if has_attn else None
+        self.attn = attn_cls(cfg, layer, ex) if has_attn else None
         self.ln_2 = make_norm(cfg, cfg.n_embd)
-        self.mlp = MoE(cfg) if cfg.moe_experts else MLP(cfg)
+        self.mlp = MLP(cfg, ex)
         self.x0_lambdas = nn.Parameter(torch.tensor([1.0, 0.0])) if cfg.x0_mix else None
-        self.dropout = cfg.dropout
+        self.dropout = ex.dropout
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.dropout, self.training) if self.dropout else x
@@ -811,23 +841,29 @@ class GPT(nn.Module):
     """GPT-2 language model.
 
     ``model(idx)`` returns logits ``[B, T, vocab_size]``; ``model(idx, targets)`` returns the mean
-    cross-entropy loss, plus the auxiliary multi-token and mixture-of-experts terms when enabled and the
-    model is in training mode (in eval mode it is the plain next-token loss, comparable across options).
+    cross-entropy loss. ``config`` is the architecture (what the weights mean); ``execution`` how it is
+    computed and regularised in training (:class:`GPTExecution`, defaults when ``None``).
+
+    Subclasses extend it through :meth:`hidden_states` (the final-norm hidden states) and :meth:`hidden_loss`
+    (the loss of hidden states against targets), as ``benchmarks/gpt2_variants.py`` does for multi-token
+    prediction and mixture-of-experts MLPs.
 
     Example:
         >>> model = GPT(GPTConfig(vocab_size=256, n_layer=2, n_head=2, n_embd=32, block_size=64))
         >>> logits = model(torch.zeros(1, 8, dtype=torch.long))
     """
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, execution: GPTExecution | None = None) -> None:
         super().__init__()
         self.config = cfg = config
-        if cfg.attn_backend == "flash":
+        self.execution = ex = execution if execution is not None else GPTExecution()
+        ex.check(cfg)
+        if ex.attn_backend == "flash":
             from lightning_opt.ops.attention import flash_available
 
             if not flash_available():  # say so now, not at the first training step
                 raise ImportError(
-                    "GPTConfig.attn_backend='flash' needs flash-attn: pip install 'lightning-opt[gpu]' "
+                    "GPTExecution.attn_backend='flash' needs flash-attn: pip install 'lightning-opt[gpu]' "
                     "(or set attn_backend='auto' to fall back to PyTorch SDPA)"
                 )
         v = cfg.padded_vocab_size
@@ -835,14 +871,10 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos_emb == "learned" else None
         kv_dim = cfg.kv_heads * cfg.head_dim
         self.value_embeds = nn.ModuleList(nn.Embedding(v, kv_dim) for _ in range(cfg.n_value_embeds))
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i, ex) for i in range(cfg.n_layer))
         self.skip_weights = nn.Parameter(torch.ones(cfg.n_layer // 2)) if cfg.unet_skips else None
         self.ln_f = make_norm(cfg, cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, v, bias=False)
-        self.mtp = nn.ModuleList(
-            nn.Sequential(make_norm(cfg, cfg.n_embd), nn.Linear(cfg.n_embd, cfg.n_embd, bias=False))
-            for _ in range(cfg.mtp_heads)
-        )
         # the CPU generator that draws which blocks layer_drop skips (None: torch's global generator)
         self.layer_drop_generator: torch.Generator | None = None
         self.apply(self._init_weights)
@@ -890,9 +922,6 @@ class GPT(nn.Module):
         window = self.window_at(1.0) if cfg.window_schedule else cfg.window_size
         span = min(t, window) if window else t
         n = self.num_params(non_embedding=True)
-        if cfg.moe_experts:  # only top_k experts are "used" per token in the FLOP convention
-            per_expert = sum(p.numel() for p in self.blocks[0].mlp.experts[0].parameters())
-            n -= cfg.n_layer * per_expert * (cfg.moe_experts - cfg.moe_top_k)
         # causal attention touches on average about half the span; keep the standard (PaLM) count
         # (MLA's projections are matmul parameters like any other; its query/key heads keep head_dim dimensions)
         return 6.0 * n + 12.0 * (cfg.n_layer - len(cfg.skip_attn_layers)) * cfg.n_embd * span
@@ -924,9 +953,7 @@ class GPT(nn.Module):
 
     def hidden_matrices(self) -> list[nn.Parameter]:
         """2-D weights inside the blocks: what Muon optimises in the speedrun split."""
-        return [p for n, p in self.blocks.named_parameters() if p.ndim >= 2 and "router" not in n] + [
-            m[1].weight for m in self.mtp
-        ]
+        return [p for p in self.blocks.parameters() if p.ndim >= 2]
 
     # ----------------------------------------------------------------------------------------------
     def forward(
@@ -940,22 +967,14 @@ class GPT(nn.Module):
         cfg = self.config
         if kv_cache is not None and targets is not None:
             raise ValueError("kv_cache is for inference: call the model with targets and no kv_cache to get a loss")
-        h = self._hidden(idx, kv_cache)
+        h = self.hidden_states(idx, kv_cache)
         if targets is None:  # logits for the caller: never FP8 (its gradient scale assumes a mean loss)
             return self._logits(h, fp8=False)[..., : cfg.vocab_size]
-        loss = self._loss(h, targets)
-        if not self.training:  # evaluation reports the plain next-token loss, comparable across options
-            return loss
-        if self.mtp:
-            aux = [self._loss(head(h)[:, :-j], targets[:, j:]) for j, head in enumerate(self.mtp, start=1)]
-            loss = loss + cfg.mtp_weight * torch.stack(aux).mean()
-        if cfg.moe_experts:
-            loss = loss + cfg.moe_aux_weight * torch.stack([blk.mlp.aux_loss for blk in self.blocks]).mean()
-        return loss
+        return self.hidden_loss(h, targets)
 
-    def _hidden(self, idx: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+    def hidden_states(self, idx: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """The final-norm hidden states ``[B, T, n_embd]`` of ``idx`` (continuing ``kv_cache``'s sequences)."""
-        cfg = self.config
+        cfg, ex = self.config, self.execution
         b, t = idx.shape
         if t > cfg.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size={cfg.block_size}; shorten the input")
@@ -971,8 +990,8 @@ class GPT(nn.Module):
             x = x + self.wpe(torch.arange(start, start + t, device=idx.device))
         if cfg.embed_norm:
             x = F.rms_norm(x, (x.shape[-1],))
-        if cfg.dropout:
-            x = F.dropout(x, cfg.dropout, self.training)
+        if ex.dropout:
+            x = F.dropout(x, ex.dropout, self.training)
         x0 = x if cfg.x0_mix else None
 
         ves: list[torch.Tensor | None] = [None] * cfg.n_layer
@@ -983,14 +1002,14 @@ class GPT(nn.Module):
 
         half = cfg.n_layer // 2
         skips: list[torch.Tensor] = []
-        n_ckpt = cfg.checkpointed_blocks if self.training and torch.is_grad_enabled() else 0
-        drop = cfg.layer_drop and self.training
+        n_ckpt = ex.checkpointed_blocks(cfg.n_layer) if self.training and torch.is_grad_enabled() else 0
+        drop = ex.layer_drop and self.training
         # one host-side draw per pass: which blocks to skip is known before any kernel runs (no device sync)
         draws = torch.rand(cfg.n_layer, generator=self.layer_drop_generator).tolist() if drop else None
         for i, block in enumerate(self.blocks):
             if self.skip_weights is not None and i >= cfg.n_layer - half:
                 x = x + self.skip_weights[cfg.n_layer - 1 - i] * skips.pop()
-            p_drop = cfg.layer_drop_prob(i) if draws is not None else 0.0
+            p_drop = ex.layer_drop_prob(i, cfg.n_layer) if draws is not None else 0.0
             if not (p_drop and draws[i] < p_drop):  # stochastic depth: a skipped block lets x pass through
                 if i < n_ckpt:
                     y = checkpoint(block, x, ves[i], doc_ids, x0, self.attn_window, use_reentrant=False)
@@ -1005,25 +1024,29 @@ class GPT(nn.Module):
         return self.ln_f(x)
 
     def _head_fp8(self, h: torch.Tensor) -> bool:
-        """Whether this training call's head matmul runs in FP8 (see ``GPTConfig.head_fp8``)."""
-        return fp8_wanted(self.config.head_fp8, h, self.training, self.config.fp8_head_applicable)
+        """Whether this training call's head matmul runs in FP8 (see ``GPTExecution.head_fp8``)."""
+        ex = self.execution
+        return fp8_wanted(ex.head_fp8, h, self.training, ex.fp8_head_applicable(self.config))
 
     def _logits(self, h: torch.Tensor, fp8: bool) -> torch.Tensor:
-        logits = linear_maybe_fp8(self.lm_head, h, fp8, backward_fast_accum=self.config.fp8_backward_fast_accum)
+        logits = linear_maybe_fp8(self.lm_head, h, fp8, backward_fast_accum=self.execution.fp8_backward_fast_accum)
         cap = self.config.logit_softcap
         if cap is not None:
             logits = cap * torch.tanh(logits.float() / cap)
         return logits
 
-    def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        cfg = self.config
-        if cfg.loss_impl == "fused":
+    def hidden_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean next-token cross-entropy of hidden states ``h`` ``[B, T, n_embd]`` (from
+        :meth:`hidden_states`) against ``targets`` ``[B, T]`` (``-100`` ignored), through the head and the
+        loss of ``execution.loss_impl``."""
+        cfg, ex = self.config, self.execution
+        if ex.loss_impl == "fused":
             return linear_softcap_cross_entropy(h, self.lm_head.weight, targets, cfg.logit_softcap,
                                                 fp8=self._head_fp8(h),
-                                                backward_fast_accum=cfg.fp8_backward_fast_accum)
-        if cfg.loss_impl != "torch":
-            return linear_cross_entropy(h, self.lm_head.weight, targets, cfg.logit_softcap, cfg.loss_chunk_size,
-                                        fp8=cfg.loss_impl == "chunked_fp8")
+                                                backward_fast_accum=ex.fp8_backward_fast_accum)
+        if ex.loss_impl != "torch":
+            return linear_cross_entropy(h, self.lm_head.weight, targets, cfg.logit_softcap, ex.loss_chunk_size,
+                                        fp8=ex.loss_impl == "chunked_fp8")
         logits = self._logits(h, fp8=self._head_fp8(h))
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 
@@ -1069,16 +1092,16 @@ class GPT(nn.Module):
             done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
             for step in range(max_new_tokens):
                 if not use_cache:
-                    h = self._hidden(out[:, -cfg.block_size :])
+                    h = self.hidden_states(out[:, -cfg.block_size :])
                 elif cache is not None and cache.length < cache.max_len:
-                    h = self._hidden(out[:, -1:], cache)
+                    h = self.hidden_states(out[:, -1:], cache)
                 else:  # the first step, or a full cache: run the last block_size tokens into an empty one
                     context = out[:, -cfg.block_size :]
                     if cache is None:
                         room = min(context.shape[1] + max_new_tokens - step, cfg.block_size)
                         cache = KVCache(self, idx.shape[0], room)
                     cache.reset()
-                    h = self._hidden(context, cache)
+                    h = self.hidden_states(context, cache)
                 logits = self._logits(h[:, -1], fp8=False)[:, : cfg.vocab_size]
                 nxt = sample_next(logits, temperature, top_k, top_p, greedy, generator)
                 if eos_token is not None:
@@ -1092,7 +1115,8 @@ class GPT(nn.Module):
         return out
 
     @classmethod
-    def from_hf(cls, model_or_state_dict: Any, config: GPTConfig | None = None) -> GPT:
+    def from_hf(cls, model_or_state_dict: Any, config: GPTConfig | None = None,
+                execution: GPTExecution | None = None) -> GPT:
         """Build a classic GPT-2 from a ``transformers`` ``GPT2LMHeadModel`` or its state dict.
 
         HF's ``Conv1D`` stores weights as ``[in, out]``; they are transposed into ``nn.Linear`` layout.
@@ -1100,6 +1124,7 @@ class GPT(nn.Module):
         Args:
             model_or_state_dict: a ``GPT2LMHeadModel`` (any size) or its ``state_dict()``.
             config: required with a bare state dict whose shape cannot be read off the model.
+            execution: how the model is computed (:class:`GPTExecution`; defaults when ``None``).
         """
         if isinstance(model_or_state_dict, dict):
             sd = model_or_state_dict
@@ -1118,7 +1143,7 @@ class GPT(nn.Module):
         sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
         if "wte.weight" not in sd:
             raise ValueError("not a GPT-2 state dict: no 'transformer.wte.weight' key")
-        model = cls(config)
+        model = cls(config, execution)
         ours: dict[str, torch.Tensor] = {
             "wte.weight": sd["wte.weight"], "wpe.weight": sd["wpe.weight"],
             "ln_f.weight": sd["ln_f.weight"], "ln_f.bias": sd["ln_f.bias"],
@@ -1143,7 +1168,8 @@ class GPT(nn.Module):
         return model
 
     @classmethod
-    def from_pretrained(cls, source: str | os.PathLike, config: GPTConfig | None = None) -> GPT:
+    def from_pretrained(cls, source: str | os.PathLike, config: GPTConfig | None = None,
+                        execution: GPTExecution | None = None) -> GPT:
         """A classic GPT-2 with Hugging Face GPT-2 weights, for fine-tuning or sampling.
 
         Args:
@@ -1151,10 +1177,11 @@ class GPT(nn.Module):
                 read with ``torch.load(weights_only=True)``), as ``save_pretrained`` writes it; or a hub id
                 (``gpt2``, ``gpt2-medium``, ``openai-community/gpt2-large``, ...), downloaded with
                 ``huggingface_hub`` (``pip install 'lightning-opt[hf]'``) into its cache.
-            config: the model to build (``dropout``, ``loss_impl`` and the other settings that do not change
-                what the weights mean are free). Its shape must be the files' and its architecture the classic
+            config: the architecture to build: its shape must be the files' and its architecture the classic
                 one; ``block_size`` may be below the files' ``n_positions`` (the first positions are kept).
                 Default: the classic config of the files' shape.
+            execution: how the model is computed and regularised (``dropout``, ``loss_impl``, ...: free, they
+                do not change what the weights mean); defaults when ``None``.
         """
         directory, weights_file = _hf_gpt2_files(source)
         hf = json.loads((directory / "config.json").read_text())
@@ -1190,15 +1217,14 @@ class GPT(nn.Module):
         sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
         if "wpe.weight" in sd:
             sd["wpe.weight"] = sd["wpe.weight"][: config.block_size]
-        return cls.from_hf(sd, config)
+        return cls.from_hf(sd, config, execution)
 
 
 # the GPTConfig values under which GPT computes what Hugging Face's GPT-2 does with the same weights
 _HF_GPT2_ARCH: dict[str, Any] = {
     "pos_emb": "learned", "norm": "layernorm", "norm_weight": True, "bias": True, "qk_norm": False, "mlp": "gelu",
     "mlp_ratio": 4.0, "tie_embeddings": True, "n_value_embeds": 0, "unet_skips": False, "x0_mix": False,
-    "embed_norm": False, "skip_attn_layers": (), "logit_softcap": None, "mtp_heads": 0, "moe_experts": 0,
-    "attention": "mha",
+    "embed_norm": False, "skip_attn_layers": (), "logit_softcap": None, "attention": "mha",
 }
 
 

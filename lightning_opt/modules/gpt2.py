@@ -12,30 +12,27 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lightning_opt.callbacks._logging import trainer_logs_next_step
-from lightning_opt.models.gpt2 import GPT, GPTConfig
+from lightning_opt.models.gpt2 import GPT, GPTConfig, GPTExecution, split_model_config
 from lightning_opt.modules.base import TrainingModule, normalised, register_safe_globals
 from lightning_opt.optim.factory import OptimConfig
 from lightning_opt.optim.schedules import ScheduleConfig
 
-register_safe_globals(GPTConfig)
+register_safe_globals(GPTConfig, GPTExecution)
 
 # a checkpoint's model_config that predates a field is read with the field's default
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.default is not dataclasses.MISSING}
-# GPTConfig fields that change how a model is computed, not what its weights are: a checkpoint may be resumed
-# with other values of these (say, a checkpoint from before the recipe set head_fp8: auto)
-EXECUTION_ONLY_FIELDS = frozenset({"loss_impl", "loss_chunk_size", "head_fp8", "mlp_fp8", "attn_fp8", "grad_checkpoint",
-                                   "attn_backend", "fp8_backward_fast_accum", "layer_drop"})
 
 
 def saved_model_config(saved: Any) -> dict[str, Any]:
     """A checkpoint's ``model_config`` (a ``GPTConfig``, or the dict LightningCLI saved) as a normalised dict
-    of every field: fields it predates at their defaults, lists as tuples."""
+    of every architecture field: fields it predates at their defaults, lists as tuples. Execution settings that
+    older checkpoints kept in the model config are left out (they may differ on resume)."""
     if not isinstance(saved, GPTConfig):
-        saved = saved.as_dict() if hasattr(saved, "as_dict") else dict(saved)
         try:
             saved = GPTConfig.from_dict(saved)
         except (TypeError, ValueError):  # a field this version no longer accepts: compare the values as saved
-            saved = {**_FIELD_DEFAULTS, **saved}
+            values = saved.as_dict() if hasattr(saved, "as_dict") else dict(saved)
+            saved = {**_FIELD_DEFAULTS, **{k: v for k, v in values.items() if k not in GPTExecution.__dataclass_fields__}}
     return normalised(saved.to_dict() if isinstance(saved, GPTConfig) else saved)
 
 
@@ -64,9 +61,12 @@ class GPT2SpeedrunModule(TrainingModule):
     :meth:`configure_optimizers` for another optimizer (see ``docs/gpt2.md``).
 
     Args:
-        model_config: the architecture.
+        model_config: the architecture (what the weights mean): a checkpoint resumes only into the same one.
         optim: optimizer settings (``muon`` gives the speedrun's Muon + Adam split).
         schedule: learning-rate schedule; its length follows ``Trainer(max_steps=...)``.
+        execution: how the model is computed and regularised in training (attention kernel, FP8 matmuls, loss
+            kernel, activation checkpointing, dropout, LayerDrop; :class:`~lightning_opt.models.gpt2.GPTExecution`):
+            saved in the hyperparameters, free to change when a checkpoint resumes or loads.
         compile: wrap the model in ``torch.compile``.
         compile_options: inductor settings for that compile (``torch.compile(options=...)``), e.g.
             ``{"coordinate_descent_tuning": True}``: longer compile, faster kernels. Needs ``compile=True``.
@@ -74,7 +74,7 @@ class GPT2SpeedrunModule(TrainingModule):
             and ``model.safetensors`` (or ``pytorch_model.bin``) or a hub id such as ``gpt2`` (needs the ``hf``
             extra); see :meth:`~lightning_opt.models.gpt2.GPT.from_pretrained`. ``model_config`` must be the
             classic architecture of that shape (``vocab_multiple: 1``; ``dropout`` and ``block_size`` up to the
-            files' ``n_positions`` are free). The weights are read when a Trainer first sets the module up; a
+            files' ``n_positions`` are free, as is ``execution``). The weights are read when a Trainer first sets the module up; a
             checkpoint (``ckpt_path``, ``load_from_checkpoint``) replaces them and needs no HF files.
 
     ``trainer.test`` logs ``test/loss`` and ``test/ppl`` over ``(x, y)`` batches; ``trainer.predict`` returns the
@@ -90,16 +90,25 @@ class GPT2SpeedrunModule(TrainingModule):
         model_config: GPTConfig | None = None,
         optim: OptimConfig | None = None,
         schedule: ScheduleConfig | None = None,
+        execution: GPTExecution | None = None,
         compile: bool = False,
         compile_options: dict[str, Any] | None = None,
         init_from: str | None = None,
     ) -> None:
         super().__init__(optim, schedule)
         # a dict (a checkpoint's hyperparameters as LightningCLI saved them) is normalised: lists become tuples
-        self.model_config = GPTConfig.from_dict(model_config) if model_config is not None else GPTConfig()
+        architecture, legacy = split_model_config(model_config) if model_config is not None else ({}, {})
+        self.model_config = GPTConfig.from_dict(architecture)
+        if legacy:
+            # older checkpoints kept the execution settings inside model_config (one dataclass held both): they
+            # are read from there (an execution passed too wins) and saved below in the current layout
+            execution = execution if execution is not None else GPTExecution.from_dict(legacy)
+            model_config = self.model_config
+        self.execution = GPTExecution.from_dict(execution) if execution is not None else GPTExecution()
+        execution = self.execution  # the hyperparameters show what this run computes with, defaults included
         check_compile_options(compile, compile_options)
         self.save_hyperparameters()
-        self.model = GPT(self.model_config)
+        self.model = GPT(self.model_config, self.execution)
         self.compile_model = compile
         self.compile_options = dict(compile_options) if compile_options else None
         self.init_from = init_from
@@ -122,7 +131,7 @@ class GPT2SpeedrunModule(TrainingModule):
 
     def load_init_weights(self) -> None:
         """Copy the Hugging Face GPT-2 weights named by ``init_from`` into the model."""
-        pretrained = GPT.from_pretrained(self.init_from, self.model_config)
+        pretrained = GPT.from_pretrained(self.init_from, self.model_config, self.execution)
         self.model.load_state_dict(pretrained.state_dict())
         self._init_loaded = True
 
@@ -149,11 +158,11 @@ class GPT2SpeedrunModule(TrainingModule):
             )
         diffs = {}
         if theirs is not None:
-            # how the same model is computed (loss kernel, FP8 head, attention kernel, recomputation) may change
-            # between runs; what the weights mean may not. A field the checkpoint predates counts as its default
+            # what the weights mean (the architecture) may not change between runs; how the same model is
+            # computed (GPTExecution, saved beside it) may. A field the checkpoint predates counts as its default
             # (what that code computed); lists and tuples compare equal (LightningCLI saves the parsed YAML)
             a, b = normalised(self.model_config.to_dict()), saved_model_config(theirs)
-            diffs = {k: (b.get(k), a[k]) for k in a if a[k] != b.get(k) and k not in EXECUTION_ONLY_FIELDS}
+            diffs = {k: (b.get(k), a[k]) for k in a if a[k] != b.get(k)}
         if diffs:
             raise ValueError(
                 "checkpoint comes from another model: (checkpoint, this run) differ in "

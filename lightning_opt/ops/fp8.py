@@ -124,7 +124,7 @@ def check_fp8_shapes(rows: int, k: int, out: int, device: torch.device) -> None:
         raise RuntimeError(
             f"FP8 matmul: FP8 matmuls need a GPU of compute capability 8.9 or newer (H100, L40S, RTX 4090); "
             f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}. "
-            "Turn the FP8 option off (e.g. GPTConfig.head_fp8=False) or use head_fp8='auto'."
+            "Turn the FP8 option off (e.g. GPTExecution.head_fp8=False) or use head_fp8='auto'."
         )
 
 

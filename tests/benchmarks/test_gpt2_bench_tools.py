@@ -102,11 +102,11 @@ def test_ours_spec_budget_and_micro_batch_keep_tokens_per_step():
         ours_spec(args, 4.3, 8, False, 1.5)
     with pytest.raises(ValueError, match="micro-batch"):
         ours_spec(argparse.Namespace(**{**vars(args), "ours_micro_batch": 48}), 4.3, 8, False, 1.0)
-    # GPTConfig overrides read as YAML values, validated by GPTConfig
+    # model overrides read as YAML values, validated by GPTConfig / GPTExecution
     assert parse_model_override("mlp_fp8=auto") == ("mlp_fp8", "auto")
     assert parse_model_override("logit_softcap=30") == ("logit_softcap", 30)
     spec = ours_spec(argparse.Namespace(**{**vars(args), "ours_model": ["mlp_fp8=true"]}), 4.3, 8, False, 1.0)
-    assert spec.model.mlp_fp8 is True
+    assert spec.execution.mlp_fp8 is True
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_model_override("mlp_fp8")
     with pytest.raises(ValueError, match="mlp_fp8"):
@@ -149,7 +149,8 @@ def test_recipe_variants_and_the_no_fp8_matmul_variant():
     turns exactly those two off."""
     args = argparse.Namespace(steps=127, ours_val_every=4, smoke=False, ours_loss_impl=None, ours_micro_batch=64)
     spec = ours_spec(args, 4.3, *OURS_VARIANTS["half-batch-85"])
-    assert spec.model.mlp_fp8 == "auto" and spec.model.attn_fp8 == "auto" and spec.model.head_fp8 == "auto"
+    ex = spec.execution
+    assert ex.mlp_fp8 == "auto" and ex.attn_fp8 == "auto" and ex.head_fp8 == "auto"
     accum, long, budget, overrides = OURS_VARIANTS["half-batch-85-nofp8mm"]
     assert (accum, long, budget) == OURS_VARIANTS["half-batch-85"]
     assert overrides == {"mlp_fp8": False, "attn_fp8": False}
@@ -178,10 +179,10 @@ def test_record_variants_apply_model_and_optimizer_overrides():
     args = argparse.Namespace(steps=127, ours_val_every=4, smoke=False, ours_loss_impl=None, ours_micro_batch=64)
     accum, long, budget, overrides = OURS_VARIANTS["half-batch-85-polar"]
     spec = apply_overrides(ours_spec(args, 4.3, accum, long, budget), overrides)
-    assert spec.optim.muon_ns_coefficients == "polar_express" and spec.model.mlp_fp8 == "auto"
+    assert spec.optim.muon_ns_coefficients == "polar_express" and spec.execution.mlp_fp8 == "auto"
     assert overrides == {"optim": {"muon_ns_coefficients": "polar_express"}}  # the table is not consumed
     spec = apply_overrides(ours_spec(args, 4.3, accum, long, budget), OURS_VARIANTS["half-batch-85-nofp8mm"][3])
-    assert spec.model.mlp_fp8 is False and spec.optim.muon_ns_coefficients == "jordan"
+    assert spec.execution.mlp_fp8 is False and spec.optim.muon_ns_coefficients == "jordan"
     spec = apply_overrides(ours_spec(args, 4.3, accum, long, budget), OURS_VARIANTS["half-batch-85-cdt"][3])
     assert spec.compile_options["coordinate_descent_tuning"] is True and spec.model == ours_spec(
         args, 4.3, accum, long, budget).model

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_opt.models.gpt2 import GPT, GPTConfig, RMSNorm
+from lightning_opt.models.gpt2 import GPT, GPTConfig, GPTExecution, RMSNorm
 from tests._train import loss_drop
 
 BASE = dict(vocab_size=300, n_layer=4, n_head=4, n_embd=32, block_size=32)
@@ -20,8 +20,6 @@ OPTIONS = {
     "gqa": dict(n_kv_head=2),
     "window": dict(window_size=4),
     "doc_causal": dict(doc_causal=True, eot_token=0),
-    "mtp": dict(mtp_heads=2),
-    "moe": dict(moe_experts=2, moe_top_k=1),
     "vocab_pad": dict(vocab_multiple=128),
     "no_norm_weight": dict(norm="rmsnorm", qk_norm=True, bias=False, norm_weight=False),
     "no_layernorm_weight": dict(norm_weight=False),
@@ -100,11 +98,7 @@ def test_doc_causal_isolates_documents():
         (dict(mlp="tanh"), "mlp"),
         (dict(norm="batchnorm"), "norm"),
         (dict(n_kv_head=3), "n_kv_head"),
-        (dict(moe_experts=1), "moe_experts"),
         (dict(n_layer=0), "positive"),
-        (dict(attn_backend="xformers"), "attn_backend"),
-        (dict(loss_impl="liger"), "loss_impl"),
-        (dict(loss_chunk_size=0), "loss_chunk_size"),
         (dict(skip_attn_layers=(4,)), "skip_attn_layers"),
         (dict(n_head=16, pos_emb="rope", rope_truncate=True), "rope_truncate"),
         (dict(n_value_embeds=1, skip_attn_layers=(0, 3)), "value embedding 0"),
@@ -113,6 +107,34 @@ def test_doc_causal_isolates_documents():
 def test_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GPTConfig(**{**BASE, **kwargs})
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(attn_backend="xformers"), "GPTExecution.attn_backend"),
+        (dict(loss_impl="liger"), "GPTExecution.loss_impl"),
+        (dict(loss_chunk_size=0), "GPTExecution.loss_chunk_size"),
+    ],
+)
+def test_execution_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GPTExecution(**kwargs)
+
+
+def test_execution_is_not_architecture():
+    """Execution settings are not GPTConfig fields; an older model config that holds them still reads."""
+    with pytest.raises(TypeError):
+        GPTConfig(**BASE, loss_impl="chunked")
+    old = {**GPTConfig(**BASE).to_dict(), "loss_impl": "chunked", "attn_backend": "sdpa", "mtp_heads": 0,
+           "moe_experts": 0, "moe_top_k": 1}
+    assert GPTConfig.from_dict(old) == GPTConfig(**BASE)
+    with pytest.raises(ValueError, match="gpt2_variants"):
+        GPTConfig.from_dict({**old, "moe_experts": 2})
+    with pytest.raises(ValueError, match="no field"):
+        GPTConfig.from_dict({**old, "flux_capacitor": 1})
+    with pytest.raises(ValueError, match="no field"):
+        GPTExecution.from_dict({"n_layer": 2})
 
 
 def test_sequence_too_long():
@@ -127,11 +149,11 @@ def test_num_params_gpt2_small():
     assert 124_000_000 < total < 125_000_000
 
 
-@pytest.mark.parametrize("extra", [dict(logit_softcap=30.0, tie_embeddings=False), dict(mtp_heads=1)])
+@pytest.mark.parametrize("extra", [dict(logit_softcap=30.0, tie_embeddings=False), dict()])
 def test_chunked_loss_matches_torch_loss(extra):
     torch.manual_seed(0)
     base = GPT(GPTConfig(**BASE, **extra))
-    chunked = GPT(GPTConfig(**BASE, **extra, loss_impl="chunked", loss_chunk_size=7))
+    chunked = GPT(GPTConfig(**BASE, **extra), GPTExecution(loss_impl="chunked", loss_chunk_size=7))
     chunked.load_state_dict(base.state_dict())
     x = torch.randint(0, 300, (2, 16))
     y = x.roll(-1, 1)
@@ -147,28 +169,13 @@ def test_grad_checkpoint_same_gradients():
     torch.manual_seed(0)
     cfg = dict(**BASE, pos_emb="rope", norm="rmsnorm", unet_skips=True, n_value_embeds=1)
     base = GPT(GPTConfig(**cfg))
-    ckpt = GPT(GPTConfig(**cfg, grad_checkpoint=True))
+    ckpt = GPT(GPTConfig(**cfg), GPTExecution(grad_checkpoint=True))
     ckpt.load_state_dict(base.state_dict())
     x = torch.randint(0, 300, (2, 16))
     base(x, x).backward()
     ckpt(x, x).backward()
     for (name, pa), pb in zip(base.named_parameters(), ckpt.parameters()):
         torch.testing.assert_close(pb.grad, pa.grad, atol=1e-6, rtol=1e-5, msg=name)
-
-
-@pytest.mark.parametrize("extra", [dict(mtp_heads=2), dict(moe_experts=2)])
-def test_eval_loss_is_plain_next_token_loss(extra):
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**BASE, **extra))
-    x = torch.randint(0, 300, (2, 16))
-    y = x.roll(-1, 1)
-    train_loss = model(x, y)
-    model.eval()
-    with torch.no_grad():
-        eval_loss = model(x, y)
-        plain = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    torch.testing.assert_close(eval_loss, plain)
-    assert train_loss.item() > eval_loss.item()  # the auxiliary terms are positive
 
 
 def test_chunked_fp8_loss_trains():
@@ -179,7 +186,7 @@ def test_chunked_fp8_loss_trains():
     torch.manual_seed(0)
     cfg = dict(**BASE, vocab_multiple=128, logit_softcap=30.0, tie_embeddings=False)
     ref = GPT(GPTConfig(**cfg))
-    fp8 = GPT(GPTConfig(**cfg, loss_impl="chunked_fp8", loss_chunk_size=16))
+    fp8 = GPT(GPTConfig(**cfg), GPTExecution(loss_impl="chunked_fp8", loss_chunk_size=16))
     fp8.load_state_dict(ref.state_dict())
     x = torch.randint(0, 300, (2, 16))
     a, b = ref(x, x.roll(-1, 1)), fp8(x, x.roll(-1, 1))
@@ -195,9 +202,9 @@ def test_speedrun_model_traces_without_graph_breaks(loss_impl):
 
     cfg = GPTConfig(**{**BASE, "n_layer": 2}, vocab_multiple=128, pos_emb="rope", norm="rmsnorm", bias=False,
                     qk_norm=True, mlp="relu2", tie_embeddings=False, zero_init_proj=True, logit_softcap=30.0,
-                    n_value_embeds=1, unet_skips=True, loss_impl=loss_impl, loss_chunk_size=16,
+                    n_value_embeds=1, unet_skips=True,
                     x0_mix=True, embed_norm=True, rope_truncate=True, skip_attn_layers=(1,))
-    model = GPT(cfg)
+    model = GPT(cfg, GPTExecution(loss_impl=loss_impl, loss_chunk_size=16))
     x = torch.randint(0, 300, (2, 16))
     try:
         explained = torch._dynamo.explain(model)(x, x.roll(-1, 1))
@@ -312,8 +319,9 @@ def test_fused_qkv_carries_muon_row_splits():
 
 def test_window_schedule_grows_the_window_without_new_parameters():
     torch.manual_seed(0)
-    cfg = GPTConfig(**{**BASE, "block_size": 32}, pos_emb="rope", window_schedule=(4, 16), attn_backend="sdpa")
-    model = GPT(cfg)
+    cfg = GPTConfig(**{**BASE, "block_size": 32}, pos_emb="rope", window_schedule=(4, 16))
+    sdpa = GPTExecution(attn_backend="sdpa")
+    model = GPT(cfg, sdpa)
     assert [model.window_at(p) for p in (0.0, 0.25, 0.5, 1.0)] == [4, 4, 8, 16]
     record = GPT(GPTConfig(**BASE, pos_emb="rope", window_schedule=(128, 1856)))
     assert record.window_at(0.0) == 128 and record.window_at(1.0) == 1792  # the speedrun's 1 -> 14 blocks
@@ -328,13 +336,13 @@ def test_window_schedule_grows_the_window_without_new_parameters():
     torch.testing.assert_close(early[:, :4], late[:, :4])
     assert not torch.allclose(early[:, 20:], late[:, 20:])
     # the same as a fixed window of that size
-    fixed = GPT(GPTConfig(**{**BASE, "block_size": 32}, pos_emb="rope", window_size=16, attn_backend="sdpa"))
+    fixed = GPT(GPTConfig(**{**BASE, "block_size": 32}, pos_emb="rope", window_size=16), sdpa)
     weights = {k: v for k, v in model.state_dict().items() if k != "attn_window"}
     fixed.load_state_dict(weights)
     fixed.eval()
     torch.testing.assert_close(fixed(x), late)
     # the window is part of the state: a restored model evaluates with the window it was trained to
-    restored = GPT(cfg)
+    restored = GPT(cfg, sdpa)
     restored.load_state_dict(model.state_dict())
     assert int(restored.attn_window) == 16
     restored.eval()
@@ -342,16 +350,16 @@ def test_window_schedule_grows_the_window_without_new_parameters():
     with pytest.raises(ValueError, match="window_schedule"):
         GPTConfig(**BASE, window_schedule=(16, 4))
     with pytest.raises(ValueError, match="window_schedule"):
-        GPTConfig(**BASE, window_schedule=(4, 16), attn_backend="flash")
+        GPT(GPTConfig(**BASE, window_schedule=(4, 16)), GPTExecution(attn_backend="flash"))
 
 
 def test_flex_backend_model_trains_on_cpu_with_documents():
     torch.manual_seed(0)
-    cfg = GPTConfig(**{**BASE, "block_size": 256}, pos_emb="rope", norm="rmsnorm", bias=False, attn_backend="flex",
+    cfg = GPTConfig(**{**BASE, "block_size": 256}, pos_emb="rope", norm="rmsnorm", bias=False,
                     doc_causal=True, eot_token=0, window_schedule=(32, 128))
-    model = GPT(cfg)
+    model = GPT(cfg, GPTExecution(attn_backend="flex"))
     ref = GPT(GPTConfig(**{**BASE, "block_size": 256}, pos_emb="rope", norm="rmsnorm", bias=False,
-                        attn_backend="math", doc_causal=True, eot_token=0, window_size=32))
+                        doc_causal=True, eot_token=0, window_size=32), GPTExecution(attn_backend="math"))
     ref.load_state_dict({k: v for k, v in model.state_dict().items() if k != "attn_window"})
     x = torch.randint(1, 300, (1, 256))
     x[0, 100] = 0

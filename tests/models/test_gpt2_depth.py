@@ -1,11 +1,11 @@
-"""Stochastic depth (GPTConfig.layer_drop) and checkpointing the first N blocks (GPTConfig.grad_checkpoint=N)."""
+"""Stochastic depth (GPTExecution.layer_drop) and checkpointing the first N blocks (GPTExecution.grad_checkpoint=N)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_opt.models.gpt2 import GPT, GPTConfig
+from lightning_opt.models.gpt2 import GPT, GPTConfig, GPTExecution
 
 BASE = dict(vocab_size=300, n_layer=4, n_head=4, n_embd=32, block_size=32, pos_emb="rope", norm="rmsnorm")
 
@@ -14,7 +14,7 @@ def _pair(arch: dict | None = None, **extra) -> tuple[GPT, GPT]:
     """A model and the same weights under ``extra`` settings (``arch``: architecture options for both)."""
     torch.manual_seed(0)
     base = GPT(GPTConfig(**BASE, **(arch or {})))
-    other = GPT(GPTConfig(**BASE, **(arch or {}), **extra))
+    other = GPT(GPTConfig(**BASE, **(arch or {})), GPTExecution(**extra))
     other.load_state_dict(base.state_dict())
     return base, other
 
@@ -38,8 +38,8 @@ def test_layer_drop_eval_runs_every_block_deterministically():
 
 
 def test_layer_drop_training_skips_blocks_at_the_configured_rates():
-    cfg = GPTConfig(**BASE, layer_drop=0.6)
-    model = GPT(cfg).train()
+    cfg, ex = GPTConfig(**BASE), GPTExecution(layer_drop=0.6)
+    model = GPT(cfg, ex).train()
     model.layer_drop_generator = torch.Generator().manual_seed(1234)
     runs = [0] * cfg.n_layer
     for i, block in enumerate(model.blocks):
@@ -49,7 +49,7 @@ def test_layer_drop_training_skips_blocks_at_the_configured_rates():
     with torch.no_grad():
         for _ in range(n):
             model(x)
-    expected = [1 - cfg.layer_drop_prob(i) for i in range(cfg.n_layer)]
+    expected = [1 - ex.layer_drop_prob(i, cfg.n_layer) for i in range(cfg.n_layer)]
     assert expected == pytest.approx([0.85, 0.7, 0.55, 0.4])
     rates = [r / n for r in runs]
     for rate, want in zip(rates, expected):
@@ -58,11 +58,11 @@ def test_layer_drop_training_skips_blocks_at_the_configured_rates():
 
 def test_layer_drop_scales_a_kept_block_and_skipped_blocks_get_no_gradient():
     torch.manual_seed(0)
-    cfg = GPTConfig(**BASE, layer_drop=0.7)
-    model = GPT(cfg).train()
+    cfg, ex = GPTConfig(**BASE), GPTExecution(layer_drop=0.7)
+    model = GPT(cfg, ex).train()
     model.layer_drop_generator = torch.Generator().manual_seed(5)
     draws = torch.rand(cfg.n_layer, generator=torch.Generator().manual_seed(5)).tolist()
-    kept = [d >= cfg.layer_drop_prob(i) for i, d in enumerate(draws)]
+    kept = [d >= ex.layer_drop_prob(i, cfg.n_layer) for i, d in enumerate(draws)]
     assert any(kept) and not all(kept)  # this seed both keeps and skips
     x = torch.randint(0, 300, (2, 16))
     got = model(x)
@@ -70,7 +70,7 @@ def test_layer_drop_scales_a_kept_block_and_skipped_blocks_get_no_gradient():
         h = model.wte(x)
         for i, block in enumerate(model.blocks):
             if kept[i]:
-                h = h + (block(h) - h) / (1 - cfg.layer_drop_prob(i))
+                h = h + (block(h) - h) / (1 - ex.layer_drop_prob(i, cfg.n_layer))
         want = model.lm_head(model.ln_f(h))[..., : cfg.vocab_size]
     torch.testing.assert_close(got, want)
     got.float().square().mean().backward()
@@ -81,9 +81,7 @@ def test_layer_drop_scales_a_kept_block_and_skipped_blocks_get_no_gradient():
 
 def test_layer_drop_is_checked():
     with pytest.raises(ValueError, match="layer_drop"):
-        GPTConfig(**BASE, layer_drop=1.0)
-    with pytest.raises(ValueError, match="layer_drop"):
-        GPTConfig(**BASE, layer_drop=0.1, moe_experts=2)
+        GPTExecution(layer_drop=1.0)
 
 
 def _saved_bytes_and_grads(model: GPT, x: torch.Tensor) -> tuple[int, dict[str, torch.Tensor]]:
@@ -116,12 +114,12 @@ def test_checkpointing_the_first_n_blocks_same_gradients_fewer_saved_activations
     per_block = saved[0] - saved[1]
     # each checkpointed block saves about the same (its activations; a few scalars differ)
     assert [saved[0] - b for b in saved[:5]] == pytest.approx([n * per_block for n in range(5)], rel=1e-3)
-    assert GPTConfig(**BASE, grad_checkpoint=True).checkpointed_blocks == 4
-    assert GPTConfig(**BASE, grad_checkpoint=False).checkpointed_blocks == 0
-    assert GPTConfig(**BASE, grad_checkpoint=3).checkpointed_blocks == 3
+    assert GPTExecution(grad_checkpoint=True).checkpointed_blocks(4) == 4
+    assert GPTExecution(grad_checkpoint=False).checkpointed_blocks(4) == 0
+    assert GPTExecution(grad_checkpoint=3).checkpointed_blocks(4) == 3
 
 
 @pytest.mark.parametrize("value", [5, -1])
 def test_grad_checkpoint_block_count_is_checked(value):
     with pytest.raises(ValueError, match="grad_checkpoint"):
-        GPTConfig(**BASE, grad_checkpoint=value)
+        GPT(GPTConfig(**BASE), GPTExecution(grad_checkpoint=value))

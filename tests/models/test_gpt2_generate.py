@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_opt.models.gpt2 import GPT, GPTConfig, KVCache, sample_next
+from lightning_opt.models.gpt2 import GPT, GPTConfig, GPTExecution, KVCache, sample_next
 
 TINY = dict(vocab_size=300, n_layer=4, n_head=4, n_embd=32, block_size=24)
 CONFIGS = {
@@ -16,7 +16,7 @@ CONFIGS = {
                      logit_softcap=15.0, n_value_embeds=1, unet_skips=True, x0_mix=True, embed_norm=True,
                      skip_attn_layers=(2,)),
     "gqa_window_docs": dict(n_kv_head=2, window_size=5, doc_causal=True, eot_token=7, pos_emb="rope"),
-    "window_schedule_moe_swiglu": dict(window_schedule=(4, 12), moe_experts=2, mlp="swiglu", n_value_embeds=2),
+    "window_schedule_swiglu": dict(window_schedule=(4, 12), mlp="swiglu", n_value_embeds=2),
 }
 
 
@@ -140,7 +140,7 @@ def test_eos_stops_and_pads():
 
 def test_generate_restores_training_mode_and_ignores_dropout():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**TINY, dropout=0.5)).train()
+    model = GPT(GPTConfig(**TINY), GPTExecution(dropout=0.5)).train()
     x = _prompt()
     assert not torch.equal(model(x), model(x))  # dropout is on in training
     out1 = model.generate(x, 4, greedy=True)
@@ -152,6 +152,6 @@ def test_generate_restores_training_mode_and_ignores_dropout():
 
 def test_dropout_is_validated():
     with pytest.raises(ValueError, match="dropout"):
-        GPTConfig(dropout=1.0)
+        GPTExecution(dropout=1.0)
     with pytest.raises(ValueError, match="attn_backend"):
-        GPTConfig(dropout=0.1, attn_backend="flex")
+        GPTExecution(dropout=0.1, attn_backend="flex")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_opt.models.gpt2 import GPT, GPTConfig, KVCache, MultiLatentAttention
+from lightning_opt.models.gpt2 import GPT, GPTConfig, GPTExecution, KVCache, MultiLatentAttention
 from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
 from lightning_opt.optim.factory import OptimConfig
 
@@ -46,7 +46,7 @@ def _seq(batch: int = 2, length: int = 20) -> torch.Tensor:
 
 def test_shapes_and_parameters():
     cfg = GPTConfig(**{**TINY, "mla_q_rank": 16})
-    attn = MultiLatentAttention(cfg, 0)
+    attn = MultiLatentAttention(cfg, 0, GPTExecution())
     d, h, r, rd, hd = 32, 4, 12, 4, 8
     x = torch.randn(2, 5, d)
     c_kv, k_rope = attn.kv_down(x).split([r, rd], dim=-1)
@@ -76,11 +76,15 @@ def test_shapes_and_parameters():
     (dict(mla_rope_dim=0, pos_emb="rope"), "pos_emb='rope' needs mla_rope_dim"),
     (dict(rope_truncate=True, mla_rope_dim=6), "rope_truncate"),
     (dict(n_value_embeds=1), "n_value_embeds"),
-    (dict(attn_fp8=True), "attn_fp8"),
 ])
 def test_config_refuses_what_mla_cannot_do(over, match):
     with pytest.raises(ValueError, match=match):
         GPTConfig(**{**TINY, **over})
+
+
+def test_execution_refuses_what_mla_cannot_do():
+    with pytest.raises(ValueError, match="attn_fp8"):
+        GPT(GPTConfig(**TINY), GPTExecution(attn_fp8=True))
 
 
 def test_tiny_mla_model_trains_on_cpu():
@@ -177,12 +181,12 @@ def test_backends_agree_and_dropout_trains():
     seq = torch.randint(0, 300, (2, 128), generator=torch.Generator().manual_seed(3))
     for backend in ("sdpa", "math", "flex"):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(**{**TINY, "block_size": 128, "window_size": 16, "attn_backend": backend})).eval()
+        model = GPT(GPTConfig(**{**TINY, "block_size": 128, "window_size": 16}), GPTExecution(attn_backend=backend)).eval()
         outs[backend] = model(seq)
     torch.testing.assert_close(outs["math"], outs["sdpa"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(outs["flex"], outs["sdpa"], atol=1e-5, rtol=1e-5)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**TINY, "dropout": 0.1})).train()
+    model = GPT(GPTConfig(**TINY), GPTExecution(dropout=0.1)).train()
     seq = _seq()
     a, b = model(seq[:, :-1], seq[:, 1:]), model(seq[:, :-1], seq[:, 1:])
     assert a.item() != b.item()  # dropout is on in training

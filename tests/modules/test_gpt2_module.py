@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_opt.models.gpt2 import GPTConfig
+from lightning_opt.models.gpt2 import GPTConfig, GPTExecution
 from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
 from lightning_opt.optim.combined import CombinedOptimizer
 from lightning_opt.optim.factory import OptimConfig
@@ -91,16 +91,50 @@ def test_checkpoint_from_other_model_is_rejected(tmp_path):
 
 
 def test_checkpoint_resumes_with_other_execution_options(tmp_path):
-    """How the model is computed (FP8 head, recomputation, loss kernel) may change on resume; a checkpoint
-    from before a recipe turned head_fp8 to 'auto' still loads."""
+    """How the model is computed (attention kernel, loss kernel, FP8 head, recomputation) may change on resume;
+    the execution is saved beside the architecture in the hyperparameters."""
+    ckpt = _one_step_checkpoint(tmp_path)
+    assert torch.load(ckpt, weights_only=True)["hyper_parameters"]["execution"] == GPTExecution()
+    execution = GPTExecution(attn_backend="math", loss_impl="chunked", loss_chunk_size=7, head_fp8="auto",
+                             mlp_fp8="auto", attn_fp8="auto", grad_checkpoint=True, dropout=0.1, layer_drop=0.1)
+    again = GPT2SpeedrunModule(CFG, execution=execution)
+    assert again.hparams["execution"] == execution and again.model.execution == execution
+    trainer2 = _trainer(tmp_path, 2)
+    trainer2.fit(again, _loader(), ckpt_path=ckpt)
+    assert trainer2.global_step == 2
+    resumed = tmp_path / "b.ckpt"
+    trainer2.save_checkpoint(resumed)
+    loaded = GPT2SpeedrunModule.load_from_checkpoint(resumed)
+    assert loaded.execution == execution and loaded.model_config == CFG
+    # another execution at load time
+    assert GPT2SpeedrunModule.load_from_checkpoint(resumed, execution=GPTExecution()).execution == GPTExecution()
+
+
+def test_checkpoint_with_execution_settings_in_model_config_loads(tmp_path):
+    """The older layout: execution settings (and the retired variant fields at their "off" values) inside
+    model_config, as LightningCLI saved it (a dict), and no execution. It resumes and loads, its settings read
+    into the execution; the architecture is still compared."""
     from dataclasses import replace
 
     ckpt = _one_step_checkpoint(tmp_path)
-    again = GPT2SpeedrunModule(replace(CFG, head_fp8="auto", mlp_fp8="auto", attn_fp8="auto", grad_checkpoint=True,
-                                       loss_chunk_size=7))
+    state = torch.load(ckpt, weights_only=True)
+    hp = state["hyper_parameters"]
+    del hp["execution"]
+    hp["model_config"] = {**CFG.to_dict(), "skip_attn_layers": [], "attn_backend": "math", "loss_impl": "chunked",
+                          "loss_chunk_size": 8, "head_fp8": False, "mlp_fp8": False, "attn_fp8": False,
+                          "grad_checkpoint": False, "layer_drop": 0.0, "dropout": 0.0,
+                          "fp8_backward_fast_accum": False, "mtp_heads": 0, "mtp_weight": 0.3, "moe_experts": 0,
+                          "moe_top_k": 1, "moe_aux_weight": 0.01}
+    torch.save(state, ckpt)
+    loaded = GPT2SpeedrunModule.load_from_checkpoint(ckpt)
+    assert loaded.model_config == CFG
+    assert loaded.execution == GPTExecution(attn_backend="math", loss_impl="chunked", loss_chunk_size=8)
+    assert loaded.hparams["model_config"] == CFG and loaded.hparams["execution"] == loaded.execution
     trainer2 = _trainer(tmp_path, 2)
-    trainer2.fit(again, _loader(), ckpt_path=ckpt)
-    assert trainer2.global_step == 2 and again.model_config.head_fp8 == "auto"
+    trainer2.fit(GPT2SpeedrunModule(CFG), _loader(), ckpt_path=ckpt)  # resumed under the default execution
+    assert trainer2.global_step == 2
+    with pytest.raises(ValueError, match=r"another model: .*qk_norm=False vs True"):
+        _trainer(tmp_path, 3).fit(GPT2SpeedrunModule(replace(CFG, qk_norm=True)), _loader(), ckpt_path=ckpt)
 
 
 def test_number_logs_only_on_logger_steps(tmp_path):
@@ -146,8 +180,8 @@ def test_window_schedule_follows_the_trainer_steps(tmp_path):
             seen.append((self.trainer.global_step, int(self.model.attn_window)))
             return super().training_step(batch, batch_idx)
 
-    cfg = replace(CFG, window_schedule=(4, 16), attn_backend="sdpa")
-    module = Recording(cfg, OptimConfig(name="muon", lr=3e-3, muon_lr=0.02))
+    cfg = replace(CFG, window_schedule=(4, 16))
+    module = Recording(cfg, OptimConfig(name="muon", lr=3e-3, muon_lr=0.02), execution=GPTExecution(attn_backend="sdpa"))
     trainer = L.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
                         default_root_dir=tmp_path)
@@ -160,8 +194,9 @@ def test_window_schedule_without_max_steps_uses_the_schedule_length(tmp_path):
     """With max_steps unset (epochs), the window follows the schedule config's total_steps, like the lr."""
     from dataclasses import replace
 
-    cfg = replace(CFG, window_schedule=(4, 16), attn_backend="sdpa")
-    module = GPT2SpeedrunModule(cfg, OptimConfig(lr=3e-3), ScheduleConfig(name="constant", total_steps=8))
+    cfg = replace(CFG, window_schedule=(4, 16))
+    module = GPT2SpeedrunModule(cfg, OptimConfig(lr=3e-3), ScheduleConfig(name="constant", total_steps=8),
+                                GPTExecution(attn_backend="sdpa"))
     trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(module, _loader())  # 8 batches: the last one starts at step 7 of 8

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_opt.models.gpt2 import GPT, GPTConfig
+from lightning_opt.models.gpt2 import GPT, GPTConfig, GPTExecution
 from lightning_opt.ops.fp8 import fp8_linear, fp8_matmul_t
 
 
@@ -54,11 +54,17 @@ def test_shape_errors_are_clear():
         fp8_linear(torch.randn(16, 32), torch.randn(32, 48))
 
 
+def _gpt(**kw) -> GPT:
+    """``GPT`` of the architecture and execution settings in ``kw``."""
+    ex = {k: kw.pop(k) for k in list(kw) if k in GPTExecution.__dataclass_fields__}
+    return GPT(GPTConfig(**kw), GPTExecution(**ex))
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="head_fp8"):
-        GPTConfig(head_fp8=True, tie_embeddings=True)
+        _gpt(head_fp8=True, tie_embeddings=True)
     with pytest.raises(ValueError, match="vocab_multiple"):
-        GPTConfig(vocab_size=50257, vocab_multiple=1, head_fp8=True, tie_embeddings=False)
+        _gpt(vocab_size=50257, vocab_multiple=1, head_fp8=True, tie_embeddings=False)
 
 
 SMALL = dict(vocab_size=256, vocab_multiple=16, n_layer=2, n_head=2, n_embd=64, block_size=32,
@@ -68,8 +74,8 @@ SMALL = dict(vocab_size=256, vocab_multiple=16, n_layer=2, n_head=2, n_embd=64, 
 def _pair(**option):
     """A small GPT with an FP8 option, its twin without, the same weights, and a batch."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**SMALL, **option))
-    ref = GPT(GPTConfig(**SMALL))
+    model = _gpt(**SMALL, **option)
+    ref = _gpt(**SMALL)
     ref.load_state_dict(model.state_dict())
     x = torch.randint(0, 256, (4, 32))
     return model, ref, x, torch.roll(x, -1, dims=1)
@@ -139,24 +145,25 @@ def test_fp8_matmul_t_matches_and_saturates_instead_of_nan():
 
 def test_head_fp8_values_and_auto_mode():
     with pytest.raises(ValueError, match="head_fp8.*'auto'"):
-        GPTConfig(head_fp8="yes", tie_embeddings=False)
+        GPTExecution(head_fp8="yes")
     with pytest.raises(ValueError, match="head_fp8.*'auto'"):
-        GPTConfig(head_fp8=1, tie_embeddings=False, vocab_multiple=128)  # not silently read as "auto"
+        GPTExecution(head_fp8=1)  # not silently read as "auto"
     with pytest.raises(ValueError, match="loss_impl 'torch' or 'fused'"):
-        GPTConfig(head_fp8=True, tie_embeddings=False, loss_impl="chunked")
+        _gpt(head_fp8=True, tie_embeddings=False, loss_impl="chunked")
     # "auto" is off where it cannot apply instead of an error: a recipe with it can still tie its head or
     # take another loss
-    assert not GPTConfig(head_fp8="auto", tie_embeddings=True).fp8_head_applicable
-    assert not GPTConfig(head_fp8="auto", tie_embeddings=False, loss_impl="chunked").fp8_head_applicable
-    assert GPTConfig(head_fp8="auto", tie_embeddings=False, vocab_multiple=128).fp8_head_applicable
+    untied = GPTConfig(tie_embeddings=False, vocab_multiple=128)
+    assert not GPTExecution(head_fp8="auto").fp8_head_applicable(GPTConfig(tie_embeddings=True))
+    assert not GPTExecution(head_fp8="auto", loss_impl="chunked").fp8_head_applicable(untied)
+    assert GPTExecution(head_fp8="auto").fp8_head_applicable(untied)
     cfg = dict(vocab_size=256, vocab_multiple=16, n_layer=2, n_head=2, n_embd=64, block_size=32,
                tie_embeddings=False, norm="rmsnorm", bias=False, logit_softcap=15.0)
     x = torch.randint(0, 256, (2, 32))
     y = torch.roll(x, -1, dims=1)
     for loss_impl in ("torch", "fused"):
         torch.manual_seed(0)
-        auto = GPT(GPTConfig(**cfg, head_fp8="auto", loss_impl=loss_impl))
-        plain = GPT(GPTConfig(**cfg, loss_impl=loss_impl))
+        auto = _gpt(**cfg, head_fp8="auto", loss_impl=loss_impl)
+        plain = _gpt(**cfg, loss_impl=loss_impl)
         plain.load_state_dict(auto.state_dict())
         # a CPU has no FP8 matmul of its own: "auto" keeps the compute dtype there, bit for bit
         torch.testing.assert_close(auto(x, y), plain(x, y), atol=0, rtol=0)
@@ -229,15 +236,15 @@ def test_backward_fast_accum_reaches_the_backward_matmuls(fast: bool):
 def test_gpt_config_fast_accum_reaches_every_fp8_matmul_and_the_hparams():
     from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
 
-    cfg = dict(vocab_size=256, vocab_multiple=16, n_layer=1, n_head=2, n_embd=64, block_size=16,
-               tie_embeddings=False, norm="rmsnorm", bias=False, logit_softcap=15.0, loss_impl="fused",
-               head_fp8=True, mlp_fp8=True, attn_fp8=True)
+    cfg = GPTConfig(vocab_size=256, vocab_multiple=16, n_layer=1, n_head=2, n_embd=64, block_size=16,
+                    tie_embeddings=False, norm="rmsnorm", bias=False, logit_softcap=15.0)
     x = torch.randint(0, 256, (2, 16))
     y = torch.roll(x, -1, dims=1)
     for fast in (False, True):
         torch.manual_seed(0)
-        module = GPT2SpeedrunModule(GPTConfig(**cfg, fp8_backward_fast_accum=fast))
-        assert module.hparams["model_config"].fp8_backward_fast_accum is fast
+        ex = GPTExecution(loss_impl="fused", head_fp8=True, mlp_fp8=True, attn_fp8=True, fp8_backward_fast_accum=fast)
+        module = GPT2SpeedrunModule(cfg, execution=ex)
+        assert module.hparams["execution"].fp8_backward_fast_accum is fast
         with _ScaledMMAccum() as calls, torch.autocast("cpu", torch.bfloat16):
             module.model(x, y).backward()
         # 4 FP8 linears (c_attn, attention c_proj, c_fc, MLP c_proj) + the head: 5 forward, 10 backward matmuls
@@ -278,8 +285,8 @@ def test_logits_for_the_caller_never_use_fp8():
     cfg = dict(vocab_size=256, vocab_multiple=16, n_layer=2, n_head=2, n_embd=64, block_size=32,
                tie_embeddings=False, norm="rmsnorm", bias=False)
     torch.manual_seed(0)
-    fp8 = GPT(GPTConfig(**cfg, head_fp8=True)).train()
-    plain = GPT(GPTConfig(**cfg)).train()
+    fp8 = _gpt(**cfg, head_fp8=True).train()
+    plain = _gpt(**cfg).train()
     plain.load_state_dict(fp8.state_dict())
     x = torch.randint(0, 256, (2, 32))
     torch.testing.assert_close(fp8(x), plain(x), atol=0, rtol=0)
@@ -288,9 +295,9 @@ def test_logits_for_the_caller_never_use_fp8():
 def test_mlp_fp8_matches_the_float_mlp_and_trains():
     """mlp_fp8: both MLP matmuls in FP8 (CPU: torch emulates _scaled_mm); evaluation stays in full precision."""
     with pytest.raises(ValueError, match="mlp_fp8"):
-        GPTConfig(mlp_fp8="on")
+        GPTExecution(mlp_fp8="on")
     with pytest.raises(ValueError, match="divisible by 16"):
-        GPTConfig(n_embd=40, n_head=2, mlp_fp8=True)
+        _gpt(n_embd=40, n_head=2, mlp_fp8=True)
     model, ref, x, y = _pair(mlp_fp8=True)  # the GELU MLP of the small config
     mlp, ref_mlp = model.blocks[0].mlp, ref.blocks[0].mlp
     h = torch.nn.functional.rms_norm(torch.randn(4, 32, 64), (64,)).requires_grad_()
@@ -306,7 +313,7 @@ def test_mlp_fp8_matches_the_float_mlp_and_trains():
     ref.eval()
     torch.testing.assert_close(model(x, y), ref(x, y), atol=0, rtol=0)  # evaluation: no FP8
     model.train()
-    auto = GPT(GPTConfig(**SMALL, mlp_fp8="auto")).train()
+    auto = _gpt(**SMALL, mlp_fp8="auto").train()
     auto.load_state_dict(ref.state_dict())
     torch.testing.assert_close(auto(x, y), ref.train()(x, y), atol=0, rtol=0)  # "auto" on a CPU: no FP8
     _assert_trains(model, x, y, 25)
@@ -315,9 +322,9 @@ def test_mlp_fp8_matches_the_float_mlp_and_trains():
 def test_attn_fp8_matches_the_float_attention_and_trains():
     """attn_fp8: the q/k/v and output projections in FP8; the attention output and gradients stay close."""
     with pytest.raises(ValueError, match="attn_fp8"):
-        GPTConfig(attn_fp8="yes")
+        GPTExecution(attn_fp8="yes")
     with pytest.raises(ValueError, match="divisible by 16"):
-        GPTConfig(n_embd=40, n_head=2, attn_fp8=True)
+        _gpt(n_embd=40, n_head=2, attn_fp8=True)
     model, ref, x, y = _pair(attn_fp8=True)
     attn, ref_attn = model.blocks[0].attn, ref.blocks[0].attn
     h = torch.nn.functional.rms_norm(torch.randn(4, 32, 64), (64,)).requires_grad_()
@@ -347,9 +354,9 @@ def test_fp8_head_and_mlp_compile_and_train_on_gpu():
     """The speedrun architecture with both FP8 options under torch.compile: finite, decreasing loss."""
     cfg = GPTConfig(vocab_size=512, vocab_multiple=128, n_layer=2, n_head=2, n_embd=128, block_size=64,
                     tie_embeddings=False, norm="rmsnorm", bias=False, mlp="relu2", logit_softcap=15.0,
-                    loss_impl="fused", head_fp8=True, mlp_fp8=True, attn_fp8=True, qk_norm=True, pos_emb="rope")
+                    qk_norm=True, pos_emb="rope")
     torch.manual_seed(0)
-    model = GPT(cfg).cuda().train()
+    model = GPT(cfg, GPTExecution(loss_impl="fused", head_fp8=True, mlp_fp8=True, attn_fp8=True)).cuda().train()
     step = torch.compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     x = torch.randint(0, 512, (8, 64), device="cuda")
@@ -391,8 +398,8 @@ def test_auto_mlp_fp8_on_gpu_is_bf16_eager_and_fp8_compiled():
     torch.manual_seed(0)
     cfg = dict(vocab_size=512, vocab_multiple=128, n_layer=1, n_head=2, n_embd=128, block_size=64,
                tie_embeddings=False, norm="rmsnorm", bias=False, mlp="relu2")
-    auto = GPT(GPTConfig(**cfg, mlp_fp8="auto")).cuda().train()
-    plain = GPT(GPTConfig(**cfg)).cuda().train()
+    auto = _gpt(**cfg, mlp_fp8="auto").cuda().train()
+    plain = _gpt(**cfg).cuda().train()
     plain.load_state_dict(auto.state_dict())
     h = torch.nn.functional.rms_norm(torch.randn(4, 64, 128, device="cuda"), (128,))
     with torch.autocast("cuda", torch.bfloat16):

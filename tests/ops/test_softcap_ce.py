@@ -44,13 +44,13 @@ def test_loss_and_gradients_match_torch(cap):
 
 
 def test_gpt_fused_loss_matches_torch_loss():
-    from lightning_opt.models.gpt2 import GPT, GPTConfig
+    from lightning_opt.models.gpt2 import GPT, GPTConfig, GPTExecution
 
     torch.manual_seed(0)
-    cfg = dict(vocab_size=300, n_layer=2, n_head=2, n_embd=32, block_size=32, tie_embeddings=False,
-               logit_softcap=15.0)
-    a = GPT(GPTConfig(**cfg, loss_impl="fused"))
-    b = GPT(GPTConfig(**cfg))
+    cfg = GPTConfig(vocab_size=300, n_layer=2, n_head=2, n_embd=32, block_size=32, tie_embeddings=False,
+                    logit_softcap=15.0)
+    a = GPT(cfg, GPTExecution(loss_impl="fused"))
+    b = GPT(cfg)
     b.load_state_dict(a.state_dict())
     x = torch.randint(0, 300, (2, 16))
     la, lb = a(x, x.roll(-1, 1)), b(x, x.roll(-1, 1))
@@ -74,7 +74,6 @@ def test_rejects_bad_input():
 def test_triton_kernel_matches_torch_path(cap, monkeypatch):
     """The kernel itself, in Triton's interpreter: per-row losses and the in-place gradient rows."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(softcap_ce, "BLOCK_V", 64)  # several sweeps per row, the last one masked
     torch.manual_seed(0)
     logits = torch.randn(6, 150) * 20
     logits[4] = -1e4  # every capped logit at -cap: the fixed-maximum sum must not lose precision
@@ -85,19 +84,18 @@ def test_triton_kernel_matches_torch_path(cap, monkeypatch):
     ref = softcap_ce.softcap_ce_rows_(ref_logits, y, cap)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert softcap_ce.kernel_available(logits)
-    got = softcap_ce.softcap_ce_rows_(logits, y, cap)
+    got = softcap_ce.softcap_ce_rows_(logits, y, cap, block_v=64)  # several sweeps per row, the last one masked
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-4)
     assert os.environ["TRITON_INTERPRET"] == "1"
 
 
 def _e5m2_copies(monkeypatch, device):
-    monkeypatch.setattr(softcap_ce, "BLOCK_V", 64)
     torch.manual_seed(0)
     logits = (4 * torch.randn(8, 150)).to(torch.bfloat16).to(device)
     y = torch.randint(0, 150, (8,)).to(device)
     g8, ref8 = (torch.empty(8, 150, dtype=torch.float8_e5m2, device=device) for _ in range(2))
-    softcap_ce.softcap_ce_rows_(logits.clone(), y, 15.0, g8=g8)
+    softcap_ce.softcap_ce_rows_(logits.clone(), y, 15.0, g8=g8, block_v=64)
     monkeypatch.setattr(softcap_ce, "kernel_available", lambda x: False)
     softcap_ce.softcap_ce_rows_(logits.clone(), y, 15.0, g8=ref8)
     got, ref = g8.float().cpu() / softcap_ce.G8_MULT, ref8.float().cpu() / softcap_ce.G8_MULT

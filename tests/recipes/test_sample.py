@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_opt.data.datamodule import TokenShardDataModule
-from lightning_opt.models.gpt2 import GPT, GPTConfig
+from lightning_opt.models.gpt2 import GPT, GPTConfig, GPTExecution
 from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
 from lightning_opt.recipes import CONFIGS
 
@@ -52,7 +52,8 @@ def _hf_val_loss(model) -> float:
 
 def test_init_from_loads_the_hf_weights(hf_dir):
     path, hf = hf_dir
-    module = GPT2SpeedrunModule(model_config=GPTConfig(**SHAPE, dropout=0.1), init_from=str(path))
+    module = GPT2SpeedrunModule(model_config=GPTConfig(**SHAPE), execution=GPTExecution(dropout=0.1),
+                                init_from=str(path))
     module.setup("fit")
     expected = GPT.from_hf(hf).state_dict()
     expected["wpe.weight"] = expected["wpe.weight"][:64]  # block_size 64 keeps the first of the 128 positions

@@ -62,7 +62,7 @@ def test_missing_flash_attn_names_the_extra(fault, tmp_path, monkeypatch, capsys
     fault("missing flash-attn", "attn_backend=flash without flash-attn installed")
     monkeypatch.setitem(sys.modules, "flash_attn", None)
     message, started = run_bad(
-        "gpt2", ["--model.model_config.attn_backend", "flash"], tmp_path, monkeypatch, capsys, when="trained"
+        "gpt2", ["--model.execution.attn_backend", "flash"], tmp_path, monkeypatch, capsys, when="trained"
     )
     ok = "lightning-opt[gpu]" in message and "flash" in message
     fault.trial(ok and not started, note=f"fit started: {started}")
