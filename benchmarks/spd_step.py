@@ -11,6 +11,9 @@ Workloads (same target weights, same hyperparameters for both implementations):
 * ``lm``: our GPT (4 layers, d 256, vocab 4096, seq 128, batch 16) with MLP and attention projections
   decomposed, shared CI MLP [550], importance p 2->0.3 with the log term, stochastic-subset and
   PGD-subset reconstruction (KL), faithfulness 1e6: goodfire's ``ss_llama_simple_mlp`` recipe scaled down.
+* ``gpt2_layer`` (not in the default list: ``--workloads gpt2_layer``): one MLP of GPT-2 small (124M shape,
+  random weights), ``blocks.6.mlp.c_fc`` / ``c_proj`` at C=3072, as ``spd_gpt2_layer.yaml`` decomposes it
+  (batch 8 x 512 tokens, stochastic + layerwise + PGD reconstruction, KL).
 
 Variants, in the order they run (headline first, so a short budget still gives the goal ratio):
 
@@ -135,6 +138,48 @@ def lm(device: str, smoke: bool) -> dict[str, Any]:
         ],
     }
     return {"target": target, "batches": batches, "patterns": patterns, "spd": spd, "loss": loss, "lr": 2e-4, "theirs": theirs}
+
+
+def gpt2_layer(device: str, smoke: bool) -> dict[str, Any]:
+    """One MLP of GPT-2 small (124M shape; random weights, the GPU machine has no hub access), as
+    ``spd_gpt2_layer.yaml`` decomposes it: ``blocks.6.mlp.c_fc`` and ``c_proj``, shared CI MLP, stochastic +
+    layerwise + PGD reconstruction (KL on the logits)."""
+    from lightning_opt.models.gpt2 import GPT, GPTConfig
+
+    if smoke:
+        shape = {"vocab_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16}
+        bs, T, C, hid, layer = 2, 16, 16, [16], 1
+    else:
+        shape = {"block_size": 512}  # GPT-2 small otherwise
+        bs, T, C, hid, layer = 8, 512, 3072, [1024], 6
+    torch.manual_seed(0)
+    target = GPT(GPTConfig(**shape)).requires_grad_(False).eval()
+    vocab = target.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, vocab, (bs, T), generator=g).to(device) for _ in range(4)]
+    patterns = [(f"blocks.{layer}.mlp.c_fc", C), (f"blocks.{layer}.mlp.c_proj", C)]
+    spd = S.SPDConfig(components=[{"pattern": p, "C": c} for p, c in patterns], ci_fn="shared_mlp", ci_hidden=hid)
+    loss = SPDLossConfig(
+        importance_minimality=1e-3, p=2.0, p_final=0.5, p_anneal_start=0.0, p_anneal_end=1.0,
+        stochastic_recon=1.0, stochastic_recon_layerwise=1.0, pgd_recon=1.0,
+        pgd=PGDConfig(n_steps=1, step_size=0.1, init="random", scope="shared"), output="kl",
+    )
+    theirs = {
+        "ci_fn_type": "shared_mlp",
+        "ci_fn_hidden_dims": hid,
+        "lr": 5e-4,
+        "output_loss_type": "kl",
+        "steps": 20_000,
+        "loss_metric_configs": [
+            {"classname": "ImportanceMinimalityLoss", "coeff": 1e-3, "pnorm": 2.0, "beta": 0.0,
+             "p_anneal_start_frac": 0.0, "p_anneal_final_p": 0.5, "p_anneal_end_frac": 1.0},
+            {"classname": "StochasticReconLoss", "coeff": 1.0},
+            {"classname": "StochasticReconLayerwiseLoss", "coeff": 1.0},
+            {"classname": "PGDReconLoss", "coeff": 1.0, "init": "random", "step_size": 0.1, "n_steps": 1,
+             "mask_scope": "shared_across_batch"},
+        ],
+    }
+    return {"target": target, "batches": batches, "patterns": patterns, "spd": spd, "loss": loss, "lr": 5e-4, "theirs": theirs}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -405,7 +450,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--budget-s", type=float, default=200.0, help="whole run, from start to JSON; later variants are skipped")
     ap.add_argument("--eager-budget-s", type=float, default=30.0, help="one eager variant (build, warmup, timing)")
     ap.add_argument("--compile-budget-s", type=float, default=90.0, help="one compiled variant, compile included")
-    ap.add_argument("--workloads", default="resid_mlp1,lm")
+    ap.add_argument("--workloads", default="resid_mlp1,lm", help="comma-separated: resid_mlp1, lm, gpt2_layer")
     ap.add_argument("--no-peer", action="store_true", help="skip goodfire's spd")
     ap.add_argument("--no-ablations", action="store_true", help="only the headline variants")
     args = ap.parse_args(argv)
@@ -445,7 +490,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except Exception as err:
             results["peer_error"] = f"{type(err).__name__}: {err}"
             use_peer = False
-    builders = {"resid_mlp1": resid_mlp1, "lm": lm}
+    builders = {"resid_mlp1": resid_mlp1, "lm": lm, "gpt2_layer": gpt2_layer}
     names = [n for n in args.workloads.split(",") if n]
     unknown = [n for n in names if n not in builders]
     if unknown:

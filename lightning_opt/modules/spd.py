@@ -37,6 +37,7 @@ from lightning_opt.models.toy import (
 from lightning_opt.optim.schedules import ScheduleConfig
 
 _TARGETS = ("tms", "resid_mlp", "gpt", "hf_gpt2")
+DEMO = "demo"  # SPDTargetConfig.checkpoint: the cached demo GPT of lightning_opt.data.activations.train_demo_target
 _PGD_INIT = ("random", "ones", "zeroes")
 _PGD_SCOPE = ("shared", "unique")
 
@@ -52,14 +53,24 @@ class SPDTargetConfig:
 
     Args:
         kind: ``tms``, ``resid_mlp`` (trained by :mod:`lightning_opt.models.toy`), ``gpt`` (our
-            :class:`~lightning_opt.models.gpt2.GPT`, trained on the offline demo corpus unless
-            ``checkpoint`` is given) or ``hf_gpt2`` (a ``transformers`` GPT-2 from ``checkpoint``, a
+            :class:`~lightning_opt.models.gpt2.GPT`: trained here on the offline demo corpus, or from
+            ``checkpoint`` / ``pretrained``) or ``hf_gpt2`` (a ``transformers`` GPT-2 from ``checkpoint``, a
             hub name or directory; needs the ``hf`` extra).
-        model: keyword arguments of the model config (``TMSConfig``, ``ResidMLPConfig``, ``GPTConfig``).
-        train_steps / train_batch_size / train_lr: how the target is trained (toy and ``gpt``).
+        model: keyword arguments of the model config (``TMSConfig``, ``ResidMLPConfig``, ``GPTConfig``; with
+            ``pretrained``, a ``GPTConfig`` of the files' shape, e.g. a shorter ``block_size``; with
+            ``checkpoint: demo``, ``n_layer`` and ``n_embd``).
+        train_steps / train_batch_size / train_lr: how the target is trained (toy and ``gpt``; for
+            ``checkpoint: demo`` the steps and batch size of :func:`~lightning_opt.data.activations.train_demo_target`).
         feature_probability: toy data sparsity (target training and SPD).
-        seq_len: LM sequence length for the ``gpt`` demo training and the SPD data.
-        checkpoint: a ``torch.save``'d state dict (``tms``/``resid_mlp``/``gpt``) or HF name/dir.
+        seq_len: LM sequence length for the ``gpt`` demo training and the SPD data the target brings.
+        checkpoint: ``tms``/``resid_mlp``: a ``torch.save``'d state dict. ``gpt``: a recipe checkpoint (a
+            ``GPT2SpeedrunModule`` Lightning checkpoint or a ``{"config", "model"}`` file), a plain state dict
+            of the ``model`` shape, or ``demo`` (the byte-level GPT of
+            :func:`~lightning_opt.data.activations.train_demo_target`, trained once and cached). ``hf_gpt2``:
+            a hub name or directory.
+        pretrained: ``gpt`` only: Hugging Face GPT-2 weights (a local ``save_pretrained`` directory or a hub id
+            such as ``gpt2``) loaded into our GPT by :meth:`~lightning_opt.models.gpt2.GPT.from_pretrained`, so
+            module names are ours (``blocks.6.mlp.c_fc``).
         seed: seed of the target's training (the paper's toy models use 0).
         train_device: where toy targets are trained: ``cpu`` (default), ``cuda`` or ``auto`` (CUDA when
             available). The data stream is drawn on the CPU either way, so the seed picks the same batches;
@@ -76,8 +87,18 @@ class SPDTargetConfig:
     checkpoint: str | None = None
     seed: int = 0
     train_device: str = "cpu"
+    pretrained: str | None = None
 
     def __post_init__(self) -> None:
+        if self.pretrained is not None and self.kind != "gpt":
+            raise ValueError(f"SPDTargetConfig.pretrained is for kind='gpt' (got kind={self.kind!r}); "
+                             "an hf_gpt2 target takes its hub name or directory in checkpoint")
+        if self.pretrained is not None and self.checkpoint is not None:
+            raise ValueError("SPDTargetConfig: give checkpoint or pretrained, not both")
+        if self.checkpoint == DEMO and self.kind != "gpt":
+            raise ValueError(f"SPDTargetConfig.checkpoint='demo' is the demo GPT: set kind='gpt' (got {self.kind!r})")
+        if self.checkpoint == DEMO and set(self.model) - {"n_layer", "n_embd"}:
+            raise ValueError(f"SPDTargetConfig: the demo GPT takes only n_layer and n_embd in model, got {sorted(self.model)}")
         if self.train_device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"SPDTargetConfig.train_device={self.train_device!r}; choose 'cpu', 'cuda' or 'auto'")
         if self.kind not in _TARGETS:
@@ -112,7 +133,7 @@ class SPDTargetConfig:
             from lightning_opt.models.toy import ResidMLP
 
             return ResidMLP(ResidMLPConfig(**self.model), seed=self.seed).requires_grad_(False).eval()
-        if not train and self.kind == "gpt" and self.train_steps:
+        if not train and self.kind == "gpt" and self.train_steps and self.checkpoint is None and self.pretrained is None:
             return _build_gpt(dataclasses.replace(self, train_steps=0))
         if self.kind == "tms":
             cfg = TMSConfig(**self.model)
@@ -143,12 +164,21 @@ class SPDTargetConfig:
 
 @dataclass
 class PGDConfig:
-    """Adversarial masks: ``n_steps`` signed-gradient ascent steps of ``step_size`` on the sources."""
+    """Adversarial masks: ``n_steps`` signed-gradient ascent steps of ``step_size`` on the sources.
+
+    Args:
+        n_steps: ascent steps per PGD term (before the first ``n_steps_schedule`` entry, if any).
+        n_steps_schedule: a cheaper schedule, ``[[from_step, n_steps], ...]`` over optimizer steps (increasing
+            ``from_step``): from ``from_step`` on, that many ascent steps; e.g. ``n_steps: 1`` and
+            ``[[2000, 4]]`` runs 1 step for the first 2000 optimizer steps, then 4. Under ``compile`` each
+            distinct value compiles once.
+    """
 
     n_steps: int = 1
     step_size: float = 1.0
     init: str = "random"
     scope: str = "shared"
+    n_steps_schedule: list[tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
         if self.init not in _PGD_INIT:
@@ -157,6 +187,23 @@ class PGDConfig:
             raise ValueError(f"PGDConfig.scope={self.scope!r}; choose 'shared' (one mask for the batch) or 'unique'")
         if self.n_steps < 0 or self.step_size < 0:
             raise ValueError("PGDConfig.n_steps and step_size must be >= 0")
+        if self.n_steps_schedule is not None:
+            sched = [tuple(int(v) for v in e) for e in self.n_steps_schedule]
+            if any(len(e) != 2 for e in sched):
+                raise ValueError(f"PGDConfig.n_steps_schedule={self.n_steps_schedule}: entries are [from_step, n_steps]")
+            starts = [e[0] for e in sched]
+            if any(a < 0 or n < 0 for a, n in sched) or starts != sorted(set(starts)):
+                raise ValueError(f"PGDConfig.n_steps_schedule={self.n_steps_schedule}: from_step must increase "
+                                 "strictly from >= 0, and n_steps be >= 0")
+            self.n_steps_schedule = sched  # type: ignore[assignment]
+
+    def steps_at(self, step: int) -> int:
+        """Ascent steps at optimizer step ``step``."""
+        n = self.n_steps
+        for start, k in self.n_steps_schedule or ():
+            if step >= start:
+                n = k
+        return n
 
 
 @dataclass
@@ -338,6 +385,9 @@ class SPDModule(L.LightningModule):
         self._loss_fn: Callable[..., tuple[Tensor, dict[str, Tensor]]] = self.compute_losses
         self.final_metrics: dict[str, float] = {}
         self._restored = False  # weights come from a checkpoint (resume): no faithfulness warmup
+        # PGD ascent steps of this step under loss.pgd.n_steps_schedule (None: loss.pgd.n_steps); set by
+        # training_step outside the compiled region, so a compiled loss sees a new value only when it changes
+        self.pgd_steps_now: int | None = None
 
     @classmethod
     @override
@@ -360,11 +410,14 @@ class SPDModule(L.LightningModule):
         if isinstance(cfg, SPDTargetConfig) and cfg.is_toy:
             n = self.spd.target.config.n_features
             return SparseFeatureDataset(n, cfg.feature_probability, self.train_cfg.batch_size, cfg.value_range, seed=seed)
-        if isinstance(cfg, SPDTargetConfig) and cfg.kind == "gpt" and cfg.checkpoint is None:
+        if (isinstance(cfg, SPDTargetConfig) and cfg.kind == "gpt" and cfg.checkpoint in (None, DEMO)
+                and cfg.pretrained is None):
+            # the byte-level GPTs trained on the offline corpus read its windows
             return _RandomWindows(_demo_tokens(split), cfg.seq_len, self.train_cfg.batch_size, seed)
         raise ValueError(
             "this target brings no data of its own: pass a datamodule or dataloaders to the Trainer (e.g. "
-            "lightning_opt.data.TokenShardDataModule yielding (x, y) token batches)"
+            "lightning_opt.data.TokenShardDataModule yielding (x, y) token batches; in the recipe a `data:` "
+            "section with class_path lightning_opt.data.TokenShardDataModule)"
         )
 
     @override
@@ -493,17 +546,25 @@ class SPDModule(L.LightningModule):
             return S.recon_loss(out, target_out, self.loss_cfg.output)
 
         ci_detached = {k: v.detach() for k, v in ci.items()}  # the adversary needs no grad through g
-        for _ in range(pc.n_steps):
+        n_steps = pc.n_steps if self.pgd_steps_now is None else self.pgd_steps_now
+        self.pgd_ascent(lambda: loss_with(ci_detached), srcs, n_steps, all_reduce=shared and dist_on)
+        return loss_with(ci)
+
+    def pgd_ascent(self, loss: Callable[[], Tensor], srcs: dict[str, Tensor], n_steps: int, all_reduce: bool = False) -> None:
+        """The PGD inner loop: ``n_steps`` signed-gradient ascent steps of ``loss()`` on the sources (in place,
+        clamped to [0, 1]); ``all_reduce`` sums the gradients over ranks (one shared adversary). Leaves the
+        sources without grad. A method of its own so that its share of a step can be timed."""
+        step_size = self.loss_cfg.pgd.step_size
+        for _ in range(n_steps):
             with torch.enable_grad():
-                grads = torch.autograd.grad(loss_with(ci_detached), list(srcs.values()))
+                grads = torch.autograd.grad(loss(), list(srcs.values()))
             with torch.no_grad():
                 for s, gr in zip(srcs.values(), grads):
-                    if shared and dist_on:
+                    if all_reduce:
                         dist.all_reduce(gr)
-                    s.add_(pc.step_size * gr.sign()).clamp_(0.0, 1.0)
+                    s.add_(step_size * gr.sign()).clamp_(0.0, 1.0)
         for s in srcs.values():
             s.requires_grad_(False)
-        return loss_with(ci)
 
     # -- Lightning hooks ------------------------------------------------------------------------------
     @override
@@ -560,6 +621,8 @@ class SPDModule(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         max_steps = max(int(self.trainer.max_steps), 1) if self._trainer is not None else 1
         self._frac.fill_(self.global_step / max_steps)
+        pgd = self.loss_cfg.pgd
+        self.pgd_steps_now = pgd.steps_at(self.global_step) if pgd.n_steps_schedule else None
         total, terms = self._loss_fn(batch, self._frac)
         self.log("train/loss", total)  # no prog_bar: a per-batch sync in Lightning (see LazyProgressBar)
         for k, v in terms.items():
@@ -597,6 +660,13 @@ class SPDModule(L.LightningModule):
             return spd.masked_forward(x, masks=dict(spd.causal_importances(inputs).lower))
         finally:
             spd.state.delta_weights = {}
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        """With a datamodule's validation data (language models): ``val/<metric>`` as :meth:`test_step` logs."""
+        n = self.batch_inputs(batch).shape[0]
+        metrics = {f"val/{k}": v for k, v in self._eval_batch(batch).items()}
+        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=n)
 
     @override
     def test_step(self, batch: Any, batch_idx: int) -> None:
@@ -652,9 +722,17 @@ class SPDModule(L.LightningModule):
         return out
 
     def _eval_batches(self) -> list[Any]:
-        loader = self._trainer.train_dataloader if self._trainer is not None else None
+        """``eval_batches`` batches: a datamodule's validation batches when it has them (held out), else the
+        training stream's."""
+        trainer, loader = self._trainer, None
+        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+        if datamodule is not None:
+            val = datamodule.val_dataloader()
+            loader = val if not isinstance(val, list) or val else None  # [] means no validation data
+        if loader is None:
+            loader = trainer.train_dataloader if trainer is not None else None
         it = iter(loader if loader is not None else self.train_dataloader())
-        return [next(it) for _ in range(self.train_cfg.eval_batches)]
+        return list(itertools.islice(it, self.train_cfg.eval_batches))
 
     def _eval_batch(self, batch: Any) -> dict[str, float]:
         x = self.batch_inputs(batch)
@@ -753,12 +831,25 @@ def _demo_corpus_loader(seq_len: int, batch_size: int, seed: int) -> DataLoader:
 
 
 def _build_gpt(cfg: SPDTargetConfig) -> nn.Module:
+    from lightning_opt.data.activations import load_checkpoint_file, load_target_model, train_demo_target
     from lightning_opt.models.gpt2 import GPT, GPTConfig
 
+    if cfg.pretrained is not None:
+        config = GPTConfig(**cfg.model) if cfg.model else None
+        return GPT.from_pretrained(cfg.pretrained, config).requires_grad_(False).eval()
+    if cfg.checkpoint == DEMO:
+        model = train_demo_target(steps=cfg.train_steps, seq_len=cfg.seq_len, batch_size=cfg.train_batch_size,
+                                  **cfg.model)
+        return model.requires_grad_(False).eval()
+    if cfg.checkpoint:
+        state = load_checkpoint_file(cfg.checkpoint, "SPD target checkpoint")  # weights only: runs no code
+        if isinstance(state, dict) and ({"config", "model"} <= state.keys() or "state_dict" in state):
+            # a recipe checkpoint: the GPT's config travels with its weights
+            return load_target_model(cfg.checkpoint).requires_grad_(False).eval()
     kw = {"vocab_size": 256, "n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": cfg.seq_len, **cfg.model}
     model = GPT(GPTConfig(**kw))
     if cfg.checkpoint:
-        model.load_state_dict(torch.load(cfg.checkpoint, map_location="cpu", weights_only=True))
+        model.load_state_dict(state)
     elif cfg.train_steps > 0:
         torch.manual_seed(cfg.seed)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.train_lr, weight_decay=0.0)

@@ -3,9 +3,15 @@
     lightning-opt-spd --config spd_tms_5-2
     lightning-opt-spd --config spd_resid_mlp1 --trainer.max_steps 2000
     lightning-opt-spd --config spd_lm_demo
+    lightning-opt-spd --config spd_gpt2_layer \
+        --data.init_args.train_files '/data/fineweb/fineweb_train_*.bin' \
+        --data.init_args.val_files '/data/fineweb/fineweb_val_*.bin'
 
 Toy targets (TMS, residual MLP) and the demo language model are trained by the recipe itself before
-SPD starts, so no download is needed. ``metrics.json`` (for TMS: ``mmcs``, ``ml2r``, ``ci_l0``,
+SPD starts, so no download is needed. A language model from a recipe checkpoint or Hugging Face weights
+(``model.target.checkpoint`` / ``model.target.pretrained``) reads token batches from the ``data:`` section
+(``class_path: lightning_opt.data.TokenShardDataModule``: shards or ``builtin``), which also gives the
+``val/`` metrics and the final metrics' held-out batches. ``metrics.json`` (for TMS: ``mmcs``, ``ml2r``, ``ci_l0``,
 identity-CI errors; for language models: CE / KL under CI, stochastic, unmasked and zero masks) is
 written into the run directory, and for toy targets ``components.png`` (components vs features);
 ``--plot_path FILE`` writes a second copy of the plot to FILE; ``--ckpt_path FILE`` resumes a run (add a
@@ -110,12 +116,18 @@ def main(args: list[str] | None = None) -> dict:
     # typed arguments allow (a logger must be a Logger, a callback a Callback). args=None reads sys.argv.
     cli = SPDRecipeCLI(SPDModule, args=args, run=False, save_config_kwargs={"overwrite": True})
     trainer, model, config = cli.trainer, cli.model, cli.config
+    data = cli.datamodule  # a `data:` section (token shards for a language model); toy targets bring their own
+    block = getattr(getattr(model.spd.target, "config", None), "block_size", None)
+    seq_len = getattr(data, "seq_len", None)
+    if block is not None and seq_len is not None and seq_len > block:
+        raise ValueError(f"data seq_len={seq_len} exceeds the target's context block_size={block}; lower the "
+                         "data's seq_len")
     plot_copy = config.get("plot_path")
     ckpt_path = config.get("ckpt_path")
     if ckpt_path not in (None, "last", "hpc", "best", "registry"):
         check_checkpoint_file(ckpt_path)
     t0 = time.perf_counter()
-    trainer.fit(model, ckpt_path=ckpt_path, weights_only=True)
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
     metrics = {
         **model.final_metrics,
         "steps": trainer.global_step,

@@ -258,3 +258,82 @@ def test_hf_gpt2_target_with_conv1d_components_trains_and_reports_lm_metrics():
     for k in ("ce/target", "ce/ci", "ce/stochastic", "ce/unmasked", "ce/zero", "kl/ci", "kl/zero", "ci_l0"):
         assert math.isfinite(metrics[k]), k
     assert min(metrics[k] for k in ("kl/ci", "kl/stochastic", "kl/unmasked", "kl/zero")) >= 0
+
+
+def test_pgd_steps_schedule_sets_the_ascent_steps_per_optimizer_step():
+    pgd = PGDConfig(n_steps=1, n_steps_schedule=[[3, 4], [6, 0]])
+    assert [pgd.steps_at(s) for s in range(8)] == [1, 1, 1, 4, 4, 4, 0, 0]
+    assert pgd.n_steps_schedule == [(3, 4), (6, 0)]
+    for bad in ([[3, 4], [3, 2]], [[5, 1], [2, 1]], [[-1, 2]], [[0, -1]], [[1, 2, 3]]):
+        with pytest.raises(ValueError, match="n_steps_schedule"):
+            PGDConfig(n_steps_schedule=bad)
+    m = _module(SPDLossConfig(pgd_recon=1.0, pgd=pgd), faithfulness_warmup_steps=0)
+    seen: list[int] = []
+    real = m.pgd_ascent
+    m.pgd_ascent = lambda loss, srcs, n, all_reduce=False: (seen.append(n), real(loss, srcs, n, all_reduce))[1]
+    trainer = L.Trainer(max_steps=5, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(m, train_dataloaders=_loader(m))
+    assert seen == [1, 1, 1, 4, 4]
+    m.pgd_steps_now = None  # outside training_step: loss.pgd.n_steps
+    m.compute_losses(next(iter(_loader(m))))
+    assert seen[-1] == 1
+
+
+def _tiny_hf_dir(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "hf")
+    return str(tmp_path / "hf")
+
+
+def test_gpt_target_from_hf_weights_and_from_a_recipe_checkpoint(tmp_path):
+    from lightning_opt.models.gpt2 import GPT
+
+    hf_dir = _tiny_hf_dir(tmp_path)
+    reference = GPT.from_pretrained(hf_dir)
+    spd = S.SPDConfig(components=[{"pattern": "blocks.1.mlp.c_fc", "C": 8}, {"pattern": "blocks.1.mlp.c_proj", "C": 8}])
+    m = SPDModule(SPDTargetConfig(kind="gpt", pretrained=hf_dir), spd,
+                  SPDLossConfig(output="kl", pgd_recon=1.0), SPDTrainConfig(faithfulness_warmup_steps=0))
+    assert sorted(m.spd.layers) == ["blocks.1.mlp.c_fc", "blocks.1.mlp.c_proj"]
+    x = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(m.spd(x), reference(x))  # the target path is HF GPT-2's logits
+    total, _ = m.compute_losses(x)
+    total.backward()
+    with pytest.raises(ValueError, match="brings no data"):
+        m.train_dataloader()
+    # a recipe checkpoint ({"config", "model"}) carries its config: no model shape needed
+    path = tmp_path / "target.pt"
+    torch.save({"config": reference.config.to_dict(), "model": reference.state_dict()}, path)
+    m2 = SPDModule(SPDTargetConfig(kind="gpt", checkpoint=str(path)), spd, SPDLossConfig(output="kl"),
+                   SPDTrainConfig(faithfulness_warmup_steps=0))
+    with torch.no_grad():
+        assert torch.equal(m2.spd(x), reference(x))
+    for bad, match in (({"kind": "tms", "pretrained": hf_dir}, "kind='gpt'"),
+                       ({"kind": "gpt", "pretrained": hf_dir, "checkpoint": str(path)}, "not both"),
+                       ({"kind": "gpt", "checkpoint": "demo", "model": {"vocab_size": 9}}, "n_layer and n_embd")):
+        with pytest.raises(ValueError, match=match):
+            SPDTargetConfig(**bad)
+
+
+def test_demo_target_decomposes_on_token_shards_with_validation(tmp_path):
+    """The demo GPT on the built-in corpus through TokenShardDataModule: val/ metrics and held-out final metrics."""
+    from lightning_opt.data import TokenShardDataModule
+
+    m = SPDModule(
+        SPDTargetConfig(kind="gpt", checkpoint="demo", model={"n_layer": 2, "n_embd": 32}, train_steps=5,
+                        train_batch_size=4, seq_len=32),
+        S.SPDConfig(components=[{"pattern": "blocks.*.mlp.c_fc", "C": 8}], ci_fn="vector_mlp", ci_hidden=[8]),
+        SPDLossConfig(output="kl", pgd_recon=0.5),
+        SPDTrainConfig(faithfulness_warmup_steps=2, eval_batches=1),
+    )
+    dm = TokenShardDataModule("builtin", "builtin", seq_len=32, batch_size=2, val_tokens=128)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, val_check_interval=2,
+                        limit_val_batches=1, num_sanity_val_steps=0)
+    trainer.fit(m, datamodule=dm)
+    assert math.isfinite(float(trainer.callback_metrics["val/kl/ci"]))
+    for k in ("ce/target", "ce/ci", "kl/stochastic", "ci_l0/blocks.0.mlp.c_fc"):
+        assert math.isfinite(m.final_metrics[k]), k

@@ -51,6 +51,20 @@ _SPD = ["--model.target.train_steps", "5", "--model.target.train_batch_size", "6
         "--model.train.faithfulness_warmup_steps", "2", "--model.train.eval_batches", "1"]
 
 
+# the GPU GPT-2 layer config on CPU: the cached demo GPT for GPT-2, the built-in byte corpus for FineWeb
+_SPD_GPT2_LAYER = [
+    "--trainer.accelerator", "cpu", "--model.target.pretrained", "null", "--model.target.checkpoint", "demo",
+    "--model.target.model", "{n_layer: 2, n_embd: 32}", "--model.target.train_steps", "5",
+    "--model.target.train_batch_size", "4", "--model.target.seq_len", "32",
+    "--model.spd.components", '[{pattern: "blocks.1.mlp.c_fc", C: 16}, {pattern: "blocks.1.mlp.c_proj", C: 16}]',
+    "--model.spd.ci_hidden", "[16]", "--model.train.compile", "false", "--model.train.autocast_bf16", "false",
+    "--model.train.faithfulness_warmup_steps", "2", "--model.train.eval_batches", "1",
+    "--data.init_args.train_files", "builtin", "--data.init_args.val_files", "builtin",
+    "--data.init_args.seq_len", "32", "--data.init_args.batch_size", "2", "--data.init_args.val_tokens", "256",
+    "--data.init_args.vocab_size", "256", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+]
+
+
 def _resid_mlp(n_layers: int, d_mlp: int, n_features: int = 100) -> list[str]:
     """The residual-MLP configs with a 64-wide residual stream and 16 subcomponents (1000 and 100-500 there)."""
     return [*_SPD,
@@ -84,6 +98,7 @@ CASES: dict[str, tuple[str, str, list[str], list[str]]] = {
     "spd_resid_mlp2.yaml": ("spd", "spd", [], _resid_mlp(2, 25)),
     "spd_resid_mlp3.yaml": ("spd", "spd", [], _resid_mlp(3, 17, n_features=102)),
     "spd_lm_demo.yaml": ("spd", "spd", [], [*_SPD, "--model.target.train_steps", "3", "--model.train.batch_size", "2"]),
+    "spd_gpt2_layer.yaml": ("spd", "spd", [], _SPD_GPT2_LAYER),
 }
 
 

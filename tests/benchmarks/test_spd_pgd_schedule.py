@@ -1,0 +1,28 @@
+"""benchmarks/spd_pgd_schedule.py --smoke: every variant runs, the schedule runs fewer PGD ascent steps, and the
+JSON holds the timing (PGD share of a step) and the final metrics the docs quote."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_smoke_compares_the_schedule_with_the_fixed_pgd_steps(tmp_path):
+    spec = importlib.util.spec_from_file_location("spd_pgd_schedule_bench", ROOT / "benchmarks" / "spd_pgd_schedule.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "r.json"
+    res = mod.main(["--smoke", "--seeds", "1", "--out", str(out)])
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(res["rows"]))
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert set(rows) == {"fixed_1", "fixed_k", "schedule"}
+    assert rows["fixed_1"]["pgd_ascent_steps_total"] < rows["schedule"]["pgd_ascent_steps_total"] \
+        < rows["fixed_k"]["pgd_ascent_steps_total"]
+    for r in rows.values():
+        assert 0 < r["pgd_time_share"] < 1 and r["step_cpu_ms"] > 0
+        for k in ("recon_stochastic", "recon_ci", "recon_pgd4", "faithfulness", "alive_components"):
+            assert r[k] >= 0, k
+    assert "step_cpu_time_ratio" in res["schedule_vs_fixed_k"]
