@@ -27,7 +27,8 @@ synthetic activations; 4096 / 8192 / 16384 / 32768 features per layer. Per featu
   ``select_ours`` took (``triton_2pass``: ``_topk_triton.select_16bit``; ``candidates``: candidate step +
   threshold step). Also the candidate path (``select_ours_candidates``), with the top-k threshold step
   (``select_ours_topk_threshold``) and with torch candidates, the candidate phase alone, and a sweep of the
-  Triton kernels' ``BLOCK`` x ``num_warps`` for the whole selection (``select_sweep``).
+  Triton kernels' launch shape for the whole selection (``select_sweep``: ``batch_topk_rows``'s
+  ``triton_block`` x ``triton_num_warps``).
 * ``peer``: crosslayer-coding's own ``CrossLayerTranscoder`` + ``LossManager.compute_total_loss`` step
   (its trainer's step: activations, total loss, backward, AdamW; sparsity and pre-activation terms on), and
   its BatchTopK helper alone. Runs in a subprocess per size (own memory accounting, OOM isolated), only
@@ -352,20 +353,10 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
     if _triton_ok(pre) and out["select_path"] == "triton_2pass":  # the two passes' launch shape (default marked)
         from lightning_opt.ops import _topk_triton as kt
 
-        def with_launch(block: int, warps: int, fn: Callable[[], Any]) -> Callable[[], Any]:
-            def run() -> Any:  # the kernels' launch constants for this timing only
-                old = kt.BLOCK, kt.NUM_WARPS
-                kt.BLOCK, kt.NUM_WARPS = block, warps
-                try:
-                    return fn()
-                finally:
-                    kt.BLOCK, kt.NUM_WARPS = old
-            return run
-
         sweep = {}
         for block in (1024, 2048, 4096, 8192):
             for warps in (4, 8):
-                fn = with_launch(block, warps, select())
+                fn = select(triton_block=block, triton_num_warps=warps)
                 try:
                     sweep[f"{block}x{warps}"] = round(time_fn(fn, dev, 2, args.select_steps)["median_ms"], 4)
                 except Exception as err:

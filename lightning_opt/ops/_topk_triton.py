@@ -1,6 +1,6 @@
 """Triton kernels behind BatchTopK: the entries ``x >= lo`` in flat order, in two passes over ``x``.
 
-Pass 1 (:func:`count_ge`): each program of ``BLOCK`` entries counts those at or above its row's bound (a read at
+Pass 1 (:func:`count_ge`): each program of ``block`` entries counts those at or above its row's bound (a read at
 memory speed). The exclusive prefix sum of the block counts gives each block its first output slot. Pass 2: each
 program numbers its hits with a block-local scan and writes ``(flat index, value)`` straight to its slots. No
 atomics, no sort: the result is ``nonzero(x >= lo)`` and ``x[...]`` of it, and does not depend on scheduling.
@@ -29,9 +29,10 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
 
-__all__ = ["available", "count_ge", "compact_counted", "compact_ge", "select_16bit"]
+__all__ = ["available", "check_launch", "count_ge", "compact_counted", "compact_ge", "select_16bit"]
 
-# module-level so benchmarks/clt_step.py can sweep them (H200 sweep of the whole selection: 2048 x 4 fastest)
+# default launch shape of both passes, entries per program x warps (the ``block`` / ``num_warps`` arguments; an
+# H200 sweep of the whole selection, benchmarks/clt_step.py's select_sweep: 2048 x 4 fastest)
 BLOCK = 2048
 NUM_WARPS = 4
 _BINS = 1 << 16
@@ -98,18 +99,30 @@ def _exclusive_cumsum(c: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _launch(flat: torch.Tensor, row_len: int, rows: int) -> tuple[tuple[int], dict[str, object]]:
-    one_row = rows == 1 or row_len % BLOCK == 0
-    return (triton.cdiv(flat.numel(), BLOCK),), {"BLOCK": BLOCK, "BLOCK_IN_ONE_ROW": one_row, "num_warps": NUM_WARPS}
+def check_launch(block: int, num_warps: int) -> None:
+    """Raise ``ValueError`` unless ``block`` (entries per program) and ``num_warps`` are powers of two (Triton's
+    ``tl.arange`` and warp counts need them)."""
+    for name, v in (("block", block), ("num_warps", num_warps)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+            raise ValueError(f"{name} must be a power-of-two int, got {v!r}")
 
 
-def count_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pass 1: per launch block, how many entries of ``flat`` reach their row's bound. Returns ``(pre, total)``:
-    the blocks' exclusive prefix sums (int64) and the total as a one-element device tensor. No host sync."""
+def _launch(flat: torch.Tensor, row_len: int, rows: int, block: int, num_warps: int
+            ) -> tuple[tuple[int], dict[str, object]]:
+    check_launch(block, num_warps)
+    one_row = rows == 1 or row_len % block == 0
+    return (triton.cdiv(flat.numel(), block),), {"BLOCK": block, "BLOCK_IN_ONE_ROW": one_row, "num_warps": num_warps}
+
+
+def count_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int, *, block: int = BLOCK,
+             num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass 1: per launch block of ``block`` entries (``num_warps`` warps a program), how many entries of
+    ``flat`` reach their row's bound. Returns ``(pre, total)``: the blocks' exclusive prefix sums (int64) and the
+    total as a one-element device tensor. No host sync."""
     if triton is None:
         raise ImportError("count_ge needs triton (pip install triton, or use the torch path)")
     lo_rows = lo_rows.to(flat.dtype).contiguous()
-    grid, meta = _launch(flat, row_len, lo_rows.numel())
+    grid, meta = _launch(flat, row_len, lo_rows.numel(), block, num_warps)
     cnt = torch.empty(grid[0], dtype=torch.int32, device=flat.device)
     if flat.numel() > 0:
         _count_ge_kernel[grid](flat, lo_rows, cnt, flat.numel(), row_len, **meta)
@@ -118,14 +131,19 @@ def count_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int) -> tuple[t
 
 
 def compact_counted(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int, pre: torch.Tensor,
-                    total: int, capped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    total: int, capped: bool = False, *, block: int = BLOCK,
+                    num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass 2: the ``total`` entries of ``flat`` at or above their row's bound, ascending flat indices (int64)
-    and values, given :func:`count_ge`'s prefix sums for the same ``flat``, bounds and row length.
+    and values, given :func:`count_ge`'s prefix sums for the same ``flat``, bounds, row length and ``block``
+    (the prefix sums are per block: pass the ``block`` that pass 1 ran with).
 
     ``capped=True``: ``total`` is a capacity chosen before the count was known (no host sync); the first
     ``min(count, total)`` slots are filled, the rest hold garbage (the caller masks them by the count)."""
     lo_rows = lo_rows.to(flat.dtype).contiguous()
-    grid, meta = _launch(flat, row_len, lo_rows.numel())
+    grid, meta = _launch(flat, row_len, lo_rows.numel(), block, num_warps)
+    if pre.numel() != grid[0]:
+        raise ValueError(f"pre holds {pre.numel()} block prefix sums, block={block} needs {grid[0]}: pass "
+                         "count_ge's block")
     idx = torch.empty(total, dtype=torch.int64, device=flat.device)
     val = torch.empty(total, dtype=flat.dtype, device=flat.device)
     if total > 0:
@@ -134,24 +152,29 @@ def compact_counted(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int, pre
     return idx, val
 
 
-def compact_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def compact_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int, *, block: int = BLOCK,
+               num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """Ascending flat indices and values of the entries of ``flat`` with ``flat[i] >= lo_rows[i // row_len]``.
 
     Args:
         flat: contiguous 1-D scores (any float dtype).
         lo_rows: per-row bounds (one per ``row_len`` entries).
         row_len: entries per row.
+        block: entries per program of both passes (a power of two; the result does not depend on it).
+        num_warps: warps per program (a power of two).
 
     Returns:
         ``(indices int64, values)``, like ``nonzero(flat >= lo)`` and ``flat[indices]``. One host sync (the
         hit count sizes the result).
     """
     flat = flat.contiguous()
-    pre, total = count_ge(flat, lo_rows, row_len)
-    return compact_counted(flat, lo_rows, row_len, pre, int(total.item()))  # host sync: the count
+    launch = {"block": block, "num_warps": num_warps}
+    pre, total = count_ge(flat, lo_rows, row_len, **launch)
+    return compact_counted(flat, lo_rows, row_len, pre, int(total.item()), **launch)  # host sync: the count
 
 
-def select_16bit(x2d: torch.Tensor, n_keep: int, lo_rows: torch.Tensor) -> torch.Tensor | None:
+def select_16bit(x2d: torch.Tensor, n_keep: int, lo_rows: torch.Tensor, *, block: int = BLOCK,
+                 num_warps: int = NUM_WARPS) -> torch.Tensor | None:
     """Sorted flat indices of the ``n_keep`` largest entries of every row of a bf16/fp16 ``x2d`` (ties: the
     smallest flat indices), given per-row bounds ``lo_rows`` that at least ``n_keep`` entries per row reach.
 
@@ -161,10 +184,13 @@ def select_16bit(x2d: torch.Tensor, n_keep: int, lo_rows: torch.Tensor) -> torch
     ``n_keep``-th largest key), and the row keeps the entries above it and the first ``n_keep - above`` equal to
     it (a running count).
 
+    ``block`` (entries per program) and ``num_warps`` are both passes' launch shape: powers of two; the result
+    does not depend on them.
+
     Returns:
         ``None`` when some row has fewer than ``n_keep`` entries at or above its bound (the caller falls back).
         One host sync, between the passes: the candidate count (it sizes the buffers) and the per-row counts (the
-        check). Rows that split a launch block (row length not a multiple of ``BLOCK``) are checked at the
+        check). Rows that split a launch block (row length not a multiple of ``block``) are checked at the
         end instead: a second sync.
     """
     if triton is None:
@@ -175,8 +201,10 @@ def select_16bit(x2d: torch.Tensor, n_keep: int, lo_rows: torch.Tensor) -> torch
     if rows > 1 << 15:
         raise ValueError(f"select_16bit handles at most {1 << 15} rows, got {rows}")
     flat = x2d.contiguous().view(-1)
-    one_row = rows == 1 or m % BLOCK == 0
-    pre, total = count_ge(flat, lo_rows, m)
+    check_launch(block, num_warps)
+    launch = {"block": block, "num_warps": num_warps}
+    one_row = rows == 1 or m % block == 0
+    pre, total = count_ge(flat, lo_rows, m, **launch)
     counts = [total]
     if one_row and rows > 1:  # blocks lie inside rows: per-row counts from the block counts
         block_counts = torch.diff(pre, append=total)
@@ -185,7 +213,7 @@ def select_16bit(x2d: torch.Tensor, n_keep: int, lo_rows: torch.Tensor) -> torch
     n_cand, per_row = counts[0], counts[1:]
     if n_cand < rows * n_keep or (per_row and min(per_row) < n_keep):
         return None
-    idx, val = compact_counted(flat, lo_rows, m, pre, n_cand)
+    idx, val = compact_counted(flat, lo_rows, m, pre, n_cand, **launch)
     out, short = _keep_candidates(idx, val, rows, m, n_keep)
     if not one_row and bool(short):  # second host sync: rows that split blocks were not checked above
         return None

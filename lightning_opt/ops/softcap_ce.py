@@ -44,6 +44,8 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
 
+# default launch shape (softcap_ce_rows_'s ``block_v`` / ``num_warps`` / ``tile_m`` / ``tile_v`` arguments):
+# vocabulary entries per sweep step of the loss kernel, warps per program
 BLOCK_V = 4096
 NUM_WARPS = 8
 # the transposing copy's tile: rows x vocabulary columns per step
@@ -176,13 +178,19 @@ G8_MULT = 2.0**14
 
 def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | None,
                      ignore_index: int = -100, write_grad: bool = True,
-                     g8: torch.Tensor | None = None, g8t: torch.Tensor | None = None) -> torch.Tensor:
+                     g8: torch.Tensor | None = None, g8t: torch.Tensor | None = None, *,
+                     block_v: int = BLOCK_V, num_warps: int = NUM_WARPS, tile_m: int = TILE_M,
+                     tile_v: int = TILE_V) -> torch.Tensor:
     """Per-row losses; with ``write_grad`` overwrites ``logits`` ``[N, V]`` with the per-row gradient (not
     divided by a count), and, given ``g8`` (a contiguous ``[N, V]`` ``float8_e5m2`` tensor), also writes that
     gradient times ``G8_MULT`` into it. Given ``g8t`` too (contiguous ``[V, N]`` ``float8_e5m2``), the scaled
     gradient is also written transposed there, and *instead of* the dense gradient: ``logits`` keep their
     values. A target outside ``[0, V)`` other than ``ignore_index`` gives a NaN
-    loss (and NaN gradient row) rather than an error: checking on the host would synchronise."""
+    loss (and NaN gradient row) rather than an error: checking on the host would synchronise.
+
+    The kernels' launch shape (powers of two; the result does not depend on them): ``block_v`` vocabulary
+    entries per sweep step and ``num_warps`` warps per program; the transposing copy's tiles of ``tile_m``
+    rows x ``tile_v`` columns."""
     n, v = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("softcap_ce_rows_: logits must be contiguous along the vocabulary")
@@ -202,11 +210,11 @@ def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | N
                                  float(cap or 1.0), ignore_index, G8_MULT,
                                  HAS_CAP=cap is not None, FIXED_MAX=fixed_max,
                                  FAST_TANH=write_grad and fast_tanh_available(logits), WRITE_GRAD=write_grad,
-                                 WRITE_G8=g8 is not None, WRITE_DENSE=g8t is None, BLOCK=BLOCK_V,
-                                 num_warps=NUM_WARPS)
+                                 WRITE_G8=g8 is not None, WRITE_DENSE=g8t is None, BLOCK=block_v,
+                                 num_warps=num_warps)
         if g8t is not None:
-            _transpose_bytes_kernel[(triton.cdiv(n, TILE_M),)](g8.view(torch.uint8), g8t.view(torch.uint8), n, v,
-                                                                BLOCK_M=TILE_M, BLOCK=TILE_V, num_warps=NUM_WARPS)
+            _transpose_bytes_kernel[(triton.cdiv(n, tile_m),)](g8.view(torch.uint8), g8t.view(torch.uint8), n, v,
+                                                                BLOCK_M=tile_m, BLOCK=tile_v, num_warps=num_warps)
         return loss
     # torch reference of the same computation (CPU, or no Triton)
     x = logits.float()

@@ -31,7 +31,8 @@ it disagrees.
 
 Every path gives the same indices; the keyword arguments of :func:`batch_topk_rows` (``select_backend``,
 ``candidates_backend``, ``threshold_method``, validated by :func:`check_topk_options`) choose among them for
-measurements and tests. ``"auto"`` everywhere is the fastest measured choice.
+measurements and tests. ``"auto"`` everywhere is the fastest measured choice. ``triton_block`` and
+``triton_num_warps`` set the Triton passes' launch shape (same indices for every shape).
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ def check_topk_options(select_backend: str = "auto", candidates_backend: str = "
             raise ValueError(f"{name}={value!r} is unknown; choose one of {get_args(kind)}")
 
 
+# default launch shape of the Triton passes, entries per program x warps: ``ops._topk_triton.BLOCK`` x
+# ``NUM_WARPS``, repeated so that importing this module does not import triton (tests/ops/test_topk.py checks
+# that they agree)
+_TRITON_BLOCK = 2048
+_TRITON_NUM_WARPS = 4
 _KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 _BINS = 1 << 16
 _MAX_BINS = 1 << 24  # rows * bins of the histogram; more rows use the top-k step
@@ -120,8 +126,10 @@ def _sample_rank(s: int, frac: float) -> int:
     return min(s, int(math.ceil(1.1 * mean + 4.0 * math.sqrt(mean) + 16)))
 
 
-def _use_select_16bit(x2d: torch.Tensor, backend: SelectBackend = "auto") -> bool:
-    """Whether the two-pass Triton selection (``_topk_triton.select_16bit``) handles ``x2d`` under ``backend``."""
+def _use_select_16bit(x2d: torch.Tensor, backend: SelectBackend = "auto", *, block: int = _TRITON_BLOCK,
+                      num_warps: int = _TRITON_NUM_WARPS) -> bool:
+    """Whether the two-pass Triton selection (``_topk_triton.select_16bit``) with launch shape ``block`` x
+    ``num_warps`` handles ``x2d`` under ``backend``."""
     if backend == "candidates" or x2d.dtype not in (torch.bfloat16, torch.float16):
         return False
     if x2d.shape[0] * _BINS > _MAX_BINS:
@@ -130,30 +138,33 @@ def _use_select_16bit(x2d: torch.Tensor, backend: SelectBackend = "auto") -> boo
 
     if backend == "triton":
         return True
-    return _topk_triton.available(x2d) and _select_16bit_works(x2d.device)
+    return _topk_triton.available(x2d) and _select_16bit_works(x2d.device, block=block, num_warps=num_warps)
 
 
-_SELECT_CHECKED: dict[torch.device, bool] = {}
+_SELECT_CHECKED: dict[tuple[torch.device, int, int], bool] = {}
 
 
-def _select_16bit_works(device: torch.device) -> bool:
-    """Compile and check the Triton selection once per device against the torch path (ties, NaN, -0, rows that
-    split a block); a failure costs a warning and the torch path instead of a crash or a wrong selection."""
-    if device not in _SELECT_CHECKED:
+def _select_16bit_works(device: torch.device, *, block: int = _TRITON_BLOCK,
+                        num_warps: int = _TRITON_NUM_WARPS) -> bool:
+    """Compile and check the Triton selection once per device and launch shape against the torch path (ties,
+    NaN, -0, rows that split a block); a failure costs a warning and the torch path instead of a crash or a
+    wrong selection."""
+    key = (device, block, num_warps)
+    if key not in _SELECT_CHECKED:
         from lightning_opt.ops import _topk_triton
 
         ok = False
         try:
             gen = torch.Generator(device="cpu").manual_seed(0)
             # rows that split blocks, and rows of whole blocks (one bound per block)
-            shapes = ((3, 5000, torch.bfloat16), (2, 2 * _topk_triton.BLOCK, torch.float16))
+            shapes = ((3, 5000, torch.bfloat16), (2, 2 * block, torch.float16))
             for rows, m, dtype in shapes:
                 x = (torch.randn(rows, m, generator=gen) * 4).round().to(dtype)
                 x[0, 3], x[1, 4], x[-1, 5] = float("nan"), -0.0, 0.0
                 x = x.to(device)
                 lo = x.float().topk(200, dim=1).values[:, -1].to(dtype)  # exact bounds (NaN-free rows 1, 2)
                 lo[0] = float("-inf")
-                got = _topk_triton.select_16bit(x, 150, lo)
+                got = _topk_triton.select_16bit(x, 150, lo, block=block, num_warps=num_warps)
                 ref = torch.sort(x.float().nan_to_num(float("-inf")), dim=1, descending=True, stable=True)
                 ref = (ref.indices[:, :150].sort(dim=1).values + torch.arange(rows, device=device)[:, None] * m)
                 if got is None or not torch.equal(got, ref.reshape(-1)):
@@ -163,8 +174,8 @@ def _select_16bit_works(device: torch.device) -> bool:
             import warnings
 
             warnings.warn(f"batch_topk_rows: Triton selection unusable ({err}); using the torch path", stacklevel=3)
-        _SELECT_CHECKED[device] = ok
-    return _SELECT_CHECKED[device]
+        _SELECT_CHECKED[key] = ok
+    return _SELECT_CHECKED[key]
 
 
 def triton_candidates(flat: torch.Tensor, backend: CandidatesBackend = "auto") -> bool:
@@ -178,7 +189,8 @@ def triton_candidates(flat: torch.Tensor, backend: CandidatesBackend = "auto") -
 
 
 def candidates_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int,
-                  backend: CandidatesBackend = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                  backend: CandidatesBackend = "auto", *, block: int = _TRITON_BLOCK,
+                  num_warps: int = _TRITON_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """Ascending flat indices and values of the entries with ``flat[i] >= lo_rows[i // row_len]``.
 
     Triton (a counting pass and an ordered compaction pass, see ``ops._topk_triton``) on CUDA when available,
@@ -189,11 +201,13 @@ def candidates_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int,
         lo_rows: per-row bounds (``flat``'s dtype).
         row_len: entries per row.
         backend: ``auto`` (Triton where it runs), ``torch`` or ``triton``.
+        block: the Triton passes' entries per program (a power of two; unused by the torch path).
+        num_warps: the Triton passes' warps per program (a power of two; unused by the torch path).
     """
     if triton_candidates(flat, backend):
         from lightning_opt.ops import _topk_triton
 
-        return _topk_triton.compact_ge(flat, lo_rows, row_len)
+        return _topk_triton.compact_ge(flat, lo_rows, row_len, block=block, num_warps=num_warps)
     lo = lo_rows.to(flat.dtype)
     mask = (flat.view(-1, row_len) >= lo[:, None]).view(-1) if lo.numel() > 1 else flat >= lo.view(())
     idx = torch.nonzero(mask).squeeze(1)  # host sync: the count sizes the result
@@ -203,8 +217,10 @@ def candidates_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int,
 @torch.no_grad()
 def _select_rows(x2d: torch.Tensor, n_keep: int, select_backend: SelectBackend = "auto",
                  candidates_backend: CandidatesBackend = "auto",
-                 threshold_method: ThresholdMethod = "auto") -> torch.Tensor:
-    """Sorted flat indices into ``x2d`` of the ``n_keep`` largest entries of every row."""
+                 threshold_method: ThresholdMethod = "auto", *, block: int = _TRITON_BLOCK,
+                 num_warps: int = _TRITON_NUM_WARPS) -> torch.Tensor:
+    """Sorted flat indices into ``x2d`` of the ``n_keep`` largest entries of every row (``block`` x
+    ``num_warps``: the Triton passes' launch shape)."""
     rows, m = x2d.shape
     device = x2d.device
     if n_keep == 0 or rows == 0:
@@ -212,10 +228,11 @@ def _select_rows(x2d: torch.Tensor, n_keep: int, select_backend: SelectBackend =
     if n_keep == m:
         return torch.arange(rows * m, device=device)
     lo = _row_lower_bounds(x2d, n_keep).to(x2d.dtype)
-    if _use_select_16bit(x2d, select_backend):
+    launch = {"block": block, "num_warps": num_warps}
+    if _use_select_16bit(x2d, select_backend, **launch):
         from lightning_opt.ops import _topk_triton
 
-        idx = _topk_triton.select_16bit(x2d, n_keep, lo)
+        idx = _topk_triton.select_16bit(x2d, n_keep, lo, **launch)
         if idx is not None:
             return idx
         # a row with fewer than n_keep entries at or above its bound (unlucky sample, or NaN): the paths below
@@ -223,7 +240,7 @@ def _select_rows(x2d: torch.Tensor, n_keep: int, select_backend: SelectBackend =
     flat = x2d.reshape(-1)
     for _attempt in range(2):
         # one host sync: the candidate count sizes every buffer after it
-        cand, vals = candidates_ge(flat, lo, m, candidates_backend)
+        cand, vals = candidates_ge(flat, lo, m, candidates_backend, **launch)
         if rows == 1:
             counts_host = [cand.numel()]  # already on the host: no second sync
         else:
@@ -345,11 +362,14 @@ def batch_topk_rows(
     select_backend: SelectBackend = "auto",
     candidates_backend: CandidatesBackend = "auto",
     threshold_method: ThresholdMethod = "auto",
+    triton_block: int = _TRITON_BLOCK,
+    triton_num_warps: int = _TRITON_NUM_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep the ``n_keep`` largest entries of every row of ``x2d``.
 
     With one row this is BatchTopK over a whole batch (``n_keep = k * tokens``); with one row per layer it
     is per-layer BatchTopK. The three path options select the same indices; ``"auto"`` is the fastest measured.
+    So do the Triton passes' launch shapes.
 
     Args:
         x2d: ``[rows, entries]`` scores (e.g. pre-activations); gradients flow into the returned values.
@@ -361,6 +381,9 @@ def batch_topk_rows(
         threshold_method: the threshold step: ``auto`` (``histogram`` for several rows on CUDA, else
             ``topk``), ``histogram`` (a 2**16-bin histogram of order keys) or ``topk`` (a top-k of each row's
             candidates).
+        triton_block: entries per program of the Triton passes (the two-pass selection and the candidate
+            step), a power of two; the default 2048 was the fastest in an H200 sweep (docs/clt.md).
+        triton_num_warps: warps per program of the Triton passes, a power of two (default 4).
 
     Returns:
         ``(flat_indices, values)``: int64 indices into ``x2d.reshape(-1)``, ascending within each row and
@@ -375,7 +398,11 @@ def batch_topk_rows(
         raise ValueError(f"batch_topk_rows expects a 2-D tensor [rows, entries], got shape {tuple(x2d.shape)}")
     _check_k(n_keep, x2d.shape[1], "entries kept per row")
     check_topk_options(select_backend, candidates_backend, threshold_method)
-    idx = _select_rows(x2d.detach(), n_keep, select_backend, candidates_backend, threshold_method)
+    from lightning_opt.ops._topk_triton import check_launch
+
+    check_launch(triton_block, triton_num_warps)
+    idx = _select_rows(x2d.detach(), n_keep, select_backend, candidates_backend, threshold_method,
+                       block=triton_block, num_warps=triton_num_warps)
     return idx, _TakeUnique.apply(x2d.reshape(-1), idx)
 
 

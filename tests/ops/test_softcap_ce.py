@@ -103,20 +103,19 @@ def _e5m2_copies(monkeypatch, device):
     return got, ref
 
 
-def _e5m2_copies_with_transpose(monkeypatch, device, n=40):
+def _e5m2_copies_with_transpose(device, n=40):
     """With g8t: the same e5m2 copy as without, its exact transpose (a tiled copy), and the logits left as
     they were (n=40: the transposing copy's last 32-row tile is partly masked)."""
-    monkeypatch.setattr(softcap_ce, "BLOCK_V", 64)
-    monkeypatch.setattr(softcap_ce, "TILE_V", 64)  # several sweeps per row, the last one masked
+    launch = {"block_v": 64, "tile_v": 64}  # several sweeps per row, the last one masked
     torch.manual_seed(0)
     logits = (4 * torch.randn(n, 150)).to(torch.bfloat16).to(device)
     y = torch.randint(0, 150, (n,)).to(device)
     y[3] = -100
     both, alone = (torch.empty(n, 150, dtype=torch.float8_e5m2, device=device) for _ in range(2))
     g8t = torch.empty(150, n, dtype=torch.float8_e5m2, device=device)
-    ref = softcap_ce.softcap_ce_rows_(logits.clone(), y, 15.0, g8=both)
+    ref = softcap_ce.softcap_ce_rows_(logits.clone(), y, 15.0, g8=both, **launch)
     kept = logits.clone()
-    got = softcap_ce.softcap_ce_rows_(kept, y, 15.0, g8=alone, g8t=g8t)
+    got = softcap_ce.softcap_ce_rows_(kept, y, 15.0, g8=alone, g8t=g8t, **launch)
     assert torch.equal(kept, logits)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     a, b = alone.float().cpu(), both.float().cpu()
@@ -128,13 +127,13 @@ def _e5m2_copies_with_transpose(monkeypatch, device, n=40):
 
 
 @needs_interpreter
-def test_kernel_writes_the_e5m2_copy_transposed(monkeypatch):
-    _e5m2_copies_with_transpose(monkeypatch, "cpu")
+def test_kernel_writes_the_e5m2_copy_transposed():
+    _e5m2_copies_with_transpose("cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_kernel_writes_the_e5m2_copy_transposed_on_gpu(monkeypatch):
-    _e5m2_copies_with_transpose(monkeypatch, "cuda", n=4096 + 32)
+def test_kernel_writes_the_e5m2_copy_transposed_on_gpu():
+    _e5m2_copies_with_transpose("cuda", n=4096 + 32)
     # offsets past 2^31 in the transposed copy (V x N > 2^31, as at speedrun sizes): its last entries land
     n, v = 65536, 32784
     logits = torch.randn(n, v, device="cuda", dtype=torch.bfloat16)
@@ -166,11 +165,12 @@ def test_kernel_e5m2_copy_rounds_like_torch_on_gpu(monkeypatch):
 def test_strided_targets_out_of_range_targets_and_no_grad(interpret, monkeypatch):
     """Strided targets read right; a target outside the vocabulary gives NaN (no silent wrong loss); evaluation
     without autograd leaves the logits unwritten by the gradient sweep and gives the same loss."""
+    block_v = softcap_ce.BLOCK_V
     if interpret:
         if not INTERPRETED:
             pytest.skip("needs triton with TRITON_INTERPRET=1 at import")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        monkeypatch.setattr(softcap_ce, "BLOCK_V", 32)
+        block_v = 32  # two sweeps per row
     torch.manual_seed(0)
     h, w = torch.randn(8, 16), torch.randn(64, 16)
     y = torch.randint(0, 64, (16,))[::2]  # stride 2
@@ -182,7 +182,7 @@ def test_strided_targets_out_of_range_targets_and_no_grad(interpret, monkeypatch
     assert torch.isnan(softcap_ce.linear_softcap_cross_entropy(h, w, bad, 15.0))
     logits = (h @ w.t()).contiguous()
     before = logits.clone()
-    rows = softcap_ce.softcap_ce_rows_(logits, y.contiguous(), 15.0, write_grad=False)
+    rows = softcap_ce.softcap_ce_rows_(logits, y.contiguous(), 15.0, write_grad=False, block_v=block_v)
     torch.testing.assert_close(logits, before)
     with torch.no_grad():
         torch.testing.assert_close(softcap_ce.linear_softcap_cross_entropy(h, w, y, 15.0), rows.mean())

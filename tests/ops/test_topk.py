@@ -96,6 +96,24 @@ def test_batch_topk_errors() -> None:
         batch_topk_rows(torch.randn(2, 5), 1, threshold_method="sort")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="candidates_backend"):
         batch_topk_rows(torch.randn(2, 5), 1, candidates_backend="cuda")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="block must be a power-of-two"):
+        batch_topk_rows(torch.randn(2, 5), 1, triton_block=1000)
+    with pytest.raises(ValueError, match="num_warps must be a power-of-two"):
+        batch_topk_rows(torch.randn(2, 5), 1, triton_num_warps=0)
+
+
+def test_launch_shape_defaults_agree() -> None:
+    """batch_topk_rows's launch-shape defaults are the kernels' (topk.py repeats them to import no triton)."""
+    import inspect
+
+    from lightning_opt.ops import _topk_triton as kt
+
+    params = inspect.signature(batch_topk_rows).parameters
+    assert (params["triton_block"].default, params["triton_num_warps"].default) == (kt.BLOCK, kt.NUM_WARPS)
+    assert (kt.BLOCK, kt.NUM_WARPS) == (2048, 4)
+    for fn in (kt.count_ge, kt.compact_counted, kt.compact_ge, kt.select_16bit, topk_mod.candidates_ge):
+        p = inspect.signature(fn).parameters
+        assert (p["block"].default, p["num_warps"].default) == (2048, 4), fn.__name__
 
 
 def test_token_topk_and_scatter() -> None:
@@ -156,8 +174,7 @@ def _triton_runs_here() -> bool:
 
 @pytest.mark.skipif(not _triton_runs_here(), reason="needs triton on CUDA (or TRITON_INTERPRET=1 on CPU)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_candidates_match_torch(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    from lightning_opt.ops import _topk_triton as kt
+def test_triton_candidates_match_torch(dtype: torch.dtype) -> None:
     from lightning_opt.ops._topk_triton import compact_ge
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -166,11 +183,10 @@ def test_triton_candidates_match_torch(monkeypatch: pytest.MonkeyPatch, dtype: t
     x[1, 7] = float("nan")
     lo = torch.tensor([1.0, 4.0, -2.0], device=dev).to(dtype)
     ref = torch.nonzero((x >= lo[:, None]).view(-1)).squeeze(1)
-    for block in (2048, 512, 4096):  # blocks inside rows (40,000 = 78 x 512 + 64: not for 512 and 4096)
-        monkeypatch.setattr(kt, "BLOCK", block)
-        idx, vals = compact_ge(x.view(-1), lo, 40_000)
+    # blocks inside rows (40,000 = 78 x 512 + 64: not for 512 and 4096)
+    for block, num_warps in ((2048, 4), (512, 4), (4096, 8)):
+        idx, vals = compact_ge(x.view(-1), lo, 40_000, block=block, num_warps=num_warps)
         assert torch.equal(idx, ref) and torch.equal(vals, x.view(-1)[ref])
-    monkeypatch.setattr(kt, "BLOCK", 2048)
     # the whole selection, both backends: identical indices (same set and tie rule)
     for rows, n in ((1, 5000), (3, 700)):
         x2 = x.view(rows, -1).nan_to_num(-100.0)
@@ -189,24 +205,25 @@ def _stable_sort_reference(x2d: torch.Tensor, n: int) -> torch.Tensor:
 @pytest.mark.skipif(not _triton_runs_here(), reason="needs triton on CUDA (or TRITON_INTERPRET=1 on CPU)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,m,n", [(1, 9000, 700), (3, 3000, 250), (5, 777, 40), (2, 2048, 100)])
-def test_triton_two_pass_selection_matches_stable_sort(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
-                                                         rows: int, m: int, n: int) -> None:
+def test_triton_two_pass_selection_matches_stable_sort(dtype: torch.dtype, rows: int, m: int, n: int) -> None:
     from lightning_opt.ops import _topk_triton as kt
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    monkeypatch.setattr(kt, "BLOCK", 512)  # rows of 3000 / 777 entries split blocks, 2048 do not
+    block = 512  # rows of 3000 / 777 entries split blocks, 2048 do not
     torch.manual_seed(5)
     x = (torch.randn(rows, m, device=dev) * 3).round().to(dtype)  # many ties at the cut-off
     x[0, 3], x[-1, 4], x[-1, 5] = float("nan"), -0.0, 0.0
     ref = _stable_sort_reference(x, n)
     lo = torch.full((rows,), -1e4, device=dev).to(dtype)
-    assert torch.equal(kt.select_16bit(x, n, lo), ref)
-    assert topk_mod._select_16bit_works(x.device)  # the per-device self-check passes
+    assert torch.equal(kt.select_16bit(x, n, lo, block=block), ref)
+    assert torch.equal(kt.select_16bit(x, n, lo, block=block, num_warps=8), ref)
+    assert torch.equal(kt.select_16bit(x, n, lo), ref)  # the default launch shape
+    assert topk_mod._select_16bit_works(x.device, block=block)  # the per-device self-check passes
     # a bound no row reaches: None (the caller falls back)
-    assert kt.select_16bit(x, n, torch.full((rows,), 100.0, device=dev).to(dtype)) is None
+    assert kt.select_16bit(x, n, torch.full((rows,), 100.0, device=dev).to(dtype), block=block) is None
     # through batch_topk_rows: the Triton selection and the candidate path agree with the reference
     for backend in ("triton", "candidates"):
-        idx, vals = batch_topk_rows(x, n, select_backend=backend)
+        idx, vals = batch_topk_rows(x, n, select_backend=backend, triton_block=block)
         assert torch.equal(idx, ref) and torch.equal(vals, x.reshape(-1)[idx])
 
 
