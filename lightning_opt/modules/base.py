@@ -106,6 +106,9 @@ class TrainingModule(L.LightningModule):
     hidden matrices (Muon), embeddings and the head. Several optimizers are wrapped in one
     :class:`CombinedOptimizer`, so automatic optimization, gradient clipping and accumulation keep working.
 
+    Learning rates are not logged here: attach Lightning's ``LearningRateMonitor`` (the recipes do), which
+    logs ``lr/<group name>`` for the named parameter groups (``lr/muon``, ``lr/embeddings``, ``lr/decay``, ...).
+
     ``tokens_seen`` counts training tokens over all ranks and is saved in checkpoints.
     """
 
@@ -141,7 +144,8 @@ class TrainingModule(L.LightningModule):
         optimizers = build_optimizer(self.model, self.optim_config, **self.optimizer_roles())
         optimizer = optimizers[0] if len(optimizers) == 1 else CombinedOptimizer(optimizers)
         scheduler = LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        # "name": Lightning's LearningRateMonitor logs each group's rate as lr/<group name> (lr/muon, lr/head, ...)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"}}
 
     @override
     def configure_gradient_clipping(
@@ -175,13 +179,6 @@ class TrainingModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_checkpoint_matches(self, checkpoint)
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
-
-    def log_lrs(self) -> None:
-        opt = self.optimizers(use_pl_optimizer=False)
-        for i, group in enumerate(opt.param_groups):
-            lr = group["lr"]  # a CPU tensor (not a float, which self.log would copy to the GPU blocking)
-            self.log(f"lr/group{i}", lr.detach().cpu() if torch.is_tensor(lr) else torch.tensor(float(lr)),
-                     on_step=True, on_epoch=False)
 
     @staticmethod
     def peak_memory_bytes(device: torch.device) -> int:

@@ -80,8 +80,9 @@ class GPT2SpeedrunModule(TrainingModule):
     ``trainer.test`` logs ``test/loss`` and ``test/ppl`` over ``(x, y)`` batches; ``trainer.predict`` returns the
     next-token logits ``[B, T, vocab_size]`` (float32) of ``x`` or ``(x, y)`` batches.
 
-    Logged keys: ``train/loss``, ``val/loss``, ``val/ppl``, ``tokens_seen``, ``lr/group{i}`` (the last two on
-    the steps the logger writes, ``Trainer(log_every_n_steps=...)``: logging a Python number syncs the GPU).
+    Logged keys: ``train/loss``, ``val/loss``, ``val/ppl``, ``tokens_seen`` (on the steps the logger writes,
+    ``Trainer(log_every_n_steps=...)``: logging a Python number syncs the GPU). Learning rates come from
+    Lightning's ``LearningRateMonitor`` (the recipe attaches it): ``lr/<group name>``, e.g. ``lr/muon``.
     Exposes ``flops_per_batch`` (Lightning's convention) once the first batch is seen.
     """
 
@@ -199,7 +200,6 @@ class GPT2SpeedrunModule(TrainingModule):
             # host numbers go in as CPU tensors: self.log would copy a Python number to the GPU with a
             # blocking copy; and only on the steps the logger writes
             self.log("tokens_seen", torch.tensor(float(self.tokens_seen)), on_step=True, on_epoch=False)
-            self.log_lrs()
         return loss
 
     def _logs_this_step(self) -> bool:

@@ -115,6 +115,10 @@ def build_optimizer(
     ``hidden`` matrices (default: every 2-D parameter that is not an embedding or the head) go to
     :class:`Muon`; embeddings, head and vectors go to AdamW with their own learning rates.
 
+    Every parameter group carries a ``name`` (``decay`` / ``no_decay``; with ``muon``: ``muon``, ``embeddings``,
+    ``head``, ``scalars``), unique over the optimizers, which Lightning's ``LearningRateMonitor`` puts in its keys
+    (``lr/muon``, ``lr/embeddings``, ...).
+
     Returns:
         One optimizer, or two (Muon first) for ``muon``.
     """
@@ -129,7 +133,8 @@ def build_optimizer(
     if cfg.name != "muon":
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay, "name": "decay"},
+                  {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
         groups = [g for g in groups if g["params"]]
         if cfg.name == "lion":
             return [Lion(groups, lr=cfg.lr, betas=cfg.betas)]
@@ -141,13 +146,13 @@ def build_optimizer(
     hid_ids = {id(p) for p in hidden}
     scalars = [p for p in params if id(p) not in hid_ids | emb_ids | head_ids]
     adam_groups = [
-        {"params": embeddings, "lr": cfg.embed_lr or cfg.lr, "weight_decay": 0.0},
-        {"params": head, "lr": cfg.head_lr or cfg.lr, "weight_decay": cfg.weight_decay},
-        {"params": scalars, "lr": cfg.scalar_lr or cfg.lr, "weight_decay": 0.0},
+        {"params": embeddings, "lr": cfg.embed_lr or cfg.lr, "weight_decay": 0.0, "name": "embeddings"},
+        {"params": head, "lr": cfg.head_lr or cfg.lr, "weight_decay": cfg.weight_decay, "name": "head"},
+        {"params": scalars, "lr": cfg.scalar_lr or cfg.lr, "weight_decay": 0.0, "name": "scalars"},
     ]
     optimizers: list[Optimizer] = []
     if hidden:
-        optimizers.append(Muon(hidden, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
+        optimizers.append(Muon([{"params": hidden, "name": "muon"}], lr=cfg.muon_lr, momentum=cfg.muon_momentum,
                                weight_decay=cfg.muon_weight_decay, momentum_start=cfg.muon_momentum_start,
                                momentum_warmup_steps=cfg.muon_momentum_warmup_steps,
                                split_fused=cfg.muon_split_fused, batched=cfg.muon_batched,

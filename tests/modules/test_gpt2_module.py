@@ -138,13 +138,14 @@ def test_checkpoint_with_execution_settings_in_model_config_loads(tmp_path):
 
 
 def test_number_logs_only_on_logger_steps(tmp_path):
-    """tokens_seen / lr are Python numbers (a device copy per self.log): logged only when the logger writes."""
+    """tokens_seen is a Python number (a device copy per self.log): logged only when the logger writes."""
     calls: list[int] = []
 
     class Spy(GPT2SpeedrunModule):
-        def log_lrs(self) -> None:
-            calls.append(self.trainer.global_step)
-            super().log_lrs()
+        def log(self, name, value, *args, **kwargs) -> None:
+            if name == "tokens_seen":
+                calls.append(self.trainer.global_step)
+            super().log(name, value, *args, **kwargs)
 
     module = Spy(CFG, OptimConfig(lr=3e-3))
     trainer = L.Trainer(max_steps=12, accelerator="cpu", logger=False, enable_checkpointing=False,
@@ -153,7 +154,38 @@ def test_number_logs_only_on_logger_steps(tmp_path):
     trainer.fit(module, _loader(n=256))
     # steps 4 and 9 (0-based) are logger steps: both micro-batches of each log
     assert calls == [4, 4, 9, 9]
-    assert "lr/group0" in trainer.callback_metrics and "tokens_seen" in trainer.callback_metrics
+    assert "tokens_seen" in trainer.callback_metrics
+    assert not any(k.startswith("lr") for k in trainer.callback_metrics)  # LearningRateMonitor's job
+
+
+@pytest.mark.parametrize("optim", ["muon", "adamw"])
+def test_learning_rate_monitor_names_the_groups(tmp_path, optim):
+    """Lightning's LearningRateMonitor reads our scheduler config and the (Combined)Optimizer's named groups."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    module = GPT2SpeedrunModule(CFG, OptimConfig(name=optim, lr=3e-3, muon_lr=0.02, embed_lr=0.01),
+                                ScheduleConfig(name="wsd", warmup_steps=2, total_steps=6, decay_fraction=0.5))
+    monitor = LearningRateMonitor(logging_interval="step")
+    trainer = L.Trainer(max_steps=6, accelerator="cpu", logger=CSVLogger(tmp_path), callbacks=[monitor],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path, log_every_n_steps=1)
+    trainer.fit(module, _loader())
+    groups = {g["name"]: g for g in trainer.optimizers[0].param_groups}
+    assert len(groups) == len(trainer.optimizers[0].param_groups) >= 2
+    if optim == "muon":
+        assert isinstance(trainer.optimizers[0], CombinedOptimizer)
+        assert {"muon", "embeddings"} <= set(groups) <= {"muon", "embeddings", "head", "scalars"}
+    else:
+        assert set(groups) == {"decay", "no_decay"}
+    assert set(monitor.lrs) == {f"lr/{name}" for name in groups}
+    # one value per step, following the schedule (read at each step's start: 5 scheduler steps before the last)
+    for name, group in groups.items():
+        values = monitor.lrs[f"lr/{name}"]
+        assert len(values) == 6
+        assert values[0] < values[2]  # warmup
+        assert values[-1] == pytest.approx(group["initial_lr"] * module.schedule_config(5))
+    assert all(f"lr/{name}" in trainer.callback_metrics for name in groups)
 
 
 def test_gradient_clipping_with_fused_adamw(tmp_path):
