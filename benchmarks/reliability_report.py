@@ -6,8 +6,9 @@
 
 Each test in ``tests/reliability`` records its fault kind and per-trial outcome (survived, data lost,
 hang) through the ``fault`` fixture when ``RELIABILITY_LOG`` is set. This script sets it, runs pytest,
-aggregates the rows per fault kind, writes ``benchmarks/results/reliability.json`` and rewrites the table
-between the markers in ``docs/reliability.md``. The numbers in the docs come only from that JSON.
+adds the fault kinds whose tests live next to the code they cover (``ELSEWHERE``: one trial per pytest
+case, read from pytest's JUnit XML), aggregates the rows per fault kind, writes
+``benchmarks/results/reliability.json`` and rewrites the table between the markers in ``docs/reliability.md``. The numbers in the docs come only from that JSON.
 """
 
 from __future__ import annotations
@@ -59,7 +60,107 @@ def _git_commit() -> str:
 
 
 ORDER = ("test_nonfinite", "test_kill_resume", "test_disk_full", "test_bad_data", "test_bad_config",
-         "test_bad_checkpoint")
+         "test_bad_checkpoint", "test_checkpoint_folder", "test_untrusted_files")
+
+# Fault kinds whose tests live next to the code they cover (outside tests/reliability): each pytest case is
+# one trial, survived when it passes. (kind, what is injected, node ids or test files)
+ELSEWHERE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("recipe checkpoint: resume and load",
+     "every recipe and shipped config: train 2 steps, resume with --ckpt_path to step 4 from the saved weights, "
+     "<Module>.load_from_checkpoint gives them back",
+     ("tests/recipes/test_resume.py",)),
+    ("NaNSkip: two optimizers, manual optimization",
+     "NaN loss or a NaN gradient of the second optimizer only (accumulation 1 and 4, device and host mode): "
+     "both optimizers skip, bit-identical to a run without that window",
+     ("tests/callbacks/test_nan_skip.py::test_one_decision_covers_every_optimizer_of_the_step",
+      "tests/callbacks/test_nan_skip.py::test_flag_raised_after_the_first_optimizer_stepped_skips_the_later_one_alone")),
+    ("LossClamp bounds under accumulation",
+     "a loss of ~50 with max=20 at accumulate_grad_batches 1 and 4, and with a GradScaler: the bound applies to "
+     "what training_step returned",
+     ("tests/callbacks/test_loss_clamp.py::test_bounds_are_in_training_step_units_under_accumulation",
+      "tests/callbacks/test_loss_clamp.py::test_bounds_are_in_training_step_units_with_a_grad_scaler")),
+    ("LossClamp with NaNSkip, either order",
+     "a clamped loss with skip_step_when_clamped, and an inf loss, with LossClamp before or after NaNSkip: the step "
+     "is skipped (params, AdamW moments, LR schedule unchanged); clamp skips count towards max_consecutive_skips",
+     ("tests/callbacks/test_loss_clamp.py::test_skip_step_when_clamped_leaves_params_and_moments_unchanged",
+      "tests/callbacks/test_loss_clamp.py::test_inf_loss_is_skipped_by_nan_skip_in_any_order",
+      "tests/callbacks/test_loss_clamp.py::test_clamp_skips_count_towards_max_consecutive_skips",
+      "tests/callbacks/test_loss_clamp.py::test_skip_step_when_clamped_needs_nan_skip")),
+    ("shard file permissions",
+     "write_shard under umask 022 and 002, new and replaced files: the mode follows the umask",
+     ("tests/data/test_shards.py::test_shard_mode_follows_the_umask",)),
+    ("token ids checked in every token",
+     "one id >= vocab_size in a shard larger than the sampled scan",
+     ("tests/data/test_shards.py::test_vocab_check_finds_one_stray_id_anywhere_in_a_large_shard",)),
+    ("same shard twice, val shards = train shards",
+     "a file named twice (paths, a link, a glob), val_files equal to or overlapping train_files: read once / warned",
+     ("tests/data/test_shards.py::test_resolve_files_reads_a_file_named_twice_once",
+      "tests/data/test_datamodule.py::test_val_files_that_are_the_train_files_warn")),
+    ("built-in corpus in TokenShardDataModule",
+     "TokenShardDataModule('builtin', 'builtin') without the CLI, own train shards with the built-in val shard",
+     ("tests/data/test_datamodule.py::test_builtin_corpus_without_the_cli",
+      "tests/data/test_datamodule.py::test_own_train_shards_with_the_builtin_val_shard")),
+    ("data preparation offline or failing",
+     "prepare with no network and no BPE file, a prepare that fails, download-fineweb offline: the error says how "
+     "to supply the file, cites no build-machine path, and leaves no folder it created",
+     ("tests/data/test_prepare.py::test_offline_gpt2_error_says_how_to_supply_the_bpe_file",
+      "tests/data/test_prepare.py::test_failed_prepare_removes_only_the_folders_it_created",
+      "tests/data/test_prepare.py::test_download_offline_mode_fails_clearly")),
+    ("metrics.json speed of short and resumed runs",
+     "a 2-step run and a run resumed from its checkpoint: each reports its own segment's tokens/s",
+     ("tests/test_run_summary.py",)),
+    ("documented commands",
+     "every recipe / lightning-opt-data command in the docs, run with tiny overrides (GPU-only ones parsed)",
+     ("tests/test_docs.py::test_docs_commands_are_found", "tests/test_docs.py::test_docs_command_runs")),
+)
+
+
+def _run_elsewhere(extra: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Runs the ``ELSEWHERE`` tests once; one row per (kind, test function), a trial per pytest case."""
+    import xml.etree.ElementTree as ET
+
+    selectors = list(dict.fromkeys(s for _, _, sel in ELSEWHERE for s in sel))
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", *selectors, "-m", "not slow and not gpu", "-q", "-p", "no:cacheprovider",
+               "-p", "no:warnings", "--no-header", "-rfEx", f"--junitxml={xml}", *extra]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        seconds = time.perf_counter() - t0
+        print("\n".join(proc.stdout.strip().splitlines()[-15:]), flush=True)
+        cases = ET.parse(xml).getroot().iter("testcase") if xml.exists() else []
+        results = []
+        for c in cases:
+            module = c.get("classname", "").split(".")
+            node = "/".join(module) + ".py::" + c.get("name", "")
+            skipped = c.find("skipped") is not None
+            failed = c.find("failure") is not None or c.find("error") is not None
+            if not skipped:
+                results.append((node, not failed, float(c.get("time", 0.0))))
+    rows: list[dict[str, Any]] = []
+    for kind, description, sel in ELSEWHERE:
+        per_test: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        for node, passed, secs in results:
+            if not any(node == s or node.startswith(s + "[") or node.startswith(s + "::") for s in sel):
+                continue
+            base = node.split("[", 1)[0]
+            r = per_test.setdefault(base, {
+                "kind": kind, "description": description, "node": base, "slow": False, "xfail": False, "trials": 0,
+                "survived": 0, "data_lost": 0, "hangs": 0, "passed": True, "seconds": 0.0, "notes": [],
+            })
+            r["trials"] += 1
+            r["survived"] += int(passed)
+            r["passed"] &= passed
+            r["seconds"] = round(r["seconds"] + secs, 2)
+            if not passed:
+                r["notes"].append(f"failed: {node}")
+        if not per_test:  # a selector that found nothing is a row that did not survive, not a missing row
+            per_test[sel[0]] = {"kind": kind, "description": description, "node": sel[0], "slow": False,
+                                "xfail": False, "trials": 1, "survived": 0, "data_lost": 0, "hangs": 0,
+                                "passed": False, "seconds": 0.0, "notes": ["no test ran"]}
+        rows += list(per_test.values())
+    run = {"command": " ".join(cmd), "exit_code": proc.returncode, "seconds": round(seconds, 1), "tests": len(results)}
+    return run, rows
 
 
 def _rank(row: dict[str, Any]) -> int:
@@ -100,7 +201,8 @@ def table(result: dict[str, Any]) -> str:
         "[`benchmarks/results/reliability.json`](../benchmarks/results/reliability.json). "
         f"{len(kinds)} fault kinds, {sum(k['trials'] for k in kinds)} trials; default suite "
         f"{result['runs'].get('default', {}).get('seconds', float('nan')):.0f} s, long variants "
-        f"{result['runs'].get('slow', {}).get('seconds', float('nan')):.0f} s.",
+        f"{result['runs'].get('slow', {}).get('seconds', float('nan')):.0f} s; the tests kept next to the code they "
+        f"cover (one trial per pytest case) {result['runs'].get('elsewhere', {}).get('seconds', float('nan')):.0f} s.",
         "",
         "Reproduce a row with `pytest \"<node id>\"` (ids marked slow: `pytest -m slow \"<node id>\"`).",
         "",
@@ -165,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                 r["variant"] = name
             rows += got
             runs[name] = {"command": " ".join(cmd), "exit_code": code, "seconds": round(seconds, 1), "tests": len(got)}
+        runs["elsewhere"], got = _run_elsewhere(args.pytest_args)
+        rows += [{**r, "variant": "elsewhere"} for r in got]
         result = {
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores ({platform.system()})",

@@ -142,6 +142,64 @@ def test_out_of_vocab_shard_in_the_gpt2_recipe_is_refused_before_training(fault,
     assert not started, f"refused only inside Trainer.fit: {message[-500:]}"
 
 
+def test_out_of_vocab_shard_in_the_clt_recipe_is_refused_before_training(fault, tmp_path, monkeypatch, capsys):
+    """A CLT's target with 64 token ids and a shard holding ids up to 299: refused naming the shard and the
+    target before the target runs on a batch (online and when an activation cache is to be written)."""
+    import torch
+
+    from lightning_opt.models.gpt2 import GPT, GPTConfig
+
+    fault("bad data: token ids out of vocab range (CLT recipe)", "a shard with ids >= the CLT target's vocabulary")
+    cfg = GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, block_size=16)
+    target = tmp_path / "target.pt"
+    torch.save({"config": cfg.to_dict(), "model": GPT(cfg).state_dict()}, target)
+    shard = write_shard(tmp_path / "wide.bin", np.arange(8192) % 300)
+    good = write_shard(tmp_path / "good.bin", GOOD_TOKENS)
+    small = ["--data.target", str(target), "--data.seq_len", "16", "--data.tokens_per_batch", "64",
+             "--data.val_tokens", "64", "--data.stats_tokens", "256", "--model.clt.n_layers", "2",
+             "--model.clt.d_model", "16", "--model.clt.n_features", "32", "--model.clt.k", "4", "--model.aux_k", "4"]
+    cases = {"train": ["--data.train_files", str(shard), "--data.val_files", str(good)],
+             "val": ["--data.train_files", str(good), "--data.val_files", str(shard)],
+             "cache": ["--data.train_files", str(shard), "--data.val_files", str(good),
+                       "--data.cache_dir", str(tmp_path / "acts")]}
+    for case, files in cases.items():
+        message, trained = run_bad("clt", [*small, *files], tmp_path, monkeypatch, capsys, when="trained")
+        ok = "wide.bin" in message and ">= vocab_size 64" in message and str(target) in message and not trained
+        fault.trial(ok, note=f"{case}: trained {trained}: {message[-200:]}")
+        fault.shown(message, "vocab_size")
+        assert ok, f"{case}: trained {trained}: {message[-2000:]}"
+    assert not (tmp_path / "acts" / "meta.json").exists()
+
+
+def test_own_train_shards_on_the_demo_config_keep_its_builtin_val_shard(fault, tmp_path, monkeypatch):
+    """Only ``--data.train_files`` overridden on ``gpt2/demo.yaml`` (its val_files stay ``builtin``): the run
+    trains on the given shard and warns that the val loss is measured on the built-in corpus."""
+    import warnings
+
+    from tests.reliability._recipes import COMMON, RECIPES, recipe_main
+
+    fault("own train shards, built-in val shard (recipe)", "gpt2/demo.yaml with only --data.train_files overridden")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LIGHTNING_OPT_CACHE", str(tmp_path / "cache"))
+    shard = write_shard(tmp_path / "mine.bin", np.arange(20000) % 256)
+    args = ["--config", str(RECIPES["gpt2"][1]), *COMMON, "--data.train_files", str(shard),
+            "--data.seq_len", "32", "--data.batch_size", "2", "--data.val_tokens", "256",
+            "--model.model_config.n_layer", "1", "--model.model_config.n_embd", "32", "--model.model_config.n_head", "2"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out, error = recipe_main("gpt2")(args), ""
+        except Exception as err:  # noqa: BLE001 - recorded as a trial that did not survive
+            out, error = {}, f"{type(err).__name__}: {err}"
+    said = "\n".join(str(w.message) for w in caught)
+    warned = "val loss is measured on the built-in corpus" in said
+    ok = not error and out.get("steps") == 2 and warned
+    fault.trial(ok, note=error[:200] or f"steps {out.get('steps')}, warned {warned}")
+    fault.shown(said, "built-in corpus")
+    assert not error, error
+    assert out["steps"] == 2 and warned, (out, said[-1000:])
+
+
 def test_recipe_names_missing_data(fault, tmp_path, monkeypatch, capsys):
     fault("bad data: missing files (recipe)", "the GPT-2 recipe pointed at a glob that matches nothing")
     message, started = run_bad(

@@ -95,7 +95,7 @@ def test_lock_of_a_killed_run_is_taken_over(fault, tmp_path):
     b = start(ckpt_run, second)
     assert join_or_kill(b, TIMEOUT), "the resumed run hung"
     said = Path(second["root"], "warnings.txt").read_text()
-    fault.shown(said, "stale")
+    fault.shown(said, "taking over the lock")
     ok = b.exitcode == 0 and f"pid {a.pid}" in said and "not running" in said
     fault.trial(ok, note=said[:200])
     assert ok, (b.exitcode, said)
@@ -115,7 +115,9 @@ def _write_lock(ckdir: Path, host: str, pid: int, age_s: float) -> Path:
     return lock
 
 
-def test_lock_held_on_another_host_is_respected_until_its_heartbeat_stops(tmp_path):
+def test_lock_held_on_another_host_is_respected_until_its_heartbeat_stops(fault, tmp_path):
+    fault("folder lock of another host", "a lock naming a run on another host: refused while its heartbeat is fresh, "
+          "taken over with a warning after an hour without one")
     ckdir = tmp_path / "ck"
     _write_lock(ckdir, "other-node.example", 4242, age_s=5)
     with pytest.raises(RuntimeError) as info:
@@ -128,10 +130,13 @@ def test_lock_held_on_another_host_is_respected_until_its_heartbeat_stops(tmp_pa
         _fit(tmp_path / "b", ckdir)
     assert [s for s, _ in step_files(ckdir)] == [2, 4]
     assert not (ckdir / ".lock").exists()
+    fault.shown(msg, "pid 4242")
+    fault.trial(True)
 
 
-def test_concurrent_writers_use_their_own_temporary_files(tmp_path):
+def test_concurrent_writers_use_their_own_temporary_files(fault, tmp_path):
     """Two writers saving into one folder at once (e.g. a run and a manual save) must not share a temp name."""
+    fault("two writers, one folder", "two threads each save 20 x 1 MiB checkpoints into one folder at once")
     errors: list[BaseException] = []
     big = {"w": torch.randn(1 << 18)}
 
@@ -151,9 +156,11 @@ def test_concurrent_writers_use_their_own_temporary_files(tmp_path):
     for name in ("a", "b"):
         ck = torch.load(tmp_path / f"{name}.ckpt", weights_only=True)
         assert ck["who"] == name and ck["i"] == 19
+    fault.trial(True)
 
 
-def test_every_checkpoint_has_a_matching_checksum(tmp_path):
+def test_every_checkpoint_has_a_matching_checksum(fault, tmp_path):
+    fault("checksum per checkpoint", "every checkpoint of a run has a <file>.sha256 equal to its SHA-256")
     ckdir = tmp_path / "ck"
     _fit(tmp_path, ckdir, steps=6)
     for _, path in step_files(ckdir):
@@ -161,6 +168,7 @@ def test_every_checkpoint_has_a_matching_checksum(tmp_path):
         assert side.exists(), f"no checksum next to {path.name}"
         assert side.read_text().split()[0] == hashlib.sha256(path.read_bytes()).hexdigest()
     assert not any((ckdir / ".writing").glob("*")), "temporary files left behind"
+    fault.trial(True)
 
 
 class _BlowUp(Callback):

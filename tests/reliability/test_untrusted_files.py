@@ -120,7 +120,7 @@ def _tiny_cache(tmp_path: Path) -> tuple[Path, Path]:
     from lightning_opt.models.gpt2 import GPT, GPTConfig
 
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, block_size=16)
+    cfg = GPTConfig(vocab_size=256, n_layer=2, n_head=2, n_embd=16, block_size=16)  # the built-in val bytes fit
     gpt = GPT(cfg).eval()
     target = tmp_path / "target.pt"
     torch.save({"config": cfg.to_dict(), "model": gpt.state_dict()}, target)
@@ -204,8 +204,29 @@ def test_yaml_class_path_cannot_run_a_command(fault, tmp_path, monkeypatch, caps
     assert "os.system" in message, message[-1500:]
 
 
-def test_spd_plain_parser_is_gone(tmp_path, monkeypatch, capsys) -> None:
+def test_spd_plain_parser_is_gone(fault, tmp_path, monkeypatch, capsys) -> None:
+    """``--plain`` with a config whose logger ``class_path`` is ``os.system``: the SPD recipe has one parser
+    (LightningCLI), which refuses the unknown flag; nothing from the YAML is imported or called."""
+    fault("untrusted file: YAML class_path (SPD --plain)", "recipes/spd.py --plain --config <logger class_path os.system>")
     monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "ran"
+    evil = tmp_path / "evil.yaml"
+    evil.write_text(f"trainer:\n  logger:\n    class_path: os.system\n    init_args:\n"
+                    f"      command: touch {shlex.quote(str(marker))}\n")
+    try:
+        recipe_main("spd")(["--plain", "--config", str(evil), "--trainer.max_steps", "1"])
+        refused = False
+    except SystemExit:
+        refused = True
+    except Exception:  # noqa: BLE001 - any other failure is no refusal of the flag; the marker decides
+        refused = False
+    said = capsys.readouterr().err
+    named = "os.system does not correspond to a subclass of Logger" in said
+    fault.trial(refused and named and not marker.exists(), note=f"marker written: {marker.exists()}")
+    fault.shown(said, "os.system")
+    assert not marker.exists(), "the YAML's class_path ran"
+    assert refused and named, said[-1500:]
+    # and with a valid config, the flag itself is refused
     with pytest.raises(SystemExit):
         recipe_main("spd")(["--plain", "--config", str(CONFIGS / "spd_tms_5-2.yaml")])
     assert "--plain" in capsys.readouterr().err
@@ -234,7 +255,9 @@ def _torch_loads(text: str) -> list[str]:
     return calls
 
 
-def test_no_code_executing_loads_in_the_source() -> None:
+def test_no_code_executing_loads_in_the_source(fault) -> None:
+    fault("untrusted file: code-executing loads in the source", "the package's source scanned for pickle.load, "
+          "yaml.load, eval/exec, allow_pickle=True and torch.load without weights_only=True")
     problems = []
     for folder in ("lightning_opt", "recipes"):
         for path in sorted((ROOT / folder).rglob("*.py")):
@@ -248,3 +271,4 @@ def test_no_code_executing_loads_in_the_source() -> None:
                 if not re.search(r"weights_only\s*=\s*True", call):
                     problems.append(f"{path.relative_to(ROOT)}: {call!r} without weights_only=True")
     assert not problems, "\n".join(problems)
+    fault.trial(True)
