@@ -166,9 +166,37 @@ def resolve_config_args(args: list[str]) -> list[str]:
     return out
 
 
+RECIPE_CALLBACKS: dict[str, str] = {
+    # key under ``callbacks:`` -> the callback every recipe attaches (``--callbacks.<key>.enabled false`` drops it)
+    "nan_skip": "lightning_opt.callbacks.nan_skip.NaNSkip",
+    "loss_clamp": "lightning_opt.callbacks.loss_clamp.LossClamp",
+    "async_checkpoint": "lightning_opt.callbacks.async_checkpoint.AsyncCheckpoint",
+    "eval_throttle": "lightning_opt.callbacks.eval_throttle.EvalThrottle",
+    "cuda_memory": "lightning_opt.callbacks.cuda_memory.CudaMemoryHygiene",
+    "speed_monitor": "lightning_opt.callbacks.speed_monitor.SpeedMonitor",
+    "lr_monitor": "lightning.pytorch.callbacks.LearningRateMonitor",
+}
+RECIPE_CALLBACK_DEFAULTS = {"lr_monitor": {"logging_interval": "step"}}  # where the recipes differ from the class
+
+
+def _callback_class(path: str) -> type[Callback]:
+    import importlib
+
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
 class RecipeCLI(LightningCLI):
     """LightningCLI that picks bf16-mixed on a GPU and 32-bit on CPU when ``trainer.precision`` is unset,
-    and takes ``--config NAME`` for a shipped config (``gpt2/demo``, ``clt_demo``, ``spd_tms_5-2``)."""
+    and takes ``--config NAME`` for a shipped config (``gpt2/demo``, ``clt_demo``, ``spd_tms_5-2``).
+
+    Every recipe attaches the callback suite of :data:`RECIPE_CALLBACKS` (``NaNSkip``, ``LossClamp``,
+    ``AsyncCheckpoint``, ``EvalThrottle``, ``CudaMemoryHygiene``, ``SpeedMonitor``, Lightning's
+    ``LearningRateMonitor``), set under ``callbacks:`` with each class's init arguments
+    (``--callbacks.loss_clamp.max 50``) and switched off with ``--callbacks.<key>.enabled false``. A callback
+    of the same class in ``trainer.callbacks`` replaces the suite's; ``trainer.enable_checkpointing: false``
+    drops ``AsyncCheckpoint`` and ``trainer.logger: false`` the ``LearningRateMonitor`` (it needs a logger).
+    """
 
     def parse_arguments(self, parser, args) -> None:
         if args is None:
@@ -180,6 +208,39 @@ class RecipeCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="resume from this checkpoint")
         parser.add_argument("--metrics_file", type=str, default="metrics.json", help="written into the run dir")
+        for key, path in RECIPE_CALLBACKS.items():
+            parser.add_class_arguments(_callback_class(path), f"callbacks.{key}", instantiate=False,
+                                       fail_untyped=False, sub_configs=True)
+            parser.add_argument(f"--callbacks.{key}.enabled", type=bool, default=True,
+                                help=f"attach {path.rsplit('.', 1)[1]} (false: leave it out)")
+        parser.set_defaults({f"callbacks.{key}.{name}": value for key, values in RECIPE_CALLBACK_DEFAULTS.items()
+                             for name, value in values.items()})
+
+    def recipe_callbacks(self, trainer_config: Any) -> list[Callback]:
+        """The suite's enabled callbacks, less those whose class ``trainer_config.callbacks`` already holds."""
+        settings = self._get(self.config_init, "callbacks")
+        present = trainer_config.get("callbacks") or []
+        present = present if isinstance(present, list) else [present]
+        logger = trainer_config.get("logger")
+        out = []
+        for key, path in RECIPE_CALLBACKS.items():
+            kwargs = settings[key].as_dict()
+            cls = _callback_class(path)
+            if not kwargs.pop("enabled") or any(isinstance(c, cls) for c in present):
+                continue
+            if key == "async_checkpoint" and trainer_config.get("enable_checkpointing") is False:
+                continue
+            if key == "lr_monitor" and (logger is False or logger == []):
+                continue
+            out.append(cls(**kwargs))
+        return out
+
+    def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        trainer_config = self._get(self.config_init, "trainer")
+        callbacks = trainer_config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        trainer_config["callbacks"] = [*callbacks, *self.recipe_callbacks(trainer_config)]
+        return super().instantiate_trainer(**kwargs)
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config

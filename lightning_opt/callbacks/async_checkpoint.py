@@ -428,6 +428,19 @@ class _VerifyingIO(CheckpointIO):
         self.inner.teardown()
 
 
+def default_dirpath(trainer: Trainer) -> str:
+    """``<log_dir>/checkpoints`` of the run: the first logger's ``<save_dir>/<name>/<version>/checkpoints`` (the
+    folder Lightning's ``ModelCheckpoint`` picks), else ``<default_root_dir>/checkpoints``; rank 0's choice."""
+    if trainer.loggers:
+        logger = trainer.loggers[0]
+        save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
+        version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+        path = os.path.join(save_dir, str(logger.name), version, "checkpoints")
+    else:
+        path = os.path.join(trainer.default_root_dir, "checkpoints")
+    return trainer.strategy.broadcast(path, src=0)  # a logger's next version is found on each rank's disk view
+
+
 class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
     """Periodic, atomic, background checkpoints for exact resume.
 
@@ -447,7 +460,9 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
     the process is about to end (not with sharded strategies: that would need every rank).
 
     Args:
-        dirpath: folder for checkpoints (default: ``<trainer.default_root_dir>/checkpoints``).
+        dirpath: folder for checkpoints (default: the run's own ``<log_dir>/checkpoints``, the first logger's
+            ``<save_dir>/<name>/<version>/checkpoints`` as for Lightning's ``ModelCheckpoint``, e.g.
+            ``runs/gpt2-demo/version_3/checkpoints``; without a logger ``<trainer.default_root_dir>/checkpoints``).
         every_n_steps: save every N global steps.
         every_minutes: save when this many minutes passed since the last save (rank 0 decides
             every ``decide_every_n_steps`` steps and broadcasts).
@@ -534,8 +549,8 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
 
             self._gloo = dist.new_group(backend="gloo")
         self._trainer = trainer
-        if self.dirpath is None:
-            self.dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
+        if self.config.dirpath is None:  # the run's own folder, resolved for each fit (its logger's version)
+            self.dirpath = default_dirpath(trainer)
         self.dirpath = os.path.abspath(self.dirpath)
         if trainer.is_global_zero:
             os.makedirs(self.dirpath, exist_ok=True)

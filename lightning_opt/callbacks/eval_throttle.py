@@ -31,9 +31,10 @@ class EvalThrottleConfig:
         chosen = [
             n for n in ("every_n_steps", "every_seconds", "max_fraction") if getattr(self, n) is not None
         ]
-        if len(chosen) != 1:
+        if len(chosen) > 1:
             raise ValueError(
-                f"EvalThrottle: set exactly one of every_n_steps, every_seconds, max_fraction (got {chosen or 'none'})."
+                f"EvalThrottle: set at most one of every_n_steps, every_seconds, max_fraction (got {chosen}); "
+                "none keeps the Trainer's val_check_interval."
             )
         if self.every_n_steps is not None and self.every_n_steps < 1:
             raise ValueError(f"EvalThrottle: every_n_steps={self.every_n_steps}; it must be >= 1.")
@@ -60,6 +61,10 @@ class EvalThrottle(KeyedStateCallback):
     sets ``trainer.val_check_batch`` after each training batch so that the check fires exactly
     when its schedule says so. Time-based decisions are taken on rank 0 every
     ``decide_every_n_steps`` steps and broadcast, so all ranks validate at the same step.
+
+    With none of ``every_n_steps``, ``every_seconds``, ``max_fraction`` the Trainer's own schedule
+    (``val_check_interval``, ``check_val_every_n_epoch``) decides when validation runs; the callback
+    then only applies ``max_val_batches``, the final full validation and its metrics.
 
     Args:
         every_n_steps: validate every N optimizer steps.
@@ -102,6 +107,9 @@ class EvalThrottle(KeyedStateCallback):
         self._val_start: float | None = None
         self._orig_limit: int | float | None = None
         self._full_next = False
+        cfg = self.config
+        self._follows_trainer = cfg.every_n_steps is None and cfg.every_seconds is None and cfg.max_fraction is None
+        self._trainer_check: int | float = _NEVER  # the Trainer's val_check_batch, when it decides
 
     # -- hooks ----------------------------------------------------------------------------------
     @override
@@ -118,11 +126,17 @@ class EvalThrottle(KeyedStateCallback):
         if cap is not None:
             limit = trainer.limit_val_batches
             trainer.limit_val_batches = min(limit, cap) if isinstance(limit, int) else cap
-        trainer.val_check_batch = _NEVER
+        self._trainer_check = trainer.val_check_batch
+        trainer.val_check_batch = self._idle_check()
+
+    def _idle_check(self) -> int | float:
+        """``val_check_batch`` between validations this callback runs: never, or the Trainer's schedule."""
+        return self._trainer_check if self._follows_trainer else _NEVER
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        trainer.val_check_batch = _NEVER  # Lightning resets it from val_check_interval each epoch
+        self._trainer_check = trainer.val_check_batch  # Lightning resets it from val_check_interval each epoch
+        trainer.val_check_batch = self._idle_check()
 
     @override
     def on_train_batch_end(
@@ -130,10 +144,10 @@ class EvalThrottle(KeyedStateCallback):
     ) -> None:
         final = self._is_final(trainer)
         run = final and self.config.final_full_validation
-        if not run:
+        if not run and not self._follows_trainer:
             run = self._due(trainer)
         self._full_next = final
-        trainer.val_check_batch = 1 if run else _NEVER
+        trainer.val_check_batch = 1 if run else self._idle_check()
         if run:
             self._set_cap(trainer, full=final)
         if self._fit_start and log_step(trainer, pl_module, batch_idx):
@@ -156,7 +170,7 @@ class EvalThrottle(KeyedStateCallback):
         self._val_start = None
         self.val_runs += 1
         self.last_val_step = trainer.global_step
-        trainer.val_check_batch = _NEVER
+        trainer.val_check_batch = self._idle_check()
         if self._fit_start:
             self._log(pl_module, on_step=False)
 

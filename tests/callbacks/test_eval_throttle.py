@@ -77,9 +77,7 @@ def test_adaptive_fraction_keeps_validation_share_bounded(tmp_path):
 
 
 def test_config_is_validated():
-    with pytest.raises(ValueError, match="exactly one"):
-        EvalThrottle()
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(ValueError, match="at most one"):
         EvalThrottle(every_n_steps=2, every_seconds=3.0)
     with pytest.raises(ValueError, match="max_fraction"):
         EvalThrottle(max_fraction=1.5)
@@ -91,3 +89,25 @@ def test_final_validation_is_full_even_when_it_is_the_first(tmp_path):
     trainer = make_trainer(tmp_path, [cb, counter], limit_val_batches=1.0)
     trainer.fit(TinyModule(batches=make_batches(4), val_batches=3))
     assert counter.runs == [(4, 3)]
+
+
+@pytest.mark.parametrize("check_every_epoch", [False, True])
+def test_without_a_mode_the_trainer_schedule_decides(tmp_path, check_every_epoch):
+    """No every_n_steps / every_seconds / max_fraction: validation runs exactly when the Trainer's own
+    val_check_interval says (what a run without the callback does), plus a final run when that is not one."""
+    kw = dict(val_check_interval=3, check_val_every_n_epoch=None, max_steps=7) if not check_every_epoch else {}
+    plain = ValCounter()
+    make_trainer(tmp_path / "plain", [plain], limit_val_batches=1.0, max_epochs=2, **kw).fit(
+        TinyModule(batches=make_batches(5), val_batches=3))
+    counter = ValCounter()
+    cb = EvalThrottle()
+    make_trainer(tmp_path / "cb", [cb, counter], limit_val_batches=1.0, max_epochs=2, **kw).fit(
+        TinyModule(batches=make_batches(5), val_batches=3))
+    final = 7 if not check_every_epoch else 10
+    assert counter.runs == [*plain.runs, *([(final, 3)] if plain.runs[-1][0] != final else [])], (plain.runs,
+                                                                                                 counter.runs)
+    assert cb.val_runs == len(counter.runs)
+    same = ValCounter()
+    make_trainer(tmp_path / "same", [EvalThrottle(final_full_validation=False), same], limit_val_batches=1.0,
+                 max_epochs=2, **kw).fit(TinyModule(batches=make_batches(5), val_batches=3))
+    assert same.runs == plain.runs

@@ -1,10 +1,11 @@
 """Every recipe and every shipped config: train a few steps through the recipe's own ``main(args)``, resume
 with ``--ckpt_path``, and load the checkpoint with ``<Module>.load_from_checkpoint``.
 
-Each config runs shrunk to seconds on CPU with command-line overrides (as a user would), with a
-``ModelCheckpoint`` added on the command line (``save_last``, every step). Checked:
+Each config runs shrunk to seconds on CPU with command-line overrides (as a user would), checkpointed by the
+``AsyncCheckpoint`` every recipe attaches (into the run's ``<log_dir>/checkpoints``, at the end of training).
+Checked:
 
-* the first run stops at step 2 and its ``last.ckpt`` holds ``global_step`` 2;
+* the first run stops at step 2 and its ``checkpoints/last.ckpt`` holds ``global_step`` 2;
 * the resumed run was handed that checkpoint, its training started at step 2 with the saved weights (no
   re-initialisation, no SPD faithfulness warmup over them) and it stops at the new ``max_steps`` 4;
 * ``load_from_checkpoint`` on the resumed run's ``last.ckpt`` gives the saved weights, equal to the trained
@@ -192,11 +193,10 @@ def _args(config: str, tmp_path: Path, target: str) -> list[str]:
     return out
 
 
-def _checkpointing(dirpath: Path) -> list[str]:
-    # the short class name, as a user types it (docs/spd.md)
-    return ["--trainer.enable_checkpointing", "true", "--trainer.callbacks+=ModelCheckpoint",
-            "--trainer.callbacks.dirpath", str(dirpath), "--trainer.callbacks.save_last", "true",
-            "--trainer.callbacks.every_n_train_steps", "1"]
+def _run_checkpoints(tmp_path: Path, run: int) -> Path:
+    """The recipe's AsyncCheckpoint folder of the ``run``-th run: its own ``<log_dir>/checkpoints``."""
+    (folder,) = (tmp_path / "runs").glob(f"*/version_{run}/checkpoints")
+    return folder
 
 
 @pytest.mark.parametrize("config", sorted(CASES))
@@ -206,14 +206,14 @@ def test_recipe_resumes_and_loads_its_checkpoint(config: str, tmp_path, monkeypa
     main = _recipe_main(recipe)
     base = _args(config, tmp_path, target_ckpt)
 
-    first = main([*base, *_checkpointing(tmp_path / "ck1"), "--trainer.max_steps", "2"])
+    first = main([*base, "--trainer.max_steps", "2"])  # the recipe's AsyncCheckpoint saves when training ends
     assert first["steps"] == 2
-    last = tmp_path / "ck1" / "last.ckpt"
+    last = _run_checkpoints(tmp_path, 0) / "last.ckpt"
     saved = torch.load(last, map_location="cpu", weights_only=True)
     assert saved["global_step"] == 2
 
     probe, ckpt_paths = _watch_fit(monkeypatch)
-    second = main([*base, *_checkpointing(tmp_path / "ck2"), "--trainer.max_steps", "4", "--ckpt_path", str(last)])
+    second = main([*base, "--trainer.max_steps", "4", "--ckpt_path", str(last)])
     monkeypatch.undo()
     assert ckpt_paths == [str(last)]
     assert probe.start_step == 2 and probe.first_batch_step == 2, (probe.start_step, probe.first_batch_step)
@@ -223,7 +223,7 @@ def test_recipe_resumes_and_loads_its_checkpoint(config: str, tmp_path, monkeypa
     if "tokens_seen" in first:
         assert second["tokens_seen"] == 2 * first["tokens_seen"] > 0
 
-    resumed_last = tmp_path / "ck2" / "last.ckpt"
+    resumed_last = _run_checkpoints(tmp_path, 1) / "last.ckpt"  # the resumed run writes into its own folder
     resumed = torch.load(resumed_last, map_location="cpu", weights_only=True)
     assert resumed["global_step"] == 4
     cls = _module_class(kind)
