@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gpt2_common import device_slug, env_info, write_json  # noqa: E402
+from gpt2_common import write_json  # noqa: E402
+from result_header import device_slug, environment  # noqa: E402
 
 from lightning_opt.models.gpt2 import GPT, GPTConfig, KVCache  # noqa: E402
 
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = [run_variant(name, fields, spec, device) for name, fields in variants(spec).items()]
     result = {
         "benchmark": "attention_kv",
-        **env_info(),
+        **environment(on_gpu=device.type == "cuda"),
         "smoke": args.smoke,
         "device_type": device.type,
         "spec": {k: v for k, v in spec.items()},
@@ -202,8 +203,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "relative_to_mha": relative(rows),
         "elapsed_s": time.perf_counter() - t0,
     }
-    if device.type != "cuda":
-        result["device"] = "cpu"  # env_info names the GPU when one is present
     out = args.out
     if out is None and device.type == "cuda" and not args.smoke:
         out = ROOT / "benchmarks" / "results" / f"attention_kv_{device_slug()}.json"

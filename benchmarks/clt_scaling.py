@@ -49,8 +49,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from clt_common import write_result  # noqa: E402
 from dist_launch import default_gpus, init_group, launch, seconds_left  # noqa: E402
+from result_header import write_result  # noqa: E402
 
 
 class _ByteCounter:

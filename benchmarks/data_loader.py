@@ -189,12 +189,6 @@ def main() -> None:
         "seq_len": seq_len,
         "shard_tokens": n_tokens,
     }
-    try:
-        import lightning
-
-        result["lightning"] = lightning.__version__
-    except ImportError:
-        result["lightning"] = None
     with tempfile.TemporaryDirectory() as tmp:
         path = write_shard(
             Path(tmp) / "bench_train_000000.bin", np.random.default_rng(0).integers(0, 50257, n_tokens)

@@ -36,7 +36,6 @@ from gpt2_common import (  # noqa: E402
     deadline_from,
     default_out,
     device,
-    env_info,
     find_shards,
     guarded,
     load_yaml_config,
@@ -45,6 +44,7 @@ from gpt2_common import (  # noqa: E402
     write_json,
     yaml_execution,
 )
+from result_header import environment  # noqa: E402
 
 from lightning_opt.optim.factory import OptimConfig  # noqa: E402
 
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         table = [r for r in table if r[0] in keep]
     out_path = Path(args.out) if args.out else default_out("gpt2_ablation_smoke" if args.smoke else "gpt2_ablation")
     payload: dict[str, Any] = {
-        "benchmark": "gpt2_ablation", "env": env_info(), "smoke": args.smoke, "settings": vars(args),
+        "benchmark": "gpt2_ablation", "env": environment(), "smoke": args.smoke, "settings": vars(args),
         "baseline_spec": base.describe(), "rows": {},
         "notes": ["eager (no torch.compile) except the compile rows",
                   f"budget: {args.steps} steps x {args.micro_batch * args.seq_len} tokens; val on the first "

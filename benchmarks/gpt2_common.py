@@ -20,8 +20,6 @@ import gc
 import json
 import math
 import os
-import platform
-import re
 import sys
 import time
 import traceback
@@ -34,8 +32,11 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "benchmarks"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from result_header import device_slug, peak_flops  # noqa: E402
 
 from lightning_opt.data.schedule import BatchGeometry  # noqa: E402
 from lightning_opt.data.shards import read_shard  # noqa: E402
@@ -44,7 +45,6 @@ from lightning_opt.optim.combined import CombinedOptimizer  # noqa: E402
 from lightning_opt.optim.factory import OptimConfig, build_optimizer  # noqa: E402
 from lightning_opt.optim.schedules import ScheduleConfig  # noqa: E402
 
-H100_BF16_PEAK_FLOPS = 989.4e12  # H100 SXM dense bf16
 DATA_DIR = ROOT / ".data" / "novels"
 DATA_DIR_ENV = "LIGHTNING_OPT_DATA_DIR"  # the novels shards' folder when --data-dir is not given
 VAL_TOKENS = 1_048_576
@@ -56,35 +56,6 @@ VAL_TOKENS = 1_048_576
 
 def device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def device_name() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
-
-def device_slug() -> str:
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def env_info() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "device": device_name(),
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "peak_bf16_flops": H100_BF16_PEAK_FLOPS,
-    }
-    for mod in ("lightning", "triton", "flash_attn", "bitsandbytes"):
-        try:
-            info[mod] = __import__(mod).__version__
-        except Exception:
-            info[mod] = None
-    return info
 
 
 def default_out(name: str) -> Path:
@@ -349,7 +320,8 @@ def summarize(spec: RunSpec, model: torch.nn.Module, clock_end: float, t_warm: f
         fpt = model.flops_per_token(spec.seq_len) if hasattr(model, "flops_per_token") else extra.pop("fpt", None)
         if fpt:
             out["flops_per_token"] = fpt
-            out["mfu"] = round(fpt * tps / H100_BF16_PEAK_FLOPS, 4)
+            peak = peak_flops(dev, torch.bfloat16 if spec.amp == "bf16" else torch.float32)
+            out["mfu"] = round(fpt * tps / peak, 4) if peak else None  # None: CPU or a GPU Lightning does not list
         for row in curve:  # re-express curve times on the compile-free clock
             if row["step"] >= warm:
                 row["train_s"] = round(row["clock_s"] - t_warm + warm * step_s, 3)

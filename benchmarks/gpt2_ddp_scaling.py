@@ -54,7 +54,6 @@ from gpt2_common import (  # noqa: E402
     RunSpec,
     add_common_args,
     default_out,
-    env_info,
     find_shards,
     load_yaml_config,
     schedule_for,
@@ -62,6 +61,7 @@ from gpt2_common import (  # noqa: E402
     write_json,
     yaml_execution,
 )
+from result_header import environment  # noqa: E402
 
 RECORD_TARGET_FALLBACK = 4.2893  # the record script's final val loss on the novels shards (H100, 127 steps)
 SMOKE_VOCAB = 512
@@ -514,7 +514,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.out
         else default_out("gpt2_ddp_scaling_smoke" if args.smoke else "gpt2_ddp_scaling")
     )
-    env = env_info()
+    env = environment()
     env["devices"] = [torch.cuda.get_device_name(i) for i in range(gpus)]
     payload: dict[str, Any] = {
         "benchmark": "gpt2_ddp_scaling", "env": env, "smoke": args.smoke,

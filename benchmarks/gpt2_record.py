@@ -51,7 +51,6 @@ from gpt2_common import (  # noqa: E402
     deadline_from,
     default_out,
     device,
-    env_info,
     find_shards,
     guarded,
     load_yaml_config,
@@ -64,6 +63,7 @@ from gpt2_common import (  # noqa: E402
     yaml_execution,
 )
 from patch_record import write_patched  # noqa: E402
+from result_header import environment  # noqa: E402
 
 RECORD_TOKENS_PER_STEP = 8 * 64 * 1024
 _VAL = re.compile(r"step:(\d+)/(\d+) val_loss:([\d.]+|nan) train_time:(\d+)ms")
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dev = device()
     train_path, val_path = find_shards(args.data_dir)
     out_path = Path(args.out) if args.out else default_out("gpt2_record_smoke" if args.smoke else "gpt2_record")
-    payload: dict[str, Any] = {"benchmark": "gpt2_record", "env": env_info(), "smoke": args.smoke,
+    payload: dict[str, Any] = {"benchmark": "gpt2_record", "env": environment(), "smoke": args.smoke,
                                "settings": vars(args), "results": {}}
 
     # 1. the record script, in its own process; it sets the target

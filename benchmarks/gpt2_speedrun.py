@@ -69,7 +69,6 @@ from gpt2_common import (  # noqa: E402
     deadline_from,
     default_out,
     device,
-    env_info,
     find_shards,
     guarded,
     load_yaml_config,
@@ -83,6 +82,7 @@ from gpt2_common import (  # noqa: E402
     yaml_execution,
 )
 from nanogpt_runner import train_nanogpt  # noqa: E402
+from result_header import environment  # noqa: E402
 
 SMOKE_SHAPE = dict(n_layer=2, n_head=2, n_embd=64)
 SMOKE_VOCAB = 512
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         variants = {k: variants[k] for k in names}
 
     out_path = Path(args.out) if args.out else default_out("gpt2_speedrun_smoke" if args.smoke else "gpt2_speedrun")
-    payload: dict[str, Any] = {"benchmark": "gpt2_speedrun", "env": env_info(), "smoke": args.smoke,
+    payload: dict[str, Any] = {"benchmark": "gpt2_speedrun", "env": environment(), "smoke": args.smoke,
                                "data": {"train": str(train_path), "val": str(val_path),
                                         "train_tokens": len(data.train), "val_tokens": data.val_tokens},
                                "settings": vars(args), "results": {}}

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from clt_common import write_result  # noqa: E402
+from result_header import write_result  # noqa: E402
 
 from lightning_opt.ops import global_topk  # noqa: E402
 from lightning_opt.ops.global_topk import batch_topk_threshold_sparse, global_batch_topk  # noqa: E402

@@ -8,45 +8,30 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_opt.callbacks._logging import KeyedStateCallback, log_every, log_metrics, optimizer_stepped
 
-# Dense (no sparsity) peak TFLOP/s per device by compute dtype, from the vendors' datasheets.
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "h100 sxm": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "h100 nvl": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0},
-    "h100 pcie": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2},
-    "h200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "a100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    "l40s": {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6},
-    "rtx 4090": {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
-}
 
-
-def peak_flops_for(
-    device_name: str, precision: str, table: dict[str, dict[str, float]] | None = None
-) -> float | None:
-    """Peak FLOP/s of ``device_name`` for a Lightning precision string, or None when unknown."""
-    table = table or PEAK_TFLOPS
-    name = device_name.lower()
-    key = None
-    if "h100" in name:
-        key = "h100 pcie" if "pcie" in name else ("h100 nvl" if "nvl" in name else "h100 sxm")
-    else:
-        key = next((k for k in table if k in name), None)
-    if key is None or key not in table:
+def peak_flops_for(device: torch.device, precision: str) -> float | None:
+    """Dense peak FLOP/s of ``device`` for a Lightning precision string, from Lightning's table
+    (:func:`lightning.fabric.utilities.throughput.get_available_flops`); None on CPU or for a device it does not list.
+    """
+    if device.type == "cpu":
         return None
     if "bf16" in precision:
-        dtype = "bf16"
+        dtype = torch.bfloat16
     elif "16" in precision:
-        dtype = "fp16"
-    elif torch.get_float32_matmul_precision() != "highest":
-        dtype = "tf32"
+        dtype = torch.float16
+    elif "64" in precision:
+        dtype = torch.float64
     else:
-        dtype = "fp32"
-    return table[key][dtype] * 1e12
+        dtype = torch.float32  # Lightning counts TF32 when float32 matmul precision is not "highest"
+    flops = get_available_flops(device, dtype)
+    return float(flops) if flops else None
 
 
 def _batch_counts(batch: Any) -> tuple[int, int]:
@@ -118,8 +103,9 @@ class SpeedMonitor(KeyedStateCallback):
     Args:
         log_every_n_steps: how often to log, in optimizer steps (default: the Trainer's
             ``log_every_n_steps``; other values reach the loggers only on steps the Trainer writes too).
-        peak_flops: peak FLOP/s of one device for MFU (default: looked up in ``PEAK_TFLOPS``
-            from the device name and the Trainer's precision).
+        peak_flops: peak FLOP/s of one device for MFU (default: Lightning's
+            ``get_available_flops`` for the device and the Trainer's precision; when it does not know the
+            device, MFU is not logged).
         window: number of recent steps the time split averages over.
 
     Example::
@@ -135,6 +121,7 @@ class SpeedMonitor(KeyedStateCallback):
         self.total_tokens = 0
         self.metrics: dict[str, float] = {}
         self._peak: float | None = None
+        self._peak_unknown_told = False
         self._cuda = False
         self._t_last_log: float | None = None
         self._samples = 0
@@ -156,8 +143,14 @@ class SpeedMonitor(KeyedStateCallback):
         device = trainer.strategy.root_device
         self._cuda = device.type == "cuda" and torch.cuda.is_available()
         self._peak = self.config.peak_flops
-        if self._peak is None and self._cuda:
-            self._peak = peak_flops_for(torch.cuda.get_device_name(device), str(trainer.precision))
+        if self._peak is None and device.type != "cpu":
+            self._peak = peak_flops_for(device, str(trainer.precision))
+            if self._peak is None and not self._peak_unknown_told:
+                self._peak_unknown_told = True
+                rank_zero_info(
+                    f"SpeedMonitor: no peak FLOP/s known for {device} ({trainer.precision}); speed/mfu is not logged. "
+                    "Pass SpeedMonitor(peak_flops=...) to log it."
+                )
         self._t_last_log = time.perf_counter()
         self._pending.clear()
 

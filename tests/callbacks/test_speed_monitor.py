@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
+from lightning.fabric.utilities.throughput import get_available_flops
 from torch import nn
 
 from lightning_opt.callbacks import SpeedMonitor
@@ -57,24 +60,42 @@ def test_batch_counts():
 
 
 @pytest.mark.parametrize(
-    ("name", "precision", "tflops"),
+    ("name", "precision", "dtype"),
     [
-        ("NVIDIA H100 80GB HBM3", "bf16-mixed", 989.4),
-        ("NVIDIA H100 PCIe", "bf16-mixed", 756.5),
-        ("NVIDIA H100 NVL", "16-mixed", 835.0),
-        ("NVIDIA H200", "bf16-true", 989.4),
-        ("NVIDIA A100-SXM4-80GB", "bf16-mixed", 312.0),
-        ("NVIDIA L40S", "bf16-mixed", 362.05),
-        ("NVIDIA GeForce RTX 4090", "bf16-mixed", 165.2),
+        ("NVIDIA H100 80GB HBM3", "bf16-mixed", torch.bfloat16),
+        ("NVIDIA H100 PCIe", "16-mixed", torch.float16),
+        ("NVIDIA A100-SXM4-80GB", "bf16-true", torch.bfloat16),
+        ("NVIDIA GeForce RTX 4090", "bf16-mixed", torch.bfloat16),
     ],
 )
-def test_peak_table(name, precision, tflops):
-    assert peak_flops_for(name, precision) == pytest.approx(tflops * 1e12)
+def test_peak_is_lightnings_number_for_the_gpu_name(monkeypatch, name, precision, dtype):
+    # No GPU needed: Lightning reads the name through torch.cuda.get_device_name.
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    cuda = torch.device("cuda", 0)
+    expected = get_available_flops(cuda, dtype)
+    assert expected
+    assert peak_flops_for(cuda, precision) == expected
+    if name.startswith("NVIDIA H100 80GB"):
+        assert expected == pytest.approx(989.4e12)  # H100 SXM dense bf16
 
 
-def test_unknown_device_and_override():
-    assert peak_flops_for("Some Future GPU", "bf16-mixed") is None
-    assert peak_flops_for("NVIDIA H200", "bf16-mixed", {"h200": {"bf16": 1.0}}) == 1e12
+def test_unknown_device_logs_no_mfu_and_tells_once(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    assert peak_flops_for(torch.device("cuda", 0), "bf16-mixed") is None
+    assert peak_flops_for(torch.device("cpu"), "bf16-mixed") is None
+
+    class Stub:
+        precision = "bf16-mixed"
+
+        class strategy:  # noqa: N801
+            root_device = torch.device("cuda", 0)
+
+    cb = SpeedMonitor()
+    with caplog.at_level(logging.INFO):
+        cb.on_train_start(Stub(), None)
+        cb.on_train_start(Stub(), None)
+    assert cb._peak is None
+    assert sum("no peak FLOP/s known" in r.getMessage() for r in caplog.records) == 1
     with pytest.raises(ValueError, match="peak_flops"):
         SpeedMonitor(peak_flops=-1)
 
