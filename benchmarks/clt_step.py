@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -64,7 +63,10 @@ import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 PEER_DIR = os.path.join(ROOT, ".peers", "crosslayer-coding")
+
+from result_header import result_header  # noqa: E402
 
 from lightning_opt.models.clt import (  # noqa: E402
     CLT,
@@ -553,21 +555,12 @@ def main() -> None:
             "module_over_raw_step": mod / ms(row, "ours_dense") if mod and ms(row, "ours_dense") else None,
         }
     report = {
-        "benchmark": "clt_step",
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.machine()})",
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        **result_header("clt_step", on_gpu=dev.type == "cuda"),
         "shapes": {"layers": args.layers, "d_model": args.d_model, "tokens": args.tokens, "k": args.k},
         "loss": f"MSE + {SPARSITY} * tanh sparsity + {PREACT} * pre-activation loss (both sides)",
         "results": results,
         "ratios": ratios,
     }
-    try:
-        import lightning
-
-        report["versions"]["lightning"] = lightning.__version__
-    except ImportError:
-        pass
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

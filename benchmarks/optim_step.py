@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
 import statistics
 import sys
@@ -28,6 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's package, as the other benchmarks
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from result_header import result_header  # noqa: E402
 
 from lightning_opt.models.gpt2 import GPT, GPTConfig  # noqa: E402
 from lightning_opt.optim.factory import OptimConfig, build_optimizer  # noqa: E402
@@ -121,13 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
         if "step_ms_median" in r:
             r["step_time_over_adamw"] = round(r["step_ms_median"] / base["step_ms_median"], 4)
             r["state_bytes_over_adamw"] = round(r["state_bytes"] / base["state_bytes"], 4)
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
-        f"cpu ({platform.processor() or platform.machine()})")
     out = {
-        "benchmark": "optim_step",
-        "device": device_name,
-        "versions": {"torch": torch.__version__, "bitsandbytes": bnb_version, "python": platform.python_version()},
-        "command": "python benchmarks/optim_step.py" + (" --smoke" if a.smoke else ""),
+        **result_header("optim_step", on_gpu=device.type == "cuda"),
+        "bitsandbytes": bnb_version,
         "model": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size, "params_dtype": "float32"},
         "steps": a.steps,
         "warmup": a.warmup,

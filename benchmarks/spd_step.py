@@ -56,6 +56,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import spd_peer_runner as peer  # noqa: E402
+from result_header import result_header  # noqa: E402
 
 from lightning_opt.models import spd as S  # noqa: E402
 from lightning_opt.modules.spd import PGDConfig, SPDLossConfig, SPDModule, SPDTrainConfig  # noqa: E402
@@ -462,9 +463,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     results: dict[str, Any] = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "versions": _versions(),
+        **result_header("spd_step", on_gpu=device == "cuda"),
+        "versions": _versions(),  # with the peer's own dependencies
         "command": " ".join([sys.executable, *(sys.argv if argv is None else [sys.argv[0], *argv])]),
         "smoke": args.smoke,
         "iters": iters,
