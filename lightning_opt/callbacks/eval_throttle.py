@@ -109,7 +109,7 @@ class EvalThrottle(KeyedStateCallback):
         self._full_next = False
         cfg = self.config
         self._follows_trainer = cfg.every_n_steps is None and cfg.every_seconds is None and cfg.max_fraction is None
-        self._trainer_check: int | float = _NEVER  # the Trainer's val_check_batch, when it decides
+        self._trainer_check: int | float | None = None  # the Trainer's val_check_batch, once Lightning set it
 
     # -- hooks ----------------------------------------------------------------------------------
     @override
@@ -126,22 +126,33 @@ class EvalThrottle(KeyedStateCallback):
         if cap is not None:
             limit = trainer.limit_val_batches
             trainer.limit_val_batches = min(limit, cap) if isinstance(limit, int) else cap
-        self._trainer_check = trainer.val_check_batch
-        trainer.val_check_batch = self._idle_check()
+        self._remember_trainer_check(trainer)
+        if trainer.val_check_batch is not None or not self._follows_trainer:
+            trainer.val_check_batch = self._idle_check()
+
+    def _remember_trainer_check(self, trainer: Trainer) -> None:
+        # Lightning sets val_check_batch from val_check_interval when it sets up the training data (after
+        # on_fit_start on a fresh fit, before it on a resume) and again each epoch; None means not set yet
+        if trainer.val_check_batch is not None:
+            self._trainer_check = trainer.val_check_batch
 
     def _idle_check(self) -> int | float:
         """``val_check_batch`` between validations this callback runs: never, or the Trainer's schedule."""
-        return self._trainer_check if self._follows_trainer else _NEVER
+        if not self._follows_trainer or self._trainer_check is None:
+            return _NEVER
+        return self._trainer_check
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._trainer_check = trainer.val_check_batch  # Lightning resets it from val_check_interval each epoch
+        self._remember_trainer_check(trainer)
         trainer.val_check_batch = self._idle_check()
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._trainer_check is None:  # a resume inside an epoch calls no on_train_epoch_start
+            self._remember_trainer_check(trainer)
         final = self._is_final(trainer)
         run = final and self.config.final_full_validation
         if not run and not self._follows_trainer:

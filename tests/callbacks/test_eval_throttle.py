@@ -111,3 +111,21 @@ def test_without_a_mode_the_trainer_schedule_decides(tmp_path, check_every_epoch
     make_trainer(tmp_path / "same", [EvalThrottle(final_full_validation=False), same], limit_val_batches=1.0,
                  max_epochs=2, **kw).fit(TinyModule(batches=make_batches(5), val_batches=3))
     assert same.runs == plain.runs
+
+
+def test_without_a_mode_a_run_resumed_inside_an_epoch_validates_on_the_trainer_schedule(tmp_path):
+    """A resume inside an epoch calls no on_train_epoch_start: the callback still learns the Trainer's
+    val_check_batch (it crashed Lightning's val check, or would never validate, if it did not)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    kw = dict(val_check_interval=2, check_val_every_n_epoch=None, limit_val_batches=1.0)
+    ck = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=3, save_top_k=-1)
+    make_trainer(tmp_path / "a", [EvalThrottle(final_full_validation=False), ck], max_steps=3,
+                 enable_checkpointing=True, **kw).fit(TinyModule(batches=make_batches(12), val_batches=2))
+    (path,) = (tmp_path / "ck").glob("*step=3*.ckpt")
+    resumed, plain = ValCounter(), ValCounter()
+    make_trainer(tmp_path / "b", [EvalThrottle(final_full_validation=False), resumed], max_steps=9, **kw).fit(
+        TinyModule(batches=make_batches(12), val_batches=2), ckpt_path=str(path))
+    make_trainer(tmp_path / "c", [plain], max_steps=9, **kw).fit(
+        TinyModule(batches=make_batches(12), val_batches=2), ckpt_path=str(path))
+    assert resumed.runs and resumed.runs == plain.runs, (resumed.runs, plain.runs)
