@@ -304,7 +304,7 @@ def run_recipe(cli: RecipeCLI, summary: RunSummary, **extra: Any) -> dict[str, A
         check_checkpoint_file(ckpt_path)
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)  # never unpickle code
     if not summary.val_history or summary.val_history[-1]["step"] != trainer.global_step:
-        trainer.validate(model, datamodule=data, verbose=False)
+        trainer.validate(model, datamodule=data, verbose=False, weights_only=True)
     metrics = summary.summary(trainer, model, **extra)
     path = run_dir(trainer) / cli.config.get("metrics_file", "metrics.json")
     write_metrics(path, metrics)
