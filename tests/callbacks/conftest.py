@@ -241,3 +241,21 @@ class WindowProbe(pl.Callback):
     def assert_changed(self) -> None:
         assert self.before and len(self.before) == len(self.after)
         assert any(not torch.equal(a, b) for a, b in zip(self.before, self.after))
+
+
+class SyncErrorWindow(pl.Callback):
+    """``torch.cuda.set_sync_debug_mode("error")`` from batch start to batch end, for batches ``>= from_batch``
+    (earlier steps may sync: an optimizer's state does not exist before its first step); reset on an error."""
+
+    def __init__(self, from_batch: int = 0) -> None:
+        self.from_batch = from_batch
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx >= self.from_batch:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        torch.cuda.set_sync_debug_mode("default")

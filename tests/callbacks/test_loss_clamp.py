@@ -7,6 +7,7 @@ from lightning.pytorch import Callback
 from lightning_opt.callbacks import LossClamp, NaNSkip
 from tests.callbacks.conftest import (
     ManualModule,
+    SyncErrorWindow,
     TinyModule,
     WindowProbe,
     assert_same,
@@ -185,23 +186,12 @@ def test_skip_step_when_clamped_does_not_sync_on_cuda(tmp_path, nan_skip_first):
     """set_sync_debug_mode("error") from batch start to batch end after the first optimizer step
     (decided on the host: its optimizer state does not exist yet); fused AdamW, accumulation 2."""
 
-    class Guard(Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if batch_idx >= 2:
-                torch.cuda.set_sync_debug_mode("error")
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            torch.cuda.set_sync_debug_mode("default")
-
-        def on_exception(self, trainer, pl_module, exception):
-            torch.cuda.set_sync_debug_mode("default")
-
     batches = _with_target_shift(make_batches(8), 5, 100.0)
     clamp, skip = LossClamp(max=20.0, skip_step_when_clamped=True), NaNSkip()
     callbacks = [skip, clamp] if nan_skip_first else [clamp, skip]
     m = TinyModule(batches=batches, fused=True, record_losses=False)
     t1 = make_trainer(
-        tmp_path, [*callbacks, Guard()], accelerator="gpu", accumulate_grad_batches=2, log_every_n_steps=1000
+        tmp_path, [*callbacks, SyncErrorWindow(from_batch=2)], accelerator="gpu", accumulate_grad_batches=2, log_every_n_steps=1000
     )
     t1.fit(m)
     assert skip.skipped_total == 1 and clamp.clamped_total == 1

@@ -7,6 +7,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_opt.callbacks import NaNSkip
 from tests.callbacks.conftest import (
     ManualModule,
+    SyncErrorWindow,
     TinyModule,
     WindowProbe,
     assert_same,
@@ -156,24 +157,11 @@ def test_device_mode_does_not_sync_on_cuda(tmp_path, fused):
     """set_sync_debug_mode("error") from batch start to batch end, after the first step (whose
     optimizer state does not exist yet and is decided on the host). fused=False uses a
     capturable (device-side step count) foreach AdamW: the snapshot path."""
-    from lightning.pytorch import Callback
-
-    class Guard(Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if batch_idx >= 1:
-                torch.cuda.set_sync_debug_mode("error")
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            torch.cuda.set_sync_debug_mode("default")
-
-        def on_exception(self, trainer, pl_module, exception):
-            torch.cuda.set_sync_debug_mode("default")
-
     batches = make_batches(6)
     skip = NaNSkip()
     m = TinyModule(batches=batches, nan_at=(3,), fused=fused, capturable=not fused, record_losses=False)
     # Guard after NaNSkip so that NaNSkip's batch-end hook runs inside the guarded window.
-    t1 = make_trainer(tmp_path, [skip, Guard()], accelerator="gpu", log_every_n_steps=1000)
+    t1 = make_trainer(tmp_path, [skip, SyncErrorWindow(from_batch=1)], accelerator="gpu", log_every_n_steps=1000)
     t1.fit(m)
     assert skip.skipped_total == 1
     ref = TinyModule(
