@@ -289,6 +289,22 @@ def check_checkpoint_file(path: str | os.PathLike) -> None:
         ) from err
 
 
+def build_recipe_cli(
+    module_class: type, datamodule_class: type, args: list[str] | None, cli_class: type[RecipeCLI] = RecipeCLI
+) -> tuple[RecipeCLI, RunSummary]:
+    """The recipe's CLI, parsed and instantiated but not run, with a :class:`RunSummary` attached."""
+    summary = RunSummary()
+    cli = cli_class(
+        module_class,
+        datamodule_class,
+        args=args,
+        run=False,
+        save_config_kwargs={"overwrite": True},
+        trainer_defaults={"callbacks": [summary]},
+    )
+    return cli, summary
+
+
 def run_recipe(cli: RecipeCLI, summary: RunSummary, **extra: Any) -> dict[str, Any]:
     """Fit, validate once more if the last step was not validated, write ``metrics.json``."""
     trainer, model, data = cli.trainer, cli.model, cli.datamodule

@@ -12,7 +12,7 @@ L0, dead fraction, the replacement model's KL and next-token agreement, tokens/s
 
 from __future__ import annotations
 
-from lightning_opt.cli import RecipeCLI, RunSummary, run_dir, run_recipe, write_metrics
+from lightning_opt.cli import RecipeCLI, build_recipe_cli, run_dir, run_recipe, write_metrics
 from lightning_opt.data.activations import CLTDataModule
 from lightning_opt.modules.clt import CLTModule
 
@@ -25,15 +25,7 @@ class CLTRecipeCLI(RecipeCLI):
 
 
 def main(args: list[str] | None = None) -> dict:
-    summary = RunSummary()
-    cli = CLTRecipeCLI(
-        CLTModule,
-        CLTDataModule,
-        args=args,
-        run=False,
-        save_config_kwargs={"overwrite": True},
-        trainer_defaults={"callbacks": [summary]},
-    )
+    cli, summary = build_recipe_cli(CLTModule, CLTDataModule, args, cli_class=CLTRecipeCLI)
     metrics = run_recipe(cli, summary, recipe="clt")
     trainer, model = cli.trainer, cli.model
     final = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/") and not k.endswith("_pb")}

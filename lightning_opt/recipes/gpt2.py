@@ -11,21 +11,13 @@ the run directory at the end.
 
 from __future__ import annotations
 
-from lightning_opt.cli import RecipeCLI, RunSummary, run_recipe
+from lightning_opt.cli import build_recipe_cli, run_recipe
 from lightning_opt.data.datamodule import TokenShardDataModule
 from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
 
 
 def main(args: list[str] | None = None) -> dict:
-    summary = RunSummary()
-    cli = RecipeCLI(
-        GPT2SpeedrunModule,
-        TokenShardDataModule,
-        args=args,
-        run=False,
-        save_config_kwargs={"overwrite": True},
-        trainer_defaults={"callbacks": [summary]},
-    )
+    cli, summary = build_recipe_cli(GPT2SpeedrunModule, TokenShardDataModule, args)
     return run_recipe(cli, summary, recipe="gpt2_speedrun")
 
 
