@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks._load import load_benchmark
 
 
 def test_smoke_runs_every_variant(tmp_path):
-    spec = importlib.util.spec_from_file_location("attention_kv_bench", ROOT / "benchmarks" / "attention_kv.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("attention_kv")
     out = tmp_path / "attention_kv.json"
     mod.main(["--smoke", "--out", str(out)])
     res = json.loads(out.read_text())

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from lightning_opt.data.shards import HEADER_INTS, MAGIC, VERSION
+from tests.benchmarks._load import load_benchmark
 from tests.data._shared import BPE, SHARED
 
-ROOT = Path(__file__).resolve().parents[2]
 NOVELS = SHARED / "novels"
 HAVE_BPE = BPE.is_file()
 HAVE_NOVELS = HAVE_BPE and (NOVELS / "novels_train_000000.bin").is_file()
@@ -24,11 +22,7 @@ TRAIN, VAL = 2500, 800
 
 @pytest.fixture(scope="module")
 def bc():
-    spec = importlib.util.spec_from_file_location("build_corpora", ROOT / "benchmarks" / "build_corpora.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["build_corpora"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("build_corpora")
 
 
 def _code_roots(tmp: Path) -> list[str]:

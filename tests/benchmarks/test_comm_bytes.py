@@ -3,20 +3,12 @@ formulas (docs/strategies.md, "Several machines"), on 2 and 4 gloo processes."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks._load import load_benchmark
 
 
 def test_measured_bytes_match_the_formulas(monkeypatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    spec = importlib.util.spec_from_file_location("comm_bytes", ROOT / "benchmarks" / "comm_bytes.py")
-    bench = importlib.util.module_from_spec(spec)
-    # spawned workers unpickle comm_bytes._worker by module name: that name must be this module object
-    monkeypatch.setitem(sys.modules, "comm_bytes", bench)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("comm_bytes")
     result = bench.main(["--smoke"])
     rows = {r["variant"]: r for r in result["rows"]}
     assert set(rows) == set(bench.VARIANTS)

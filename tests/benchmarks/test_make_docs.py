@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.benchmarks._load import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,11 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def make_docs():
     pytest.importorskip("matplotlib")
-    spec = importlib.util.spec_from_file_location("make_docs", ROOT / "benchmarks" / "make_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["make_docs"] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("make_docs")
 
 
 def _write(folder: Path, name: str, obj) -> None:

@@ -1,17 +1,12 @@
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks._load import load_benchmark
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("optim_step_bench", ROOT / "benchmarks" / "optim_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("optim_step")
 
 
 def test_smoke_times_each_optimizer_and_reports_state_memory(tmp_path):

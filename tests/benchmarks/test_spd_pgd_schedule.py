@@ -3,17 +3,13 @@ JSON holds the timing (PGD share of a step) and the final metrics the docs quote
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks._load import load_benchmark
 
 
 def test_smoke_compares_the_schedule_with_the_fixed_pgd_steps(tmp_path):
-    spec = importlib.util.spec_from_file_location("spd_pgd_schedule_bench", ROOT / "benchmarks" / "spd_pgd_schedule.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("spd_pgd_schedule")
     out = tmp_path / "r.json"
     res = mod.main(["--smoke", "--seeds", "1", "--out", str(out)])
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(res["rows"]))

@@ -3,18 +3,13 @@ and the JSON is written with the fields the lead's GPU run is read by."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks._load import load_benchmark
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("spd_step_bench", ROOT / "benchmarks" / "spd_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("spd_step")
 
 
 def test_smoke_records_a_compile_timeout_and_keeps_going(tmp_path):
