@@ -227,6 +227,11 @@ def _worker(rank: int, world: int, port: int, name: str, shape: dict[str, int], 
     trainer.fit(Bench())
     if rank == 0:
         Path(out_dir, f"{name}.json").write_text(json.dumps(counter.calls))
+    # Leave together and close the group: a gloo group left open at interpreter exit can abort the process
+    # ("terminate called without an active exception") after its results are written.
+    counter.on = False
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def run_variant(name: str, shape: dict[str, int]) -> list[tuple[str, int]]:
