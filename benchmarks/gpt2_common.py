@@ -71,15 +71,19 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 
 
 def find_shards(data_dir: str | None = None) -> tuple[Path, Path]:
-    """The novels shards in ``data_dir`` (``--data-dir``), else in ``$LIGHTNING_OPT_DATA_DIR``, else in the
-    repository's ``.data/novels``."""
+    """The train and val shards (``<corpus>_train_000000.bin``, ``<corpus>_val_000000.bin``: the novels or any
+    corpus built by ``benchmarks/build_corpora.py``) in ``data_dir`` (``--data-dir``), else in
+    ``$LIGHTNING_OPT_DATA_DIR``, else in the repository's ``.data/novels``."""
     d = Path(data_dir or os.environ.get(DATA_DIR_ENV) or DATA_DIR)
-    train, val = d / "novels_train_000000.bin", d / "novels_val_000000.bin"
-    if train.exists() and val.exists():
-        return train, val
+    trains = sorted(d.glob("*_train_000000.bin"))
+    pairs = [(t, t.with_name(t.name.replace("_train_", "_val_"))) for t in trains]
+    pairs = [(t, v) for t, v in pairs if v.exists()]
+    if len(pairs) == 1:
+        return pairs[0]
+    found = "several corpora: " + ", ".join(t.name for t, _ in pairs) if pairs else "none"
     raise FileNotFoundError(
-        f"novels shards novels_{{train,val}}_000000.bin not found in {d}: pass --data-dir DIR, set "
-        f"{DATA_DIR_ENV}=DIR, or copy them to {DATA_DIR}"
+        f"expected one pair of shards <corpus>_{{train,val}}_000000.bin in {d}, found {found}: pass --data-dir "
+        f"DIR, set {DATA_DIR_ENV}=DIR, or copy the novels shards to {DATA_DIR}"
     )
 
 

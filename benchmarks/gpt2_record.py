@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -62,17 +63,19 @@ from gpt2_common import (  # noqa: E402
     write_json,
     yaml_execution,
 )
-from patch_record import write_patched  # noqa: E402
+from patch_record import DEFAULT_RECORD, RECORDS, record_data, write_patched  # noqa: E402
 from result_header import environment  # noqa: E402
 
-RECORD_TOKENS_PER_STEP = 8 * 64 * 1024
+RECORD_TOKENS_PER_STEP = RECORDS[DEFAULT_RECORD].tokens_per_step
 _VAL = re.compile(r"step:(\d+)/(\d+) val_loss:([\d.]+|nan) train_time:(\d+)ms")
 _TRAIN = re.compile(r"step:(\d+)/(\d+) train_time:(\d+)ms step_avg:([\d.]+|nan)ms")
-_PEAK = re.compile(r"peak memory consumption: (\d+) MiB")
+_PEAK = re.compile(r"peak memory (?:consumption|allocated): (\d+) MiB")
 
 
-def parse_record_log(text: str, warm_reset: int = 10) -> dict[str, Any]:
-    """Numbers from the record script's console output (its ``print0(..., console=True)`` lines)."""
+def parse_record_log(text: str, warm_reset: int = 10, tokens_per_step: int = RECORD_TOKENS_PER_STEP) -> dict[str, Any]:
+    """Numbers from the record script's console output (its ``print0(..., console=True)`` lines).
+    ``warm_reset``: the steps its clock leaves out (10 for 2025-01-04, 0 for 2025-08-23, which compiles in
+    warm-up steps before the clock and then restores the initial state)."""
     found = _VAL.findall(text)
     vals = [(int(s), float(v), int(t) / 1000) for s, _, v, t in found]
     planned = int(found[-1][1]) if found else None
@@ -82,16 +85,16 @@ def parse_record_log(text: str, warm_reset: int = 10) -> dict[str, Any]:
     step_s = steady[-1] / 1000 if steady else None
     if step_s:
         out["step_ms"] = round(1000 * step_s, 2)
-        out["tokens_per_s"] = round(RECORD_TOKENS_PER_STEP / step_s, 1)
+        out["tokens_per_s"] = round(tokens_per_step / step_s, 1)
     first = next((t for s, t, _ in trains if s == 1), None)
-    if first is not None and step_s:
+    if first is not None and step_s and warm_reset:
         out["first_step_s"] = round(first, 2)  # includes compile (and the step-0 validation compile)
         out["compile_s"] = round(max(0.0, first - step_s), 2)
     curve = []
     for step, loss, t in vals:
         # its clock restarts after step `warm_reset`: add those steps back at the steady step time
         adj = t + (warm_reset * step_s if step_s and step > warm_reset else 0.0)
-        curve.append({"step": step, "tokens": step * RECORD_TOKENS_PER_STEP, "val_loss": loss,
+        curve.append({"step": step, "tokens": step * tokens_per_step, "val_loss": loss,
                       "record_clock_s": round(t, 3), "train_s": round(adj, 3)})
     out["val_curve"] = curve
     if curve:
@@ -109,10 +112,13 @@ def parse_record_log(text: str, warm_reset: int = 10) -> dict[str, Any]:
 
 
 def run_record(train: Path, val: Path, steps: int, val_tokens: int, timeout_s: float,
-               source: Path | None = None) -> dict[str, Any]:
-    kw = {"source": source, "dest": Path(tempfile.mkdtemp(prefix="record_src_")) / "train_gpt.py"} if source else {}
-    script = write_patched(str(train.resolve()), str(val.resolve()), steps, val_tokens, **kw)
+               source: Path | None = None, record: str = DEFAULT_RECORD) -> dict[str, Any]:
+    rec = RECORDS[record]
     workdir = tempfile.mkdtemp(prefix="record_run_")  # it writes logs/<uuid>.txt into the working dir
+    train_s, val_s = record_data(record, train, val, steps, val_tokens, Path(workdir) / "data")
+    kw = {"source": source, "dest": Path(tempfile.mkdtemp(prefix="record_src_")) / "train_gpt.py"} if source else {}
+    script = write_patched(train_s, val_s, steps, val_tokens, record=record, **kw)
+    t_start = time.perf_counter()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script)]
     print("  $ " + " ".join(cmd), flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # lines arrive as printed, and survive a timeout kill
@@ -142,8 +148,9 @@ def run_record(train: Path, val: Path, steps: int, val_tokens: int, timeout_s: f
             proc.wait()
     reader.join(timeout=5)
     text = "".join(lines)
-    out = parse_record_log(text)
+    out = parse_record_log(text, rec.warm_reset, rec.tokens_per_step)
     out.update(returncode=proc.returncode, timed_out=timed_out, command=" ".join(cmd), script=str(script),
+               wall_s=round(time.perf_counter() - t_start, 1), train_data=train_s, val_data=val_s,
                log_tail=text[-3000:])
     if timed_out:
         out["error"] = f"record script stopped after the {timeout_s:.0f}s it was given"
@@ -208,11 +215,13 @@ def ours_spec(args: argparse.Namespace, target: float | None, accum: int, long: 
     (or the same tokens in 65,536-token sequences with ``long``)."""
     sp_model, sp_optim, sp_sched, sp_raw = load_yaml_config("gpt2-124m-speedrun")
     if 16 % accum:
-        raise ValueError(f"accum={accum} must divide 16 (the record's 524,288 tokens per step)")
+        raise ValueError(f"accum={accum} must divide 16 (our 32 x 1024-token micro-batches per 524,288-token step)")
     if not 0.0 < budget <= 1.0:
         raise ValueError(f"budget={budget} must be in (0, 1]: the fraction of the record's token budget")
-    per = 16 // accum  # same token budget in `per` times as many steps
-    steps = max(1, round(args.steps * per * budget))
+    # the record's token budget (its steps x its tokens per step) in our steps of 32 x 1024 x accum tokens
+    per_f = RECORDS[getattr(args, "record", DEFAULT_RECORD)].tokens_per_step / (32 * 1024 * accum)
+    per = max(1, round(per_f))  # our steps per record step, for warm-up and validation spacing
+    steps = max(1, round(args.steps * per_f * budget))
     mb = getattr(args, "ours_micro_batch", 32)
     if (32 * accum) % mb:
         raise ValueError(f"--ours-micro-batch {mb} must divide the {32 * accum} sequences of a step")
@@ -247,7 +256,11 @@ def ours_spec(args: argparse.Namespace, target: float | None, accum: int, long: 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, 530.0)
-    p.add_argument("--steps", type=int, default=127, help="iterations of 524,288 tokens for both")
+    p.add_argument("--record", default=DEFAULT_RECORD, choices=sorted(RECORDS),
+                   help="which modded-nanogpt record script sets the target (benchmarks/peers/patch_record.py)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="the record's iterations (default: 4 passes over the 16.6M-token train shard: 127 of "
+                        "524,288 tokens for 2025-01-04, 169 of 393,216 for 2025-08-23); ours gets the same tokens")
     p.add_argument("--val-tokens", type=int, default=1_048_576)
     p.add_argument("--ours-val-every", type=int, default=8)
     p.add_argument("--ours-runner", default="lightning", choices=["lightning", "bare"])
@@ -275,6 +288,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="run this variant of ours after the record (repeat for several, each until the target "
                         "or the call's deadline); default: one run as --ours-accum / --ours-long say")
     args = p.parse_args(argv)
+    if args.steps is None:
+        args.steps = round(127 * 524_288 / RECORDS[args.record].tokens_per_step)
+    rec_name = f"record-{args.record}"
     deadline = deadline_from(args)
     dev = device()
     train_path, val_path = find_shards(args.data_dir)
@@ -284,13 +300,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # 1. the record script, in its own process; it sets the target
     if args.target is not None:
-        record: dict[str, Any] = {"name": "record-2025-01-04", "skipped": "--target given", "final_val_loss": args.target}
+        record: dict[str, Any] = {"name": rec_name, "skipped": "--target given", "final_val_loss": args.target}
     elif args.smoke or dev.type != "cuda":
         # it needs CUDA and NCCL: on CPU prove the patch and the log parsing instead
-        record = guarded("record-2025-01-04", lambda: _smoke_record(train_path, val_path, args))
+        record = guarded(rec_name, lambda: _smoke_record(train_path, val_path, args))
     else:
-        record = guarded("record-2025-01-04", lambda: run_record(
-            train_path, val_path, args.steps, args.val_tokens, deadline.left() - args.ours_min_s), deadline, 60)
+        record = guarded(rec_name, lambda: run_record(
+            train_path, val_path, args.steps, args.val_tokens, deadline.left() - args.ours_min_s,
+            record=args.record), deadline, 60)
+    record.setdefault("name", rec_name)
     payload["results"]["record"] = record
     write_json(out_path, payload)
     target = record.get("final_val_loss")
@@ -330,16 +348,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _smoke_record(train: Path, val: Path, args: argparse.Namespace) -> dict[str, Any]:
-    script = write_patched(str(train.resolve()), str(val.resolve()), args.steps, args.val_tokens)
+    rec = RECORDS[args.record]
+    work = Path(tempfile.mkdtemp(prefix="record_smoke_"))
+    train_s, val_s = record_data(args.record, train, val, args.steps, args.val_tokens, work / "data")
+    script = write_patched(train_s, val_s, args.steps, args.val_tokens, dest=work / "train_gpt.py",
+                           record=args.record)
     text = script.read_text()
+    w = rec.warm_reset
     log = "\n".join(
         [f"step:0/{args.steps} val_loss:10.8258 train_time:0ms step_avg:nanms",
          f"step:1/{args.steps} train_time:60000ms step_avg:nanms"]
-        + [f"step:{s}/{args.steps} train_time:{(s - 10) * 1100}ms step_avg:1100.00ms" for s in range(11, 20)]
-        + [f"step:{args.steps}/{args.steps} val_loss:4.5000 train_time:{(args.steps - 10) * 1100}ms "
+        + [f"step:{s}/{args.steps} train_time:{(s - w) * 1100}ms step_avg:1100.00ms" for s in range(w + 1, w + 10)]
+        + [f"step:{args.steps}/{args.steps} val_loss:4.5000 train_time:{(args.steps - w) * 1100}ms "
            "step_avg:1100.00ms", "peak memory consumption: 30000 MiB"])
-    out = parse_record_log(log)
-    out.update(smoke=True, patched_script=str(script), patched_lines=int(f"num_iterations = {args.steps}" in text))
+    out = parse_record_log(log, w, rec.tokens_per_step)
+    out.update(smoke=True, patched_script=str(script), patched_lines=int(f"num_iterations = {args.steps}" in text),
+               train_data=train_s, val_data=val_s)
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -205,3 +206,80 @@ def test_find_shards_reads_the_data_dir_argument_then_the_environment(tmp_path, 
             find_shards()
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "missing")):
         find_shards(str(tmp_path / "missing"))
+
+
+CODE_0823 = """class Hyperparameters:
+    train_files = "data/fineweb10B/fineweb_train_*.bin" # input .bin to train on
+    val_files = "data/fineweb10B/fineweb_val_*.bin" # input .bin to eval validation loss on
+    val_tokens = 10485760 # how many tokens of validation data?
+    num_iterations = 1695 # number of iterations to run
+args.train_files = os.path.join(data_path, args.train_files)
+"""
+
+
+def _shard(path, tokens):
+    import numpy as np
+
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = (20240520, 1, len(tokens))
+    path.write_bytes(header.tobytes() + np.asarray(tokens, dtype=np.uint16).tobytes())
+    return path
+
+
+def test_the_newer_record_is_patched_in_its_own_quoting_and_only_its_four_values():
+    from benchmarks.peers.patch_record import RECORDS
+
+    out = patch(CODE_0823, "/d/train_*.bin", "/d/val.bin", 169, 1048576, RECORDS["2025-08-23"].edits)
+    changed = [b for a, b in zip(CODE_0823.splitlines(), out.splitlines()) if a != b]
+    assert changed == ['    train_files = "/d/train_*.bin" # input .bin to train on',
+                       '    val_files = "/d/val.bin" # input .bin to eval validation loss on',
+                       "    val_tokens = 1048576 # how many tokens of validation data?",
+                       "    num_iterations = 169 # number of iterations to run"]
+    with pytest.raises(ValueError, match="train data"):  # the older record's file is refused, not half-patched
+        patch(CODE, "a", "b", 1, 1, RECORDS["2025-08-23"].edits)
+
+
+def test_record_data_gives_the_newer_record_enough_passes_and_a_val_window(tmp_path):
+    import numpy as np
+
+    from benchmarks.peers.patch_record import RECORDS, _passes_needed, _shard_tokens, record_data
+
+    eot = 50256
+    docs = [[eot] + list(range(1, 300)) for _ in range(40)]  # 40 documents of 300 tokens
+    train = _shard(tmp_path / "c_train_000000.bin", [t for d in docs for t in d])
+    val = _shard(tmp_path / "c_val_000000.bin", np.arange(1000) % 7)
+    # 100 sequences of 256 tokens: each consumes one 300-token document, so 40 fit in one pass
+    assert _passes_needed(train, 100, 256) == 3
+    # the older record cycles over its shards and has no val window: the shards themselves
+    assert record_data("2025-01-04", train, val, 5, 512, tmp_path / "a") == (str(train), str(val))
+    rec = RECORDS["2025-08-23"]
+    tr, va = record_data("2025-08-23", train, val, 2, 512, tmp_path / "b")
+    links = sorted((tmp_path / "b" / "train").glob("train_*.bin"))
+    assert tr == str(tmp_path / "b" / "train" / "train_*.bin") and len(links) >= 2
+    assert all(link.resolve() == train.resolve() for link in links)
+    n = _shard_tokens(Path(va))
+    assert n > rec.val_window_tokens  # the loader's window fits in one file
+    body = np.fromfile(va, dtype=np.uint16, offset=1024)
+    assert np.array_equal(body[:1000], np.arange(1000) % 7)  # the val tokens first, unchanged
+    with pytest.raises(ValueError, match="fewer than --val-tokens"):
+        record_data("2025-08-23", train, val, 2, 5000, tmp_path / "c")
+
+
+def test_ours_gets_the_newer_records_token_budget():
+    args = argparse.Namespace(steps=169, ours_val_every=4, smoke=False, ours_loss_impl=None, ours_micro_batch=32,
+                              record="2025-08-23")
+    spec = ours_spec(args, 3.5, 8, False, 1.0)
+    tokens = spec.steps * spec.micro_batch * spec.accum * spec.seq_len
+    assert abs(tokens - 169 * 8 * 48 * 1024) <= spec.micro_batch * spec.accum * spec.seq_len / 2
+
+
+def test_find_shards_takes_any_corpus_and_refuses_two(tmp_path):
+    from benchmarks.gpt2_common import find_shards
+
+    for split in ("train", "val"):
+        (tmp_path / f"docs_{split}_000000.bin").write_bytes(b"")
+    assert find_shards(str(tmp_path)) == (tmp_path / "docs_train_000000.bin", tmp_path / "docs_val_000000.bin")
+    for split in ("train", "val"):
+        (tmp_path / f"code_{split}_000000.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="several corpora"):
+        find_shards(str(tmp_path))
