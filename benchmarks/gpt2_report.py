@@ -139,8 +139,13 @@ def ablation_section(d: dict[str, Any] | None, path: Path | None, doc: Path,
     out = [title, ""]
     if d is None:
         return out + ["GPU figures: pending (run `python benchmarks/gpt2_ablation.py` on an H100).", ""]
-    out += [env_line(d, path, doc), ""] + ([f"Note: {d['note']}", ""] if d.get("note") else []) + [
-        f"- {n}" for n in d.get("notes", [])] + [
+    out += [env_line(d, path, doc), ""] + ([f"Note: {d['note']}", ""] if d.get("note") else [])
+    if d.get("format", 1) >= 2:
+        return out + ablation_table(d)
+    s = d.get("settings", {})
+    out += [f"This result has one seed and no noise band ({s.get('steps')} steps of {s.get('micro_batch')} x "
+            f"{s.get('seq_len')} tokens per row): its loss differences are not shown to exceed run-to-run noise.", ""]
+    out += [f"- {n}" for n in d.get("notes", [])] + [
         "", "| row | toggle | tokens/s | d tokens/s | peak GB | val loss | d val loss | verdict |",
         "|---|---|---:|---:|---:|---:|---:|---|"]
     for name, r in d["rows"].items():
@@ -149,6 +154,53 @@ def ablation_section(d: dict[str, Any] | None, path: Path | None, doc: Path,
             f"{pct(r.get('d_tokens_per_s_pct'))} | {fmt(r.get('peak_mem_gb'), '.1f')} | "
             f"{fmt(r.get('final_val_loss'), '.4f')} | {fmt(r.get('d_val_loss'), '+.4f')} | "
             f"{r.get('verdict', '')}{' (fallback: ' + r['fallback'][0][:100] + ')' if r.get('fallback') else ''} |")
+    return out + [""]
+
+
+def _in_band(real: bool | None) -> str:
+    return "" if real is None else " (real)" if real else " (noise)"
+
+
+def ablation_table(d: dict[str, Any]) -> list[str]:
+    """The table of a ``gpt2_ablation.py`` result with a baseline, a noise band and per-row code costs."""
+    b, n, c = d["baseline"], d.get("noise"), d.get("calibration", {})
+    params = d["rows"].get("baseline", {}).get("params")
+    out = [f"Baseline: the `{b['recipe']}` recipe's model and optimizer at {b['n_layer']} layers x {b['n_embd']} "
+           f"({b['n_head']} heads{f', {params / 1e6:.1f}M parameters' if params else ''}), {b['steps']} steps of "
+           f"{b['micro_batch']} x {b['seq_len']} tokens ({b['tokens']:,} tokens per row; steps limited by "
+           f"{c.get('limited_by', '-')}), {'torch.compile' if b['compile'] else 'eager (no torch.compile)'}, "
+           f"{b['amp']}, attention `{b['attn_backend']}`, FP8 off, float32 matmuls `{b['matmul_precision']}`. Val loss "
+           f"on the first {d['data']['val_tokens']:,} val tokens, the same windows for every row; tokens/s after "
+           f"{b['warm']} warm-up steps.", ""]
+    if n:
+        out += [f"Noise band (seeds {n['seeds'][0]} and {n['seeds'][1]} of the baseline): val loss "
+                f"{n['val_loss'][0]:.4f} and {n['val_loss'][1]:.4f}, band [{n['val_loss_band'][0]:.4f}, "
+                f"{n['val_loss_band'][1]:.4f}] (mean +- difference); tokens/s {n['tokens_per_s'][0]:,.0f} and "
+                f"{n['tokens_per_s'][1]:,.0f}, band +-{n['tokens_per_s_seed0_vs_seed1_pct']:.1f}%. Deltas are against "
+                "the seeds' mean; an effect is marked real only outside its band.", ""]
+    else:
+        out += ["Noise band: not measured (a baseline seed did not finish); no effect is marked real.", ""]
+    out += ["| row | change | tokens/s | vs baseline | peak GB | val loss | vs baseline | code lines | extra deps | "
+            "when to skip the option | verdict |", "|---|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
+    for name, r in d["rows"].items():
+        deps = ", ".join(f"{p} {r.get('extra_versions', {}).get(p.split()[0]) or ''}".strip()
+                         for p in r.get("extra_deps", [])) or "none"
+        head = f"| {name} | {r.get('toggle', '')} |"
+        tail = f" {fmt(r.get('code_lines'))} | {deps} | {r.get('skip_when', '')} |"
+        if r.get("status") != "measured":
+            status = {"not_measured": "not measured", "skipped": "skipped"}.get(r.get("status"), "failed")
+            out.append(f"{head} - | - | - | - | - |{tail} {status}: {r.get('reason', '')} |")
+            continue
+        loss = fmt(r.get("final_val_loss"), ".4f") + (f" ({r['tokens']:,} tokens)" if r.get("stopped") else "")
+        out.append(f"{head} {fmt(r.get('tokens_per_s'), ',.0f')} | {pct(r.get('d_tokens_per_s_pct'))}"
+                   f"{_in_band(r.get('speed_real'))} | {fmt(r.get('peak_mem_gb'), '.2f')} | {loss} | "
+                   f"{fmt(r.get('d_val_loss'), '+.4f')}{_in_band(r.get('loss_real'))} |{tail} {r.get('verdict', '')} |")
+    out += ["", "Code lines: the option's own classes, functions or files plus the lines that use its switch, counted "
+            "from the source at run time (docstrings and comments left out); each row's parts are in the JSON."]
+    if d.get("left_out"):
+        out += ["", "Left out of this run:", ""] + [f"- `{k}`: {v}" for k, v in d["left_out"].items()]
+    if d.get("notes"):
+        out += ["", "Notes:", ""] + [f"- {x}" for x in d["notes"]]
     return out + [""]
 
 

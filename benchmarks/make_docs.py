@@ -70,6 +70,8 @@ _MEASURED = re.compile(r"bytes|_ms|_s$|mem|params|loss|time|count|total|tokens")
 _HEADLINE_FIRST = {
     # the goal is "all six together <= 1% over none"; ThroughputMonitor is the same-run reference
     "callbacks_overhead": re.compile(r"(^|\.)(all6|ours_all6|lightning_throughput_monitor)\.overhead_vs_none$"),
+    # the ablation's noise band: the two baseline seeds' val-loss difference and tokens/s difference (%)
+    "gpt2_ablation": re.compile(r"^noise\.(val_loss_seed0_vs_seed1|tokens_per_s_seed0_vs_seed1_pct)$"),
 }
 _LABEL_MAX = 3
 _TABLE_COLUMNS = 14
