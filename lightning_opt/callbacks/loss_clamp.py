@@ -126,14 +126,16 @@ class LossClamp(KeyedStateCallback):
         with torch.no_grad():
             value = loss.detach()
             hit = (value < lo) | (value > hi)
-            n = hit.sum().to(torch.int64)
-            self._count = n if self._count is None or self._count.device != n.device else self._count + n
+            if self._count is None or self._count.device != value.device:
+                self._count = torch.zeros((), dtype=torch.int64, device=value.device)
+            self._count.add_(hit if hit.dim() == 0 else hit.sum())
             if self._nan_skips:
-                # Flags of the loss as training_step made it, whichever callback runs first.
-                nonfinite = ~torch.isfinite(value).all()
-                clamped = hit.any() if cfg.skip_step_when_clamped else None
+                # The loss as training_step made it (a copy: the clamp below is in place), whichever callback
+                # runs first; NaNSkip checks it with the gradients, in the same read.
+                before = value.clone()
+                clamped = (hit if hit.dim() == 0 else hit.any()) if cfg.skip_step_when_clamped else None
                 for nan_skip in self._nan_skips:
-                    nan_skip._note_loss(nonfinite, clamped)
+                    nan_skip._note_loss(before, clamped)
         if cfg.gradient == "zero":
             loss.clamp_(lo, hi)
         else:

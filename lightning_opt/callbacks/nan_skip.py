@@ -14,6 +14,7 @@ from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_opt._internals import override_step, restore_class
+from lightning_opt.callbacks._flagged_copy import FlaggedCopy
 from lightning_opt.callbacks._logging import KeyedStateCallback, log_metrics, log_step
 
 _REASONS = ("non-finite loss", "non-finite gradient", "loss spike", "loss clamped by LossClamp")
@@ -53,12 +54,174 @@ class NaNSkipConfig:
 class _Pending:
     """One optimizer step whose decision the host has not read yet (device mode)."""
 
-    code: torch.Tensor  # int32 [len(_REASONS)] on device: reasons, already reduced over ranks
-    host: torch.Tensor  # pinned CPU copy of ``code`` (filled by a non-blocking copy)
+    host: torch.Tensor  # pinned CPU copy of the float32 [len(_REASONS)] flags (filled by a non-blocking copy)
     event: torch.cuda.Event | None
     global_step: int
     batch_idx: int
     scheduler_calls: list[Callable[[], Any]] = field(default_factory=list)
+    # host numbers the step changed in param_groups (a step counter, ...): (group, key, before, after)
+    group_changes: list[tuple[dict, str, Any, Any]] = field(default_factory=list)
+
+
+def _inner_optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer] | None:
+    """The optimizers a :class:`~lightning_opt.optim.combined.CombinedOptimizer` steps, else None."""
+    from lightning_opt.optim.combined import CombinedOptimizer
+
+    return list(optimizer.optimizers) if isinstance(optimizer, CombinedOptimizer) else None
+
+
+def _host_numbers(groups: list[dict]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if type(v) in (int, float)} for g in groups]
+
+
+def _changed_numbers(groups: list[dict], before: list[dict[str, Any]]) -> list[tuple[dict, str, Any, Any]]:
+    return [(g, k, v, g[k]) for g, old in zip(groups, before) for k, v in old.items() if g.get(k, v) != v]
+
+
+@torch.no_grad()
+def flag_nonfinite(parts: list[tuple[list[torch.Tensor], torch.Tensor]], one: torch.Tensor) -> None:
+    """For each ``(tensors, flag)`` of ``parts``: set ``flag`` (a float32 element) to 1 when an element of
+    ``tensors`` is NaN or infinite. No host sync.
+
+    One fused read of all tensors of one device and dtype, whichever part they belong to:
+    ``torch._foreach_norm(ord=inf)``, whose per-tensor max-abs propagates NaN and Inf and cannot overflow for
+    finite values (the 2-norm can: a finite gradient of magnitude above ~1e19 has an infinite float32 2-norm).
+    Then one kernel per part over its per-tensor norms: ``torch._amp_foreach_non_finite_check_and_unscale_``
+    (GradScaler's check, with an inverse scale of ``one``) writes 1 into the flag when a norm is not finite.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
+    for i, (tensors, _) in enumerate(parts):
+        for t in tensors:
+            members, owners = groups.setdefault((t.device, t.dtype), ([], []))
+            members.append(t)
+            owners.append(i)
+    for (_, dtype), (members, owners) in groups.items():
+        # float32 norms for half types: the check kernel takes float, double and half on CUDA, not bfloat16
+        out = None if dtype in (torch.float32, torch.float64) else torch.float32
+        norms = torch._foreach_norm(members, float("inf"), dtype=out)
+        for i, (_, flag) in enumerate(parts):
+            mine = norms if len(parts) == 1 else [n for n, o in zip(norms, owners) if o == i]
+            if not mine:
+                continue
+            if mine[0].device != flag.device:
+                mine = [n.to(flag.device) for n in mine]
+            torch._amp_foreach_non_finite_check_and_unscale_(mine, flag, one)
+
+
+class _Leaf:
+    """An optimizer that the decision is applied to on the device: the wrapped optimizer itself, or one inner
+    optimizer of a :class:`~lightning_opt.optim.combined.CombinedOptimizer` (a fused AdamW beside a Muon)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and any(
+            g.get("fused") for g in optimizer.param_groups
+        )
+        self.snapshot: list[torch.Tensor] = []
+        self.copy = FlaggedCopy()
+        self.host_fallback_warned = False
+        self.params: list[torch.Tensor] = []  # this step's parameters with a gradient
+        self._ready: tuple[int, int] | None = None  # (state entries, params) when every param had state
+        self._device_ok: tuple[tuple[int, int], bool] | None = None
+
+    def params_with_grad(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    def state_ready(self) -> bool:
+        """Every parameter of this step has optimizer state (false before the first step: torch optimizers
+        create it lazily)."""
+        key = (len(self.optimizer.state), len(self.params))
+        if self._ready == key:
+            return True
+        state = self.optimizer.state
+        ready = all(state.get(p) for p in self.params)
+        self._ready = key if ready else None
+        return ready
+
+    def device_path_possible(self) -> bool:
+        if self.fused:
+            return True
+        key = (len(self.optimizer.state), len(self.params))
+        if self._device_ok is not None and self._device_ok[0] == key:
+            return self._device_ok[1]
+        ok = self._check_device_path()
+        self._device_ok = (key, ok)
+        return ok
+
+    def _check_device_path(self) -> bool:
+        device = self.params[0].device if self.params else None
+        for p in self.params:
+            for v in self.optimizer.state[p].values():
+                if isinstance(v, torch.Tensor) and v.device != device:
+                    where = f"keeps state on {v.device} while the parameters are on {device}"
+                elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                    where = "keeps host numbers (e.g. a Python step count) in its state"
+                else:
+                    continue
+                if not self.host_fallback_warned:
+                    warnings.warn(
+                        f"NaNSkip: {type(self.optimizer).__name__} {where}, so the skip cannot be applied "
+                        "on the device; falling back to mode='host' (one sync per step). With torch's "
+                        "Adam/AdamW/SGD, create the optimizer with fused=True (or capturable=True).",
+                        stacklevel=4,
+                    )
+                    self.host_fallback_warned = True
+                return False
+        return True
+
+    def apply(self, bad: torch.Tensor, step: Callable[[], Any]) -> Any:
+        """Run ``step`` so that it takes effect only when ``bad`` (a float32 0/1 on the device) is 0."""
+        if self.fused:
+            return self._fused_step(bad, step)
+        return self._flagged_step(bad, step)
+
+    def _fused_step(self, bad: torch.Tensor, step: Callable[[], Any]) -> Any:
+        # Fused torch optimizers accept ``found_inf``: when it is 1 the kernel leaves params and
+        # moments untouched and undoes the step-count increment. Combine with a GradScaler's flag.
+        opt = self.optimizer
+        prior = opt.__dict__.get("found_inf")
+        opt.found_inf = bad if prior is None else torch.maximum(prior.reshape(()).float(), bad)  # type: ignore[attr-defined]
+        had_scale = "grad_scale" in opt.__dict__
+        if not had_scale:
+            opt.grad_scale = None  # type: ignore[attr-defined]
+        try:
+            return step()
+        finally:
+            if prior is None:
+                del opt.found_inf  # type: ignore[attr-defined]
+            else:
+                opt.found_inf = prior  # type: ignore[attr-defined]
+            if not had_scale:
+                del opt.grad_scale  # type: ignore[attr-defined]
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        out = list(self.params)
+        for p in self.params:
+            out.extend(v for v in self.optimizer.state[p].values() if isinstance(v, torch.Tensor))
+        return out
+
+    @torch.no_grad()
+    def _flagged_step(self, bad: torch.Tensor, step: Callable[[], Any]) -> Any:
+        # Any optimizer, no sync: copy params + state aside only when the step is bad (on CUDA a kernel that
+        # reads the flag and returns when it is clear), step, copy them back only when the step was bad.
+        tensors = self._state_tensors()
+        if len(self.snapshot) != len(tensors) or any(
+            s.shape != t.shape or s.dtype != t.dtype or s.device != t.device
+            for s, t in zip(self.snapshot, tensors)
+        ):
+            self.snapshot = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+        self.copy(bad, self.snapshot, tensors, clear_may_copy=True)
+        out = step()
+        after = self._state_tensors()
+        if len(after) != len(tensors) or any(
+            a.shape != t.shape or a.dtype != t.dtype for a, t in zip(after, tensors)
+        ):
+            raise RuntimeError(
+                f"NaNSkip: {type(self.optimizer).__name__} changed its state layout during a step; "
+                "use NaNSkip(mode='host') with this optimizer."
+            )
+        self.copy(bad, after, self.snapshot)
+        return out
 
 
 class _OptimizerGuard:
@@ -71,14 +234,14 @@ class _OptimizerGuard:
         self.original_step = optimizer.step
         self.pending: _Pending | None = None
         self.last_skipped = False
-        self.snapshot: list[torch.Tensor] = []
-        self.host_fallback_warned = False
         self.host_buf: torch.Tensor | None = None
         self.host_buf_for: torch.device | None = None
         self.event: torch.cuda.Event | None = None
-        self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and any(
-            g.get("fused") for g in optimizer.param_groups
-        )
+        inner = _inner_optimizers(optimizer)
+        self.composite = inner is not None
+        self.leaves = [_Leaf(o) for o in inner] if inner is not None else [_Leaf(optimizer)]
+        self._applying: torch.Tensor | None = None  # the decision, while the wrapped step runs in device mode
+        self._inner: list[tuple[torch.optim.Optimizer, bool, Callable[..., Any]]] = []
 
         def step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
             return self.step(closure, **kwargs)
@@ -87,16 +250,37 @@ class _OptimizerGuard:
         step.__dict__.update(getattr(self.original_step, "__dict__", {}))
         setattr(step, _WRAP_TAG, self)
         optimizer.step = step  # type: ignore[method-assign]
+        if self.composite:
+            for leaf in self.leaves:
+                self._wrap_inner(leaf)
+
+    def _wrap_inner(self, leaf: _Leaf) -> None:
+        # The composite's own step calls each inner optimizer's step: each applies the decision its own way
+        # (a fused AdamW through found_inf, a Muon through the flagged copy).
+        opt = leaf.optimizer
+        original = opt.step
+
+        def step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+            bad = self._applying
+            if bad is None or closure is not None:  # not inside a wrapped step: untouched
+                return original(**kwargs) if closure is None else original(closure, **kwargs)
+            return leaf.apply(bad, lambda: original(**kwargs))
+
+        step.__dict__.update(getattr(original, "__dict__", {}))
+        self._inner.append((opt, "step" in opt.__dict__, original))
+        opt.step = step  # type: ignore[method-assign]
 
     def unwrap(self) -> None:
-        if self.had_instance_step:
-            self.optimizer.step = self.original_step  # type: ignore[method-assign]
-        else:
-            self.optimizer.__dict__.pop("step", None)
+        for opt, had, original in [(self.optimizer, self.had_instance_step, self.original_step), *self._inner]:
+            if had:
+                opt.step = original  # type: ignore[method-assign]
+            else:
+                opt.__dict__.pop("step", None)
+        self._inner = []
 
     # -- the step -------------------------------------------------------------------------------
-    def _params_with_grad(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+    def params_with_grad(self) -> list[torch.Tensor]:
+        return [p for leaf in self.leaves for p in leaf.params_with_grad()]
 
     def step(self, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
         owner = self.owner
@@ -110,7 +294,9 @@ class _OptimizerGuard:
         # a whole forward/backward of work. Reading it before the closure would drain the queue
         # every step (a per-step sync in effect: +2.5% on GPT-2 124M).
         self.resolve()
-        params = self._params_with_grad()
+        for leaf in self.leaves:
+            leaf.params = leaf.params_with_grad()
+        params = [p for leaf in self.leaves for p in leaf.params]
         if not params:  # nothing to update (all grads None): let the optimizer do its no-op
             self.original_step(**kwargs)
             return loss
@@ -118,103 +304,42 @@ class _OptimizerGuard:
         code = owner._decision(params, device)
         trainer = owner._trainer
         meta = (trainer.global_step if trainer else -1, owner._batch_idx)
-        state_empty = any(len(self.optimizer.state.get(p, {})) == 0 for p in params)
-        use_host = owner.config.mode == "host" or state_empty or not self._device_path_possible(params)
+        use_host = (
+            owner.config.mode == "host"
+            # an optimizer's first step creates its state lazily: decided on the host (one sync per run)
+            or not all(leaf.state_ready() for leaf in self.leaves if leaf.params)
+            or not all(leaf.device_path_possible() for leaf in self.leaves if leaf.params)
+        )
         if use_host:
-            # Host mode (or an optimizer's first step, whose state it creates lazily): one sync.
-            reasons = code.tolist()
+            reasons = [int(r) for r in code.tolist()]
             ok = not any(reasons)
             if ok:
                 self.original_step(**kwargs)
             owner._record(ok, reasons, *meta)
             self.last_skipped = not ok
             return loss
-        bad = code.amax()  # the reasons are 0/1 flags
-        if self.fused:
-            self._fused_step(bad, kwargs)
+        bad = code.amax()  # the reasons are 0/1 flags: 1 skips the step
+        before = _host_numbers(self.optimizer.param_groups)
+        if self.composite:
+            self._applying = bad
+            try:
+                self.original_step(**kwargs)
+            finally:
+                self._applying = None
         else:
-            self._snapshot_step(params, bad == 0, kwargs)
+            self.leaves[0].apply(bad, lambda: self.original_step(**kwargs))
+        changes = _changed_numbers(self.optimizer.param_groups, before)
         # One pinned buffer and one event, reused: the previous step's copy was read by resolve().
         if self.host_buf is None or self.host_buf_for != device:
             cuda = device.type == "cuda"
-            self.host_buf = torch.empty(len(_REASONS), dtype=torch.int32, pin_memory=cuda)
+            self.host_buf = torch.empty(len(_REASONS), dtype=torch.float32, pin_memory=cuda)
             self.event = torch.cuda.Event() if cuda else None
             self.host_buf_for = device
         self.host_buf.copy_(code, non_blocking=True)
         if self.event is not None:
             self.event.record()
-        self.pending = _Pending(code, self.host_buf, self.event, *meta)
+        self.pending = _Pending(self.host_buf, self.event, *meta, group_changes=changes)
         return loss
-
-    def _device_path_possible(self, params: list[torch.Tensor]) -> bool:
-        if self.fused:
-            return True
-        device = params[0].device
-        for p in params:
-            for v in self.optimizer.state[p].values():
-                if isinstance(v, torch.Tensor) and v.device != device:
-                    where = f"keeps state on {v.device} while the parameters are on {device}"
-                elif isinstance(v, (int, float)) and not isinstance(v, bool):
-                    where = "keeps host numbers (e.g. a Python step count) in its state"
-                else:
-                    continue
-                if not self.host_fallback_warned:
-                    warnings.warn(
-                        f"NaNSkip: {type(self.optimizer).__name__} {where}, so the skip cannot be applied "
-                        "on the device; falling back to mode='host' (one sync per step). With torch's "
-                        "Adam/AdamW/SGD, create the optimizer with fused=True (or capturable=True).",
-                        stacklevel=2,
-                    )
-                    self.host_fallback_warned = True
-                return False
-        return True
-
-    def _fused_step(self, bad: torch.Tensor, kwargs: dict[str, Any]) -> None:
-        # Fused torch optimizers accept ``found_inf``: when it is 1 the kernel leaves params and
-        # moments untouched and undoes the step-count increment. Combine with a GradScaler's flag.
-        opt = self.optimizer
-        prior = opt.__dict__.get("found_inf")
-        skip = bad.to(torch.float32)
-        opt.found_inf = skip if prior is None else torch.maximum(prior.reshape(()).float(), skip)  # type: ignore[attr-defined]
-        had_scale = "grad_scale" in opt.__dict__
-        if not had_scale:
-            opt.grad_scale = None  # type: ignore[attr-defined]
-        try:
-            self.original_step(**kwargs)
-        finally:
-            if prior is None:
-                del opt.found_inf  # type: ignore[attr-defined]
-            else:
-                opt.found_inf = prior  # type: ignore[attr-defined]
-            if not had_scale:
-                del opt.grad_scale  # type: ignore[attr-defined]
-
-    def _state_tensors(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        out = list(params)
-        for p in params:
-            out.extend(v for v in self.optimizer.state[p].values() if isinstance(v, torch.Tensor))
-        return out
-
-    @torch.no_grad()
-    def _snapshot_step(self, params: list[torch.Tensor], ok: torch.Tensor, kwargs: dict[str, Any]) -> None:
-        # Generic exact skip without a sync: copy params + state into reused buffers, step, then
-        # select old values where the step was bad. Costs one extra copy of params + state.
-        tensors = self._state_tensors(params)
-        if len(self.snapshot) != len(tensors) or any(
-            s.shape != t.shape or s.dtype != t.dtype or s.device != t.device
-            for s, t in zip(self.snapshot, tensors)
-        ):
-            self.snapshot = [torch.empty_like(t) for t in tensors]
-        torch._foreach_copy_(self.snapshot, tensors)
-        self.original_step(**kwargs)
-        after = self._state_tensors(params)
-        if len(after) != len(tensors):
-            raise RuntimeError(
-                f"NaNSkip: {type(self.optimizer).__name__} changed its state layout during a step; "
-                "use NaNSkip(mode='host') with this optimizer."
-            )
-        for t, s in zip(after, self.snapshot):
-            torch.where(ok, t, s, out=t)
 
     # -- deferred decisions -----------------------------------------------------------------------
     def resolve(self) -> None:
@@ -226,12 +351,18 @@ class _OptimizerGuard:
             # behind the event, so the device keeps working while the host waits.
             self.owner.host_waits += 1
             pending.event.synchronize()
-        reasons = pending.host.tolist()
+        reasons = [int(r) for r in pending.host.tolist()]
         ok = not any(reasons)
         self.last_skipped = not ok
         if ok:
             for call in pending.scheduler_calls:
                 call()
+        else:
+            # Host numbers the skipped step changed (Muon's steps_done, which drives its momentum warmup)
+            # go back, unless something else changed them since.
+            for group, key, old, new in pending.group_changes:
+                if group.get(key) == new:
+                    group[key] = old
         self.owner._record(ok, reasons, pending.global_step, pending.batch_idx)
 
     def scheduler_step(self, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -251,11 +382,16 @@ class NaNSkip(KeyedStateCallback):
     wrapping each optimizer's ``step`` at train start, so it needs nothing from the LightningModule
     and covers automatic and manual optimization alike. See ``docs/callbacks/nan_skip.md``.
 
+    The check is one fused read of every gradient and loss (``torch._foreach_norm(ord=inf)``) and a
+    few tiny kernels; the decision never goes through the host on the way to the optimizer.
+
     Args:
         mode: ``"device"`` (default): the decision stays on the device; fused optimizers
             (``fused=True``) skip through their ``found_inf`` input at no cost, other optimizers
-            through a snapshot of params + state (one extra copy of both in memory). ``"host"``:
-            one host-device sync per step, no extra memory, any optimizer.
+            (Muon, foreach AdamW, ...) through a copy of params + state taken and restored only on a bad
+            step (on CUDA a kernel that does nothing on a good step; one extra copy of both in memory). The
+            inner optimizers of a ``CombinedOptimizer`` (the speedrun's Muon + AdamW) each take their own
+            way. ``"host"``: one host-device sync per step, no extra memory, any optimizer.
         max_consecutive_skips: raise after this many skipped steps in a row (``None``: never).
         check_loss: skip when the training loss is not finite.
         check_grads: skip when any gradient is not finite.
@@ -301,13 +437,15 @@ class NaNSkip(KeyedStateCallback):
         self._scheduler_wraps: list[tuple[Any, type]] = []
         self._trainer: Trainer | None = None
         self._batch_idx = -1
-        self._loss_bad: torch.Tensor | None = None
+        # this step's loss values to check (as training_step made them; LossClamp hands in copies from before
+        # it clamps), read at the decision: no kernel at backward time
+        self._losses: list[torch.Tensor] = []
         self._loss_sum: torch.Tensor | None = None
         self._clamped: torch.Tensor | None = None  # LossClamp(skip_step_when_clamped=True) hit
         # This training step's decision so far: every optimizer stepped in the batch shares it.
         self._step_code: torch.Tensor | None = None
         self._spike_stats: torch.Tensor | None = None  # [mean, var, count] on device
-        self._zeros: dict[torch.device, torch.Tensor] = {}
+        self._ones: dict[torch.device, torch.Tensor] = {}  # constants, one per device (never written to)
 
     # -- hooks ----------------------------------------------------------------------------------
     @override
@@ -344,7 +482,8 @@ class NaNSkip(KeyedStateCallback):
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         loss = loss.detach()
-        self._note_loss(~torch.isfinite(loss).all())
+        if self.config.check_loss:
+            self._losses.append(loss)
         if self.config.spike_zscore is not None:  # the loss value is only needed for spikes
             value = loss.float().sum()
             self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
@@ -353,17 +492,19 @@ class NaNSkip(KeyedStateCallback):
     def on_before_zero_grad(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         # Automatic optimization zeroes grads at the start of each accumulation window: flags
         # left from a step that never reached our wrapper (a GradScaler skip) must not carry over.
-        self._loss_bad = None
+        self._losses = []
         self._loss_sum = None
         self._clamped = None
 
-    def _note_loss(self, nonfinite: torch.Tensor, clamped: torch.Tensor | None = None) -> None:
-        """ORs device flags of one backward into the pending decision (no sync).
+    def _note_loss(self, value: torch.Tensor, clamped: torch.Tensor | None = None) -> None:
+        """Adds a loss value of one backward to the checks of the pending decision, and ORs a clamp flag into
+        it (no sync).
 
-        ``LossClamp`` calls it with the loss as it was *before* clamping, so an Inf loss that it
-        clamps to a finite value is still skipped whichever of the two runs first.
+        ``LossClamp`` calls it with a copy of the loss taken *before* it clamps in place, so an Inf loss that
+        it clamps to a finite value is still skipped whichever of the two runs first.
         """
-        self._loss_bad = nonfinite if self._loss_bad is None else self._loss_bad | nonfinite
+        if self.config.check_loss:
+            self._losses.append(value)
         if clamped is not None:
             self._clamped = clamped if self._clamped is None else self._clamped | clamped
 
@@ -465,8 +606,8 @@ class NaNSkip(KeyedStateCallback):
 
     @torch.no_grad()
     def _decision(self, params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """int32 [len(_REASONS)] on ``device``, the same on every rank: (loss bad, grad bad, spike,
-        clamped), OR-ed with the earlier decisions of this training step.
+        """float32 [len(_REASONS)] 0/1 flags on ``device``, the same on every rank: (loss not finite, gradient
+        not finite, spike, clamped), OR-ed with the earlier decisions of this training step. No host sync.
 
         One training step has one decision: its first one checks the gradients of *every* wrapped
         optimizer, and each later optimizer step of the same batch (manual optimization) inherits
@@ -476,32 +617,28 @@ class NaNSkip(KeyedStateCallback):
         """
         cfg = self.config
         if self._step_code is None and len(self._guards) > 1:
-            params = [p for guard in self._guards for p in guard._params_with_grad()] or params
-        zero = self._zeros.get(device)
-        if zero is None:  # a constant, made once per device (never written to)
-            zero = self._zeros[device] = torch.zeros((), dtype=torch.bool, device=device)
-        loss_bad = zero
-        if cfg.check_loss and self._loss_bad is not None:
-            loss_bad = self._loss_bad.to(device, non_blocking=True)
-        grad_bad = zero
+            params = [p for guard in self._guards for p in guard.params_with_grad()] or params
+        one = self._ones.get(device)
+        if one is None:
+            one = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
+        code = torch.zeros(len(_REASONS), dtype=torch.float32, device=device)
+        parts: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        if cfg.check_loss and self._losses:
+            parts.append((self._losses, code[0]))
         if cfg.check_grads:
-            # inf-norm: propagates NaN/inf and cannot overflow for finite gradients (unlike the 2-norm).
-            norms = torch._foreach_norm([p.grad for p in params], float("inf"))
-            try:
-                stacked = torch.stack(norms)  # promotes mixed grad dtypes
-            except RuntimeError:  # grads on several devices
-                stacked = torch.stack([n.to(device, torch.float32) for n in norms])
-            grad_bad = ~torch.isfinite(stacked.to(device)).all()
-        clamped = zero if self._clamped is None else self._clamped.to(device, non_blocking=True)
-        spike = zero
+            parts.append(([p.grad for p in params], code[1]))
+        # one read of every gradient (and loss) together; flags set on the device
+        flag_nonfinite(parts, one)
+        if self._clamped is not None:
+            code[3].copy_(self._clamped.to(device, non_blocking=True))
         if cfg.spike_zscore is not None and self._loss_sum is not None:
-            spike = self._spike(self._loss_sum.to(device), loss_bad | grad_bad | clamped)
-        self._loss_bad = None
+            prior_bad = (code[0] + code[1] + code[3]) > 0
+            code[2].copy_(self._spike(self._loss_sum.to(device), prior_bad))
+        self._losses = []
         self._loss_sum = None
         self._clamped = None
-        code = torch.stack([loss_bad, grad_bad, spike, clamped]).to(torch.int32)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # int32 because NCCL cannot reduce bool; MAX so one rank's NaN skips the step everywhere.
+            # MAX so one rank's NaN skips the step everywhere.
             if dist.get_backend() == "nccl" and code.device.type != "cuda":
                 code = code.cuda()
             dist.all_reduce(code, op=dist.ReduceOp.MAX)
