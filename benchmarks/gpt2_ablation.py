@@ -24,7 +24,7 @@ its own classes, functions or files plus the lines that use its switch, docstrin
 the packages it needs beyond torch and lightning, and when to skip it. A row whose package is not importable
 is reported as not measured, never run on a fallback.
 
-    pip install --no-deps .whl/*.whl   # bitsandbytes, for the adamw_8bit row
+    pip install --no-deps bitsandbytes-*.whl   # for the adamw_8bit row (any way of installing it will do)
     python benchmarks/gpt2_ablation.py --data-dir .data/novels --no-report   # GPU, 5-6.5 minutes on an H100
     python benchmarks/gpt2_ablation.py --train-files 'fw/fineweb_train_*.bin' --val-files 'fw/fineweb_val_*.bin'
     python benchmarks/gpt2_ablation.py --smoke   # the builtin byte-level corpus, a tiny model, CPU
