@@ -1,30 +1,43 @@
 """Step-time overhead of the six lightning_opt callbacks, alone and together, vs none.
 
-GPT-2 124M (lightning_opt.models.gpt2), bf16-mixed, batch 16x1024, random tokens, fused AdamW
-with a per-step LR schedule, real Trainer, no compile. Every variant runs in this one process on
-the same GPU and the same model (built once; each run gets a fresh Trainer and optimizer). Step
-time is the interval between CUDA events recorded at each batch start (no per-step sync of
-ours), over ``--steps`` steps after ``--warmup``.
+Two workloads, each in this one process on one GPU, each model built once (every run gets a fresh Trainer and
+optimizer), real Trainer, no compile, bf16-mixed, ``log_every_n_steps=10``:
 
-Variants: ``none`` (the baseline), each callback alone (``nanskip``, ``lossclamp``,
-``asyncckpt``, ``evalthrottle``, ``cudamem``, ``speedmon``), ``all6``, Lightning's
-``ThroughputMonitor`` and ``all6`` with NaNSkip's host mode. Rounds are interleaved, in
-alternating order (A B C ... C B A ...), so clock/thermal drift does not favour one variant;
-each variant's overhead is the median over rounds of its ratio to ``none`` in the same round.
+* ``main``: GPT-2 124M (lightning_opt.models.gpt2), batch 16x1024 of random tokens, fused AdamW with a per-step
+  LR schedule. Variants: ``none`` (the baseline), each callback alone (``nanskip``, ``lossclamp``,
+  ``asyncckpt``, ``evalthrottle``, ``cudamem``, ``speedmon``), ``all6``, Lightning's ``ThroughputMonitor``
+  and ``all6`` with ``NaNSkip(mode="host")``.
+* ``speedrun``: the GPT-2 speedrun recipe's model and optimizer as
+  ``lightning_opt/recipes/configs/gpt2/gpt2-124m-speedrun.yaml`` builds them (``GPT2SpeedrunModule``, Muon +
+  AdamW in a ``CombinedOptimizer``, its schedule and batch, ``MatmulPrecision("high")``), compile off.
+  Variants: ``speedrun_none`` and ``speedrun_all6``.
 
-A no-sync check runs ``none`` and ``all6`` once more with (1) ``set_sync_debug_mode("error")``
-over each non-log step and (2) every host wait on a CUDA event, stream or device counted by
-phase: a wait before the step's backward is queued drains the device queue (fails the check);
-one after it leaves the device a whole backward of work (allowed, counted).
+Method. Step time is the interval between CUDA events recorded at consecutive batch starts (no sync of ours),
+over ``--steps`` steps after ``--warmup``; the interval to the end of fit is left out. The device is held busy
+for ``--prewarm-s`` seconds before the first timed run. In each round the baseline runs before every
+``--per-baseline`` variants and after the last one, and the variant order alternates between rounds
+(A B C, C B A). A run's overhead is its median step over the baseline interpolated linearly between the
+baseline runs around it (run order), so drift of the device's clocks between runs cancels to first order. A
+variant's overhead is the median of its per-round overheads; the JSON keeps every round's value, their range
+and standard deviation, and the same from mean step times ("mean-based": log and GC steps count in full).
 
-    python benchmarks/callbacks_overhead.py                          # CUDA, ~3 min on an H100
-    python benchmarks/callbacks_overhead.py --variants none,nanskip,all6 --rounds 6
-    python benchmarks/callbacks_overhead.py --smoke                  # CPU, seconds
+Also measured, same process: what NaNSkip's check costs on the device for the model's gradients (one fused
+read) and what its flagged copy costs on a good and on a bad step for the speedrun's Muon parameters and
+momentum; a skip check (a NaN loss at one step: parameters and optimizer state bit-identical across it, Muon's
+step counter not advanced) for both workloads; and a no-sync check of ``none``, ``all6`` and
+``speedrun_all6``: ``set_sync_debug_mode("error")`` over every non-log step and every host wait on a CUDA
+event, stream or device counted by phase (a wait before the step's backward is queued drains the device queue
+and fails the check; one after it leaves the device a backward of work).
+
+    python benchmarks/callbacks_overhead.py                # CUDA, about 4 minutes on an H100
+    python benchmarks/callbacks_overhead.py --variants none,nanskip,all6 --rounds 8 --no-speedrun
+    python benchmarks/callbacks_overhead.py --smoke        # CPU, tiny models, seconds
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -37,22 +50,34 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import yaml
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from result_header import result_header  # noqa: E402
+from result_header import RESULTS, device_slug, result_header  # noqa: E402
 
 from lightning_opt.callbacks import (  # noqa: E402
     AsyncCheckpoint,
     CudaMemoryHygiene,
     EvalThrottle,
     LossClamp,
+    MatmulPrecision,
     NaNSkip,
     SpeedMonitor,
 )
+from lightning_opt.callbacks._flagged_copy import FlaggedCopy  # noqa: E402
+from lightning_opt.callbacks.nan_skip import flag_nonfinite  # noqa: E402
 from lightning_opt.models.gpt2 import GPT, GPTConfig  # noqa: E402
 
+LOG_EVERY = 10
+SPEEDRUN_YAML = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "lightning_opt", "recipes", "configs", "gpt2",
+    "gpt2-124m-speedrun.yaml",
+)
 
+
+# -- workloads -------------------------------------------------------------------------------------------------
 def gpt_config(smoke: bool) -> GPTConfig:
     if smoke:
         return GPTConfig(vocab_size=256, n_layer=2, n_head=2, n_embd=64, block_size=32)
@@ -60,17 +85,22 @@ def gpt_config(smoke: bool) -> GPTConfig:
 
 
 class BenchModule(pl.LightningModule):
-    """GPT-2 with fused AdamW and a per-step LR schedule; ``flops_per_batch`` set (6 N tokens)."""
+    """GPT-2 with fused AdamW and a per-step LR schedule; ``flops_per_batch`` set (6 N tokens). ``nan_at``: a
+    global step whose loss is made NaN (the skip check)."""
 
-    def __init__(self, cfg: GPTConfig, batch_size: int) -> None:
+    def __init__(self, cfg: GPTConfig, batch_size: int, nan_at: int | None = None) -> None:
         super().__init__()
         self.model = GPT(cfg)
         n_params = sum(p.numel() for p in self.model.parameters())
         self.flops_per_batch = 6 * n_params * batch_size * cfg.block_size
+        self.nan_at = nan_at
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return self.model(x, y)
+        loss = self.model(x, y)
+        if self.nan_at is not None and self.trainer.global_step == self.nan_at:
+            loss = loss * float("nan")
+        return loss
 
     def configure_optimizers(self) -> Any:
         fused = torch.cuda.is_available()
@@ -100,8 +130,44 @@ class RandomTokens:
             yield self.pool[i % len(self.pool)]
 
 
+def speedrun_settings(smoke: bool) -> dict[str, Any]:
+    """The speedrun recipe's ``model`` section (compile off) and its batch, from the YAML; shrunk for --smoke."""
+    with open(SPEEDRUN_YAML) as f:
+        cfg = yaml.safe_load(f)
+    model = dict(cfg["model"])
+    model["compile"] = False
+    data = cfg["data"]
+    batch, seq = int(data["batch_size"]), int(data["seq_len"])
+    if smoke:  # tiny and without layer 7 (which the speedrun drops attention from)
+        model["model_config"] = {**model["model_config"], "n_layer": 2, "n_head": 2, "n_embd": 64,
+                                 "block_size": 32, "vocab_size": 256, "skip_attn_layers": [],
+                                 "n_value_embeds": 1}
+        batch, seq = 2, 32
+    return {"model": model, "batch_size": batch, "seq_len": seq,
+            "vocab_size": int(model["model_config"]["vocab_size"])}
+
+
+def speedrun_module(settings: dict[str, Any], nan_at: int | None = None) -> pl.LightningModule:
+    from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
+
+    class SpeedrunBench(GPT2SpeedrunModule):
+        """The recipe's module; ``nan_at``: a global step whose loss is made NaN (the skip check)."""
+
+        def compute_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = super().compute_loss(x, y)
+            if self.nan_at is not None and self.trainer.global_step == self.nan_at:
+                loss = loss * float("nan")
+            return loss
+
+    torch.manual_seed(0)
+    module = SpeedrunBench(**settings["model"])
+    module.nan_at = nan_at
+    return module
+
+
+# -- timing and checks -----------------------------------------------------------------------------------------
 class StepTimer(pl.Callback):
-    """CUDA events at each batch start; intervals read after fit (no per-step sync)."""
+    """A CUDA event (a host clock on CPU) at each batch start; intervals read after fit (no per-step sync)."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
@@ -115,18 +181,11 @@ class StepTimer(pl.Callback):
         else:
             self.events.append(time.perf_counter())
 
-    def on_train_end(self, trainer, pl_module):
+    def step_ms(self, warmup: int, steps: int) -> list[float]:
+        """The ``steps`` intervals between the batch starts ``warmup .. warmup + steps``."""
+        ev = self.events[warmup : warmup + steps + 1]
         if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.events.append(e)
             torch.cuda.synchronize()
-        else:
-            self.events.append(time.perf_counter())
-
-    def step_ms(self, warmup: int) -> list[float]:
-        ev = self.events[warmup:]
-        if self.cuda:
             return [a.elapsed_time(b) for a, b in zip(ev, ev[1:])]
         return [(b - a) * 1e3 for a, b in zip(ev, ev[1:])]
 
@@ -142,7 +201,7 @@ class SyncGuard:
     run meanwhile). Log steps (every ``log_every`` steps) are left out: reads are allowed there.
     """
 
-    def __init__(self, after: int, log_every: int = 10) -> None:
+    def __init__(self, after: int, log_every: int = LOG_EVERY) -> None:
         self.after, self.log_every = after, log_every
         self.checked = 0
         self.active = False
@@ -213,10 +272,65 @@ class SyncGuard:
         self._orig = []
 
 
-def six_callbacks(tmpdir: str) -> list[pl.Callback]:
-    return [make(tmpdir) for make in SINGLES.values()]
+def _leaf_optimizers(trainer: pl.Trainer) -> list[torch.optim.Optimizer]:
+    out = []
+    for opt in trainer.optimizers:
+        out.extend(getattr(opt, "optimizers", None) or [opt])
+    return out
 
 
+def _optimizer_tensors(trainer: pl.Trainer) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for opt in _leaf_optimizers(trainer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                out.append(p.detach().clone())
+                out.extend(v.clone() for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor))
+    return out
+
+
+class SkipProbe(pl.Callback):
+    """Parameters and optimizer state before and after global step ``at`` (whose loss is NaN), and the host
+    step counters in the param groups (Muon's ``steps_done``) before it and after the next step."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.before: list[torch.Tensor] = []
+        self.after: list[torch.Tensor] = []
+        self.counters: list[Any] = []
+
+    def _steps_done(self, trainer: pl.Trainer) -> list[int]:
+        return [g["steps_done"] for o in _leaf_optimizers(trainer) for g in o.param_groups if "steps_done" in g]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at:
+            self.before = _optimizer_tensors(trainer)
+            self.counters.append(self._steps_done(trainer))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        # global_step counts optimizer steps, skipped ones too: step ``at`` ends at at + 1
+        if trainer.global_step == self.at + 1:
+            self.after = _optimizer_tensors(trainer)
+        elif trainer.global_step == self.at + 2:  # Muon's counter is put back when the next step reads the flag
+            self.counters.append(self._steps_done(trainer))
+
+    def result(self, skip: NaNSkip) -> dict[str, Any]:
+        same = len(self.before) == len(self.after) > 0 and all(
+            torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+            for a, b in zip(self.before, self.after)
+        )
+        counters_ok = len(self.counters) == 2 and all(b == a + 1 for a, b in zip(*self.counters))
+        return {
+            "ok": bool(same and counters_ok and skip.skipped_total == 1),
+            "tensors_compared": len(self.before),
+            "bit_identical_across_the_skipped_step": bool(same),
+            "muon_steps_done_before_and_after_the_next_step": self.counters,
+            "skipped": skip.skipped_total,
+            "steps_seen": skip.steps_seen,
+        }
+
+
+# -- variants --------------------------------------------------------------------------------------------------
 SINGLES: dict[str, Callable[[str], pl.Callback]] = {
     "nanskip": lambda d: NaNSkip(),
     "lossclamp": lambda d: LossClamp(),
@@ -230,8 +344,12 @@ SINGLES: dict[str, Callable[[str], pl.Callback]] = {
     ),
     "evalthrottle": lambda d: EvalThrottle(every_n_steps=10**9),
     "cudamem": lambda d: CudaMemoryHygiene(gc_every_n_steps=25),
-    "speedmon": lambda d: SpeedMonitor(log_every_n_steps=10),
+    "speedmon": lambda d: SpeedMonitor(log_every_n_steps=LOG_EVERY),
 }
+
+
+def six_callbacks(tmpdir: str) -> list[pl.Callback]:
+    return [make(tmpdir) for make in SINGLES.values()]
 
 
 def throughput_monitor() -> list[pl.Callback]:
@@ -247,21 +365,28 @@ VARIANTS: dict[str, Callable[[str], list[pl.Callback]]] = {
     "lightning_throughput_monitor": lambda d: throughput_monitor(),
     "all6_nanskip_host_mode": lambda d: [NaNSkip(mode="host"), *six_callbacks(d)[1:]],
 }
+# the recipe's own callback (float32 matmuls on TF32) is in both speedrun variants: it is not one of the six
+SPEEDRUN_VARIANTS: dict[str, Callable[[str], list[pl.Callback]]] = {
+    "speedrun_none": lambda d: [MatmulPrecision(precision="high")],
+    "speedrun_all6": lambda d: [MatmulPrecision(precision="high"), *six_callbacks(d)],
+}
 
 
 def run_variant(
     name: str,
     module: pl.LightningModule,
     callbacks: list[pl.Callback],
-    args: argparse.Namespace,
+    data: Callable[[int], Any],
+    warmup: int,
+    steps: int,
     tmpdir: str,
     first: list[pl.Callback] = (),
     last: list[pl.Callback] = (),
 ) -> dict[str, Any]:
+    """One fit of ``warmup + steps + 1`` steps; the step times of the ``steps`` after the warm-up."""
     cuda = torch.cuda.is_available()
-    cfg = gpt_config(args.smoke)
     timer = StepTimer(cuda)
-    n = args.warmup + args.steps
+    n = warmup + steps + 1
     trainer = pl.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=1,
@@ -271,17 +396,16 @@ def run_variant(
         limit_val_batches=0,
         num_sanity_val_steps=0,
         logger=pl.loggers.CSVLogger(os.path.join(tmpdir, "logs"), name=name),
-        log_every_n_steps=10,
+        log_every_n_steps=LOG_EVERY,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=any(isinstance(c, pl.callbacks.Checkpoint) for c in callbacks),
         callbacks=[timer, *first, *callbacks, *last],
     )
-    trainer.fit(
-        module, train_dataloaders=RandomTokens(n + 1, args.batch_size, cfg.block_size, cfg.vocab_size)
-    )
-    ms = timer.step_ms(args.warmup)
+    trainer.fit(module, train_dataloaders=data(n + 1))
+    ms = timer.step_ms(warmup, steps)
     out: dict[str, Any] = {
+        "optimizer": repr(trainer.optimizers[0]) if trainer.optimizers else None,
         "median_step_ms": statistics.median(ms),
         "mean_step_ms": statistics.fmean(ms),
         "steps": len(ms),
@@ -293,212 +417,422 @@ def run_variant(
         if isinstance(c, NaNSkip):
             out["nan_skip"] = {"skipped": c.skipped_total, "host_waits": c.host_waits, "steps": c.steps_seen}
     del trainer
-    if cuda:
-        torch.cuda.empty_cache()
+    gc.collect()
     return out
 
 
-def quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    i = (len(xs) - 1) * q
-    lo, hi = int(i), min(int(i) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+def schedule(variants: list[str], baseline: str, rounds: int, per_baseline: int) -> list[tuple[int, str]]:
+    """(round, variant) in run order: the baseline before every ``per_baseline`` variants and after the last
+    (a round starts with the previous round's last baseline run); the variants' order alternates between
+    rounds."""
+    order: list[tuple[int, str]] = []
+    others = [v for v in variants if v != baseline]
+    for rnd in range(rounds):
+        seq = others if rnd % 2 == 0 else others[::-1]
+        for i, name in enumerate(seq):
+            if i % per_baseline == 0 and not (order and order[-1][1] == baseline):
+                order.append((rnd, baseline))
+            order.append((rnd, name))
+        order.append((rnd, baseline))
+    return order
 
 
-def summarize(results: dict[str, Any]) -> None:
-    """Per variant: median of round medians, spread, and the paired per-round ratio to ``none``."""
-    base_rounds = results.get("none", {}).get("rounds", [])
-    for r in results.values():
-        rounds = r["rounds"]
-        if not rounds:
+def _interpolated(runs: list[dict[str, Any]], i: int, baseline: str, key: str) -> float | None:
+    """The baseline's ``key`` at run ``i``: linear in run order between the nearest baseline runs around it."""
+    before = next((j for j in range(i - 1, -1, -1) if runs[j]["variant"] == baseline and key in runs[j]), None)
+    after = next((j for j in range(i + 1, len(runs)) if runs[j]["variant"] == baseline and key in runs[j]), None)
+    if before is None and after is None:
+        return None
+    if before is None or after is None:
+        return runs[before if after is None else after][key]
+    a, b = runs[before][key], runs[after][key]
+    return a + (b - a) * (i - before) / (after - before)
+
+
+def _spread(xs: list[float]) -> dict[str, Any]:
+    return {
+        "median": statistics.median(xs),
+        "mean": statistics.fmean(xs),
+        "min": min(xs),
+        "max": max(xs),
+        "stdev": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+        "n": len(xs),
+    }
+
+
+def summarize(runs: list[dict[str, Any]], baseline: str) -> dict[str, Any]:
+    """Per variant: its runs, and its overhead over the interpolated baseline (median, mean, range, stdev)."""
+    for i, r in enumerate(runs):
+        if r["variant"] == baseline or "median_step_ms" not in r:
             continue
-        meds = [x["median_step_ms"] for x in rounds]
-        pooled = [t for x in rounds for t in x["step_ms"]]
-        r["median_step_ms"] = statistics.median(meds)
-        r["mean_step_ms"] = statistics.fmean(pooled)
-        r["round_medians_ms"] = meds
-        r["spread_ms"] = {
-            "round_median_min": min(meds),
-            "round_median_max": max(meds),
-            "pooled_p25": quantile(pooled, 0.25),
-            "pooled_p75": quantile(pooled, 0.75),
+        for key, label in (("median_step_ms", "overhead"), ("mean_step_ms", "overhead_mean_based")):
+            base = _interpolated(runs, i, baseline, key)
+            if base:
+                r[f"baseline_{key}"] = base
+                r[label] = r[key] / base - 1
+    out: dict[str, Any] = {}
+    for name in dict.fromkeys(r["variant"] for r in runs):
+        mine = [r for r in runs if r["variant"] == name]
+        ok = [r for r in mine if "median_step_ms" in r]
+        entry: dict[str, Any] = {"runs": mine}
+        if ok:
+            meds = [r["median_step_ms"] for r in ok]
+            pooled = sorted(t for r in ok for t in r["step_ms"])
+            entry["median_step_ms"] = statistics.median(meds)
+            entry["mean_step_ms"] = statistics.fmean([r["mean_step_ms"] for r in ok])
+            entry["spread_ms"] = {
+                "run_median_min": min(meds),
+                "run_median_max": max(meds),
+                "pooled_p25": pooled[len(pooled) // 4],
+                "pooled_p75": pooled[(3 * len(pooled)) // 4],
+            }
+        ov = [r["overhead"] for r in ok if "overhead" in r]
+        if ov:
+            entry["overhead_vs_none"] = statistics.median(ov)
+            entry["overhead_vs_none_rounds"] = ov
+            entry["overhead_spread"] = _spread(ov)
+            om = [r["overhead_mean_based"] for r in ok if "overhead_mean_based" in r]
+            entry["overhead_vs_none_mean_based"] = statistics.median(om)
+            entry["overhead_mean_based_spread"] = _spread(om)
+        elif name == baseline and ok:
+            entry["overhead_vs_none"] = 0.0
+        errors = [r["error"] for r in mine if "error" in r]
+        if errors:
+            entry["errors"] = errors
+        out[name] = entry
+    return out
+
+
+def run_section(
+    variants: dict[str, Callable[[str], list[pl.Callback]]],
+    chosen: list[str],
+    baseline: str,
+    module: pl.LightningModule,
+    data: Callable[[int], Any],
+    per_baseline: int,
+    rounds: int,
+    warmup: int,
+    steps: int,
+    tmpdir: str,
+    t_start: float,
+    label: str,
+) -> list[dict[str, Any]]:
+    runs: list[dict[str, Any]] = []
+    order = schedule(chosen, baseline, rounds, per_baseline)
+    for i, (rnd, name) in enumerate(order):
+        entry: dict[str, Any] = {"variant": name, "round": rnd, "order": i}
+        try:
+            entry.update(run_variant(name, module, variants[name](tmpdir), data, warmup, steps, tmpdir))
+        except Exception as err:  # one failing variant must not kill the others
+            if torch.cuda.is_available():
+                torch.cuda.set_sync_debug_mode("default")
+            entry["error"] = f"{type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}"
+        runs.append(entry)
+        if i + 1 == len(order) or order[i + 1][0] != rnd:
+            print(f"{label}: round {rnd + 1}/{rounds} done at {time.perf_counter() - t_start:.0f} s", flush=True)
+    return runs
+
+
+def prewarm(module: pl.LightningModule, data: Callable[[int], Any], seconds: float, step_s: float,
+            tmpdir: str) -> float:
+    """Untimed steps: CUDA context, cuBLAS handles, Triton kernels and the device's clocks settle here."""
+    t0 = time.perf_counter()
+    steps = max(3, int(seconds / max(step_s, 1e-3)))
+    run_variant("prewarm", module, [NaNSkip(), LossClamp()], data, 1, steps, tmpdir)
+    return time.perf_counter() - t0
+
+
+def no_sync_check(
+    names: list[str],
+    variants: dict[str, Callable[[str], list[pl.Callback]]],
+    module: pl.LightningModule,
+    data: Callable[[int], Any],
+    warmup: int,
+    steps: int,
+    tmpdir: str,
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in names:
+        guard = SyncGuard(after=warmup)
+        try:
+            run = run_variant("sync_check", module, variants[name](tmpdir), data, warmup, steps, tmpdir,
+                              first=[guard.opener], last=[guard.closer])
+            out[name] = {
+                "ok": not guard.bubbles and guard.checked > 0,
+                "steps_checked": guard.checked,
+                "bubbles": guard.bubbles[:5],
+                "n_bubbles": len(guard.bubbles),
+                "waits_after_backward_queued": guard.queued_waits,
+                "nan_skip": run.get("nan_skip"),
+            }
+        except Exception as err:
+            torch.cuda.set_sync_debug_mode("default")
+            guard._unpatch()
+            out[name] = {"ok": False, "error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
+    return out
+
+
+def skip_check(module: pl.LightningModule, data: Callable[[int], Any], tmpdir: str, at: int = 4) -> dict[str, Any]:
+    """A NaN loss at global step ``at`` with the six callbacks: the step is skipped bit-exactly."""
+    probe, callbacks = SkipProbe(at), six_callbacks(tmpdir)
+    skip = next(c for c in callbacks if isinstance(c, NaNSkip))
+    module.nan_at = at
+    try:
+        run_variant("skip_check", module, [*callbacks, probe], data, 1, at + 3, tmpdir)
+        return probe.result(skip)
+    except Exception as err:
+        return {"ok": False, "error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
+    finally:
+        module.nan_at = None
+
+
+def _time_ms(fn: Callable[[], Any], reps: int) -> float:
+    """Median device time of ``fn`` (CUDA events per call) or host time on CPU, after one untimed call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def check_costs(main: pl.LightningModule | None, speedrun: pl.LightningModule | None, reps: int) -> dict[str, Any]:
+    """NaNSkip's device work in isolation: the check on the model's gradients (float32, like under bf16-mixed)
+    and the flagged copy of the speedrun's Muon parameters and momentum on a good and a bad step."""
+    out: dict[str, Any] = {}
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if main is not None:
+        grads = [torch.randn_like(p) for p in main.parameters()]
+        loss = torch.tensor(3.0, device=dev)
+        one = torch.ones((), device=dev)
+        nbytes = sum(g.numel() * g.element_size() for g in grads)
+
+        def check() -> None:
+            flags = torch.zeros(2, device=dev)
+            flag_nonfinite([([loss], flags[0]), (grads, flags[1])], one)
+
+        norm_ms = _time_ms(lambda: torch._foreach_norm(grads, float("inf")), reps)
+        out["main_gradient_check"] = {
+            "tensors": len(grads),
+            "gradient_bytes": nbytes,
+            "foreach_norm_inf_ms": norm_ms,
+            "read_GB_per_s": nbytes / (norm_ms * 1e-3) / 1e9,
+            "nan_skip_check_ms": _time_ms(check, reps),
         }
-        pairs = [
-            (x["median_step_ms"], b["median_step_ms"], x["mean_step_ms"], b["mean_step_ms"])
-            for x, b in zip(rounds, base_rounds)
-            if x.get("round") == b.get("round")
-        ]
-        if pairs:
-            ratios = [a / b - 1 for a, b, _, _ in pairs]
-            r["overhead_vs_none"] = statistics.median(ratios)
-            r["overhead_vs_none_rounds"] = ratios
-            r["overhead_vs_none_mean_based"] = statistics.median([a / b - 1 for _, _, a, b in pairs])
+        del grads
+    if speedrun is not None:
+        hidden = [p.detach() for p in speedrun.model.hidden_matrices()]
+        live = [*hidden, *[torch.zeros_like(p) for p in hidden]]  # parameters + Muon momentum
+        snap = [torch.empty_like(t) for t in live]
+        copy = FlaggedCopy()
+        good, bad = torch.zeros((), device=dev), torch.ones((), device=dev)
+        nbytes = sum(t.numel() * t.element_size() for t in live)
+        out["speedrun_muon_flagged_copy"] = {
+            "tensors": len(live),
+            "bytes": nbytes,
+            "good_step_ms": _time_ms(lambda: copy(good, snap, live), reps),
+            "uses_kernel": copy.uses_kernel,
+            "bad_step_ms": _time_ms(lambda: copy(bad, snap, live), 3),
+        }
+    return out
 
 
-def main() -> None:
+# -- the report ------------------------------------------------------------------------------------------------
+def attribution(summary: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for name, r in summary.items():
+        if "overhead_vs_none" not in r:
+            continue
+        item = {"median_step_ms": r.get("median_step_ms"), "overhead_vs_none": r["overhead_vs_none"]}
+        if "overhead_spread" in r:
+            sp = r["overhead_spread"]
+            item["overhead_range_over_rounds"] = [sp["min"], sp["max"]]
+            item["overhead_stdev_over_rounds"] = sp["stdev"]
+            item["overhead_vs_none_mean_based"] = r["overhead_vs_none_mean_based"]
+        out[name] = item
+    return out
+
+
+def print_table(title: str, summary: dict[str, Any]) -> None:
+    print(f"\n{title}")
+    print(f"{'variant':30s} {'median ms':>10s} {'overhead':>9s} {'rounds min..max':>17s} {'sd':>6s} {'mean-based':>10s}")
+    for name, r in summary.items():
+        if "median_step_ms" not in r:
+            print(f"{name:30s} ERROR {(r.get('errors') or ['?'])[0][:100]}")
+            continue
+        line = f"{name:30s} {r['median_step_ms']:10.2f} "
+        sp = r.get("overhead_spread")
+        if sp:
+            line += (f"{r['overhead_vs_none'] * 100:+8.2f}% {sp['min'] * 100:+7.2f}..{sp['max'] * 100:+6.2f}% "
+                     f"{sp['stdev'] * 100:5.2f}% {r['overhead_vs_none_mean_based'] * 100:+9.2f}%")
+        else:
+            line += "  baseline"
+        print(line + ("  (errors)" if r.get("errors") else ""))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few steps")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--smoke", action="store_true", help="tiny models on CPU, a few steps")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run (main)")
+    p.add_argument("--warmup", type=int, default=4, help="untimed steps at the start of each run")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument(
-        "--variants",
-        default=",".join(VARIANTS),
-        help=f"comma-separated subset of {', '.join(VARIANTS)} ('none' is always run: the baseline)",
-    )
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--per-baseline", type=int, default=3, help="variants between two baseline runs")
+    p.add_argument("--prewarm-s", type=float, default=8.0, help="seconds of untimed training before the rounds")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {', '.join(VARIANTS)} ('none' is always run: the baseline)")
+    p.add_argument("--no-speedrun", action="store_true", help="leave out the speedrun-recipe workload")
+    p.add_argument("--speedrun-rounds", type=int, default=3)
+    p.add_argument("--speedrun-steps", type=int, default=10)
+    p.add_argument("--speedrun-warmup", type=int, default=3)
     p.add_argument("--no-sync-check", action="store_true", help="skip the no-sync check runs")
-    p.add_argument(
-        "--out",
-        default=os.path.join(
-            os.path.dirname(os.path.abspath(__file__)), "results", "callbacks_overhead.json"
-        ),
-    )
-    args = p.parse_args()
+    p.add_argument("--out", default=None,
+                   help="result file (default: benchmarks/results/callbacks_overhead_<device>.json)")
+    args = p.parse_args(argv)
     chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in chosen if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
-    chosen = ["none", *[v for v in chosen if v != "none"]]
+    chosen = ["none", *dict.fromkeys(v for v in chosen if v != "none")]
+    cuda = torch.cuda.is_available() and not args.smoke
     if args.smoke:
-        args.steps, args.warmup, args.batch_size = 6, 2, 2
-        args.rounds = min(args.rounds, 2)
-        if args.out.endswith("callbacks_overhead.json"):
-            args.out = args.out.replace(".json", "_smoke.json")
+        args.steps, args.warmup, args.batch_size, args.rounds, args.prewarm_s = 3, 1, 2, 1, 0.0
+        args.speedrun_rounds, args.speedrun_steps, args.speedrun_warmup = 1, 2, 1
     elif not torch.cuda.is_available():
         sys.exit("callbacks_overhead: needs a CUDA GPU (or pass --smoke)")
-    if torch.cuda.is_available():
+    if args.out is None:
+        args.out = os.path.join(RESULTS, "callbacks_overhead_smoke.json" if args.smoke
+                                else f"callbacks_overhead_{device_slug()}.json")
+    if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
 
+    t_start = time.perf_counter()
     cfg = gpt_config(args.smoke)
     torch.manual_seed(0)
     module = BenchModule(cfg, args.batch_size)  # one model for every run: no rebuild per variant
-    t_start = time.perf_counter()
-    results: dict[str, Any] = {name: {"rounds": []} for name in chosen}
-    with tempfile.TemporaryDirectory() as tmpdir:
-        # Untimed run first: CUDA context, cuBLAS handles and kernels' first launches land here.
-        run_variant("prewarm", module, [], args, tmpdir)
-        for rnd in range(args.rounds):
-            order = chosen if rnd % 2 == 0 else chosen[::-1]  # A B C, C B A: linear drift cancels
-            for name in order:
-                try:
-                    out = run_variant(name, module, VARIANTS[name](tmpdir), args, tmpdir)
-                    out["round"] = rnd
-                    results[name]["rounds"].append(out)
-                except Exception as err:  # one failing variant must not kill the others
-                    if torch.cuda.is_available():
-                        torch.cuda.set_sync_debug_mode("default")
-                    results[name].setdefault("errors", []).append(
-                        f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
-                    )
-            print(f"round {rnd + 1}/{args.rounds} done at {time.perf_counter() - t_start:.0f} s", flush=True)
-        sync_check: dict[str, Any] = {}
-        if torch.cuda.is_available() and not args.no_sync_check:
-            # "none" is the control: a sync there comes from Lightning or the model, not from us.
-            for name in ("none", "all6"):
-                guard = SyncGuard(after=args.warmup)
-                cbs = VARIANTS[name](tmpdir)
-                try:
-                    out = run_variant(
-                        "sync_check", module, cbs, args, tmpdir, first=[guard.opener], last=[guard.closer]
-                    )
-                    sync_check[name] = {
-                        "ok": not guard.bubbles,
-                        "steps_checked": guard.checked,
-                        "bubbles": guard.bubbles[:5],
-                        "n_bubbles": len(guard.bubbles),
-                        "waits_after_backward_queued": guard.queued_waits,
-                        "nan_skip": out.get("nan_skip"),
-                    }
-                except Exception as err:
-                    torch.cuda.set_sync_debug_mode("default")
-                    guard._unpatch()
-                    sync_check[name] = {
-                        "ok": False,
-                        "error": f"{type(err).__name__}: {err}",
-                        "trace": traceback.format_exc()[-3000:],
-                    }
-    summarize(results)
-    wall = time.perf_counter() - t_start
-    attribution = {
-        name: {
-            "median_step_ms": r["median_step_ms"],
-            "overhead_vs_none": r["overhead_vs_none"],
-            "overhead_range_over_rounds": [
-                min(r["overhead_vs_none_rounds"]),
-                max(r["overhead_vs_none_rounds"]),
-            ],
-        }
-        for name, r in results.items()
-        if "overhead_vs_none" in r
-    }
-    singles = [attribution[n]["overhead_vs_none"] for n in SINGLES if n in attribution]
-    if len(singles) == len(SINGLES):
-        attribution["sum_of_the_six_alone"] = {"overhead_vs_none": sum(singles)}
 
-    report = {
-        **result_header("callbacks_overhead"),
+    def main_data(n: int) -> RandomTokens:
+        return RandomTokens(n, args.batch_size, cfg.block_size, cfg.vocab_size)
+
+    report: dict[str, Any] = {**result_header("callbacks_overhead", cuda)}
+    sections: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmpdir:
+        warm_s = prewarm(module, main_data, args.prewarm_s, 0.055, tmpdir)
+        print(f"prewarm: {warm_s:.0f} s", flush=True)
+        runs = run_section(VARIANTS, chosen, "none", module, main_data, args.per_baseline, args.rounds, args.warmup,
+                           args.steps, tmpdir, t_start, "main")
+        sections["main"] = {"runs_in_order": [(r["round"], r["variant"]) for r in runs],
+                            "summary": summarize(runs, "none")}
+        sync = {}
+        if cuda and not args.no_sync_check:
+            sync.update(no_sync_check(["none", "all6"], VARIANTS, module, main_data, args.warmup, args.steps,
+                                      tmpdir))
+        checks = {"main": skip_check(module, main_data, tmpdir)}
+        costs = check_costs(module, None, 20 if cuda else 2)
+        if cuda:
+            module.cpu()
+        del module
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+        if not args.no_speedrun:
+            settings = speedrun_settings(args.smoke)
+            sr = speedrun_module(settings)
+
+            def sr_data(n: int) -> RandomTokens:
+                return RandomTokens(n, settings["batch_size"], settings["seq_len"], settings["vocab_size"])
+
+            t0 = time.perf_counter()
+            run_variant("prewarm", sr, SPEEDRUN_VARIANTS["speedrun_all6"](tmpdir), sr_data, 1,
+                        2 if args.smoke else 6, tmpdir)
+            print(f"speedrun prewarm: {time.perf_counter() - t0:.0f} s", flush=True)
+            sr_runs = run_section(SPEEDRUN_VARIANTS, list(SPEEDRUN_VARIANTS), "speedrun_none", sr, sr_data,
+                                  1, args.speedrun_rounds, args.speedrun_warmup,
+                                  args.speedrun_steps, tmpdir, t_start, "speedrun")
+            sections["speedrun"] = {
+                "config": os.path.relpath(SPEEDRUN_YAML, os.path.join(os.path.dirname(__file__), "..")),
+                "batch": f"{settings['batch_size']}x{settings['seq_len']}",
+                "optimizer": next((r["optimizer"] for r in sr_runs if "optimizer" in r), None),
+                "runs_in_order": [(r["round"], r["variant"]) for r in sr_runs],
+                "summary": summarize(sr_runs, "speedrun_none"),
+            }
+            if cuda and not args.no_sync_check:
+                sync.update(no_sync_check(["speedrun_none", "speedrun_all6"], SPEEDRUN_VARIANTS, sr, sr_data,
+                                          args.speedrun_warmup, args.speedrun_steps, tmpdir))
+            checks["speedrun"] = skip_check(sr, sr_data, tmpdir)
+            costs.update(check_costs(None, sr, 20 if cuda else 2))
+    wall = time.perf_counter() - t_start
+
+    main_summary = sections["main"]["summary"]
+    attr = attribution(main_summary)
+    singles = [attr[n]["overhead_vs_none"] for n in SINGLES if n in attr]
+    if len(singles) == len(SINGLES):
+        attr["sum_of_the_six_alone"] = {"overhead_vs_none": sum(singles)}
+    report.update({
         "config": {
             "model": "GPT-2 124M" if not args.smoke else "tiny (smoke)",
             "batch": f"{args.batch_size}x{cfg.block_size}",
-            "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
-            "optimizer": "AdamW fused" if torch.cuda.is_available() else "AdamW",
+            "precision": "bf16-mixed" if cuda else "32-true",
+            "optimizer": "AdamW fused" if cuda else "AdamW",
             "steps": args.steps,
             "warmup": args.warmup,
             "rounds": args.rounds,
-            "log_every_n_steps": 10,
+            "per_baseline": args.per_baseline,
+            "prewarm_s": args.prewarm_s,
+            "speedrun": None if args.no_speedrun else {"rounds": args.speedrun_rounds, "steps": args.speedrun_steps,
+                                                      "warmup": args.speedrun_warmup},
+            "log_every_n_steps": LOG_EVERY,
             "compile": False,
-            "round_order": "alternating (forward, then reversed)",
+            "round_order": "alternating (forward, then reversed); the baseline before every per_baseline variants "
+                           "and at the end of each round",
         },
         "baseline": "none",
-        "overhead_definition": "median over rounds of (variant median step / none median step, same round) - 1",
-        "attribution": attribution,
-        "results": results,
-        "no_sync_check": sync_check,
-        "target": "all6 overhead_vs_none <= 0.01",
+        "overhead_definition": "median over rounds of (run median step / baseline median step interpolated in run "
+                               "order between the baseline runs around it) - 1",
+        "attribution": attr,
+        "results": {name: r for name, r in main_summary.items()},
+        "speedrun": sections.get("speedrun"),
+        "speedrun_attribution": attribution(sections["speedrun"]["summary"]) if "speedrun" in sections else None,
+        "device_costs": costs,
+        "skip_check": checks,
+        "no_sync_check": sync,
+        "target": "all6 overhead_vs_none <= 0.005",
         "wall_s": wall,
-    }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    })
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2, default=str)
 
-    print(f"\nPer-callback attribution ({report['device']}, {args.rounds} rounds x {args.steps} steps)")
-    print(
-        f"{'variant':30s} {'median ms':>10s} {'overhead':>9s} {'rounds min..max':>17s} "
-        f"{'mean-based':>10s} {'p25..p75 ms':>15s}"
-    )
-    for name, r in results.items():
-        if "median_step_ms" not in r:
-            print(f"{name:30s} ERROR {r.get('errors', ['?'])[0][:100]}")
-            continue
-        ov = r.get("overhead_vs_none")
-        rr = r.get("overhead_vs_none_rounds") or [0.0]
-        sp = r["spread_ms"]
-        print(
-            f"{name:30s} {r['median_step_ms']:10.2f} "
-            + (
-                f"{ov * 100:+8.2f}% {min(rr) * 100:+7.2f}..{max(rr) * 100:+6.2f}% "
-                if ov is not None
-                else " " * 28
-            )
-            + (f"{r['overhead_vs_none_mean_based'] * 100:+9.2f}% " if ov is not None else " " * 11)
-            + f"{sp['pooled_p25']:7.2f}..{sp['pooled_p75']:.2f}"
-            + ("  (errors)" if r.get("errors") else "")
-        )
-    if len(singles) == len(SINGLES) and "all6" in attribution:
-        print(
-            f"sum of the six alone: {sum(singles) * 100:+.2f}%   all6 together: "
-            f"{results['all6']['overhead_vs_none'] * 100:+.2f}%   (target <= +1.00%)"
-        )
-    for name, r in sync_check.items():
+    n_rounds = args.rounds
+    print_table(f"Main: {report['device']}, {n_rounds} rounds x {args.steps} steps", main_summary)
+    if len(singles) == len(SINGLES) and "all6" in attr:
+        print(f"sum of the six alone: {sum(singles) * 100:+.2f}%   all6 together: "
+              f"{attr['all6']['overhead_vs_none'] * 100:+.2f}%   (target <= +0.50%)")
+    if "speedrun" in sections:
+        print_table(f"Speedrun recipe: {args.speedrun_rounds} rounds x {args.speedrun_steps} steps",
+                    sections["speedrun"]["summary"])
+    for name, c in costs.items():
+        print(f"{name}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in c.items()))
+    for name, c in checks.items():
+        print(f"skip check, {name}: {'ok' if c.get('ok') else 'FAILED'} {({k: v for k, v in c.items() if k != 'ok'})}")
+    for name, r in sync.items():
         if "error" in r:
             print(f"no-sync check, {name}: FAILED {r['error'][:200]}")
         else:
-            print(
-                f"no-sync check, {name}: {'ok' if r['ok'] else 'FAILED'} ({r['steps_checked']} non-log steps, "
-                f"{r['n_bubbles']} waits before backward was queued, {r['waits_after_backward_queued']} after)"
-            )
+            print(f"no-sync check, {name}: {'ok' if r['ok'] else 'FAILED'} ({r['steps_checked']} non-log steps, "
+                  f"{r['n_bubbles']} waits before backward was queued, {r['waits_after_backward_queued']} after)")
     print(f"wrote {args.out} ({wall:.0f} s)")
+    return report
 
 
 if __name__ == "__main__":
