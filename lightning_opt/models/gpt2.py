@@ -436,6 +436,11 @@ def linear_maybe_fp8(lin: nn.Linear, x: torch.Tensor, fp8: bool, x_scale: float 
         return lin(x)
     y = fp8_linear(x, lin.weight, x_scale=x_scale, grad_scale=mean_loss_grad_scale(math.prod(x.shape[:-1])),
                    backward_fast_accum=backward_fast_accum)
+    # the dtype lin(x) would give: bfloat16 under bf16 autocast (no copy), x's dtype without autocast (so q/k
+    # meet a float32 v, or a float32 residual, in float32)
+    dev = x.device.type
+    want = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    y = y.to(want)
     return y if lin.bias is None else y + lin.bias
 
 

@@ -367,3 +367,30 @@ def test_flex_backend_model_trains_on_cpu_with_documents():
     torch.testing.assert_close(loss, ref(x, x.roll(-1, 1)), atol=1e-5, rtol=1e-5)
     loss.backward()
     assert model.blocks[0].attn.c_attn.weight.grad is not None
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fp8_projections_return_the_dtype_the_plain_layer_would(autocast):
+    """FP8 attention and MLP projections with value embeddings, in float32 and under bf16 autocast: the
+    projections hand back what ``nn.Linear`` would (float32 without autocast), so q/k meet a float32 v."""
+    from tests.ops.test_cross_entropy import _fp8_supported
+
+    if not _fp8_supported():
+        pytest.skip("torch._scaled_mm (fp8) not available")
+    import yaml
+
+    from lightning_opt.recipes import CONFIGS
+
+    torch.manual_seed(0)
+    raw = yaml.safe_load((CONFIGS / "gpt2" / "gpt2-124m-speedrun.yaml").read_text())["model"]["model_config"]
+    raw.update(n_layer=6, n_head=2, n_embd=64, block_size=16, vocab_size=64, vocab_multiple=1, skip_attn_layers=[3])
+    cfg = GPTConfig(**raw)  # the speedrun architecture (value embeddings, x0 mixing) at a tiny size
+    ref = GPT(cfg)
+    fp8 = GPT(cfg, GPTExecution(attn_fp8=True, mlp_fp8=True))
+    fp8.load_state_dict(ref.state_dict())
+    x = torch.randint(0, 64, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        a, b = ref(x, x.roll(-1, 1)), fp8(x, x.roll(-1, 1))
+    b.backward()
+    assert torch.isfinite(b) and abs(a.item() - b.item()) < 0.05 * a.item()
+    assert fp8.blocks[0].attn.c_attn.weight.grad is not None
