@@ -5,15 +5,22 @@ Nothing of theirs is copied here: their modules are imported from the checkout. 
 Python 3.13; on older Pythons a small import hook rewrites PEP 695 generics (``def f[T](...)``,
 ``class C[T]:``) to ``TypeVar`` form while loading, and ``typing.override`` is taken from
 ``typing_extensions``. ``wandb`` and other logging-only packages they import at module level are
-replaced by inert stubs when missing (the training step never calls them). ``einops`` and
-``jaxtyping`` are needed for real: ``pip install --target .peers/site einops jaxtyping``.
+replaced by inert stubs when missing (the training step never calls them). ``pydantic``, ``einops`` and
+``jaxtyping`` (with their own dependencies) are needed for real.
 
-Setup (once, on a machine with internet; then carry ``.peers/``):
-    git clone https://github.com/goodfire-ai/spd .peers/spd
-    pip download einops jaxtyping pydantic --only-binary=:all: -d .peers/wheels   # per target Python
+Setup (once, where git and pip reach the internet; then carry ``.peers/spd`` and ``.peers/wheels``, about 7 MB):
+    git clone https://github.com/goodfire-ai/spd /tmp/spd && git -C /tmp/spd archive HEAD spd pyproject.toml LICENSE \
+        | tar -x -C .peers/spd && git -C /tmp/spd rev-parse HEAD > .peers/spd/COMMIT
+    pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux2014_x86_64 -d .peers/wheels pydantic==2.11.9 pydantic-core==2.33.2 \
+        annotated-types==0.7.0 typing-inspection==0.4.1 einops jaxtyping wadler-lindig
 
-Missing pure-Python / binary dependencies are unpacked from ``.peers/wheels`` (wheels matching this
-interpreter) into ``.peers/site-cpXY`` at import time, so a machine without internet works.
+Their ``pyproject.toml`` asks for ``pydantic<2.12``, ``einops``, ``jaxtyping`` (and logging / app packages the step
+never calls). A GPU image with torch, einops and jaxtyping but no pydantic needs the four pydantic wheels above
+(one ``pydantic_core`` wheel per Python version). Missing pure-Python / binary dependencies are unpacked from
+``.peers/wheels`` (wheels matching this interpreter) into ``.peers/site-cpXY`` at import time, so a machine without
+internet works; when something is still missing, :func:`install` raises and the benchmark records the peer as not
+runnable, with the reason.
 """
 
 from __future__ import annotations
@@ -184,6 +191,10 @@ def install() -> list[str]:
     if PEER_SITE.exists() and str(PEER_SITE) not in sys.path:
         sys.path.append(str(PEER_SITE))
     _unpack_missing_wheels()
+    still_missing = [m for m in _REAL_DEPS if importlib.util.find_spec(m) is None]
+    if still_missing:
+        raise ImportError(f"goodfire spd needs {still_missing}, neither installed nor in {PEER_WHEELS} as wheels for "
+                          f"this Python ({sys.version_info.major}.{sys.version_info.minor}); see this file's setup")
     import typing
 
     if not hasattr(typing, "override"):
@@ -241,6 +252,7 @@ def build_step(target: Any, module_info: list[tuple[str, int]], config: dict[str
     ).to(device)
     adapter = TypeAdapter(Annotated[LossMetricConfigType, Field(discriminator="classname")])
     loss_cfgs = [adapter.validate_python(dict(c)) for c in config["loss_metric_configs"]]
+    active = {"loss_cfgs": loss_cfgs}
     params = []
     for name in model.target_module_paths:
         params += list(model.components[name].parameters()) + list(model.ci_fns[name].parameters())
@@ -257,7 +269,7 @@ def build_step(target: Any, module_info: list[tuple[str, int]], config: dict[str
             out = model(batch, cache_type="input")
             ci = model.calc_causal_importances(pre_weight_acts=out.cache, detach_inputs=False, sampling="continuous")
             total, _terms = compute_total_loss(
-                loss_metric_configs=loss_cfgs,
+                loss_metric_configs=active["loss_cfgs"],
                 model=model,
                 batch=batch,
                 ci=ci,
@@ -277,7 +289,12 @@ def build_step(target: Any, module_info: list[tuple[str, int]], config: dict[str
         state["step"] += 1
         return total.detach()  # their compute_total_loss and calc_ci_l_zero already read values back (.item())
 
+    def set_pgd(on: bool) -> None:
+        """Their loss list with (``on``) or without the PGD terms: the same model and optimizer."""
+        active["loss_cfgs"] = loss_cfgs if on else [c for c in loss_cfgs if not c.classname.startswith("PGD")]
+
     step.model = model  # type: ignore[attr-defined]
+    step.set_pgd = set_pgd  # type: ignore[attr-defined]
     return step
 
 

@@ -1,34 +1,44 @@
 """SPD training-step time: ours (lightning_opt) side by side with goodfire's ``spd`` in one run.
 
-    python benchmarks/spd_step.py                 # CUDA: full measurement -> benchmarks/results/spd_step.json
-    python benchmarks/spd_step.py --smoke         # CPU, tiny sizes, ~30 s: checks that every variant runs
+    python benchmarks/spd_step.py             # CUDA: -> benchmarks/results/spd_step_gpt2_layer_<device>.json
+    python benchmarks/spd_step.py --smoke     # CPU, tiny sizes: checks that every variant runs
 
-Workloads (same target weights, same hyperparameters for both implementations):
+Workloads (same target weights, same batches, same hyperparameters for both implementations; each workload's
+``differences`` in the JSON lists what still differs):
 
+* ``gpt2_layer`` (default): one MLP of GPT-2 small (124M shape, random weights: the GPU machine has no hub access),
+  ``blocks.6.mlp.c_fc`` / ``c_proj`` at C=3072, as ``spd_gpt2_layer.yaml`` decomposes it: batch 8 x 512 tokens,
+  shared CI MLP [1024], importance p 2 -> 0.5 (1e-3), stochastic + layerwise + PGD reconstruction (KL on the
+  logits; PGD one signed-gradient step of 0.1 from a random start, one adversary for the batch).
 * ``resid_mlp1``: the paper's 1-layer residual MLP (100 features, d_embed 1000, 50 neurons), C=100 on
   ``mlp_in`` and ``mlp_out``, scalar CI MLPs [16], importance p=2 (1e-5) + stochastic + layerwise
-  reconstruction (MSE), batch 2048: goodfire's ``resid_mlp1_config.yaml``.
+  reconstruction (MSE), batch 2048: goodfire's ``resid_mlp1_config.yaml``; with a ``parity`` check.
 * ``lm``: our GPT (4 layers, d 256, vocab 4096, seq 128, batch 16) with MLP and attention projections
   decomposed, shared CI MLP [550], importance p 2->0.3 with the log term, stochastic-subset and
   PGD-subset reconstruction (KL), faithfulness 1e6: goodfire's ``ss_llama_simple_mlp`` recipe scaled down.
-* ``gpt2_layer`` (not in the default list: ``--workloads gpt2_layer``): one MLP of GPT-2 small (124M shape,
-  random weights), ``blocks.6.mlp.c_fc`` / ``c_proj`` at C=3072, as ``spd_gpt2_layer.yaml`` decomposes it
-  (batch 8 x 512 tokens, stochastic + layerwise + PGD reconstruction, KL).
 
 Variants, in the order they run (headline first, so a short budget still gives the goal ratio):
 
-1. ``peer_bf16`` (their ComponentModel + ``compute_total_loss`` + AdamW, bf16 autocast as their default),
-   ``ours_eager_bf16``, ``ours_compiled_bf16`` (``torch.compile`` of the whole loss + fused AdamW);
-   then the ``parity`` check on ``resid_mlp1`` (their parameters copied into ours: same CI and losses).
-2. ablations: ``peer_fp32``, ``ours_eager_fp32``, ``ours_eager_fp32_sync`` (reads the loss back every
-   step; their loop reads every term and CI-L0), ``*_nopgd`` (PGD terms dropped, LM only).
-3. ``ours_compiled_fp32`` (a second compile; runs only if the budget allows).
+1. ``peer_bf16`` (their ComponentModel + ``compute_total_loss`` + AdamW, bf16 autocast as their default; their
+   training has no compile option), ``ours_eager_bf16``, ``ours_regional_bf16`` (``SPDTrainConfig.compile=
+   "regional"``: the target's repeated blocks, the masked linear layers and the KL compiled once each, fused
+   AdamW); then the ``parity`` check on ``resid_mlp1``.
+2. ablations: ``peer_fp32``, ``ours_eager_fp32``, ``ours_eager_fp32_sync`` (reads the loss back every step, as
+   their loop reads every term and CI-L0).
+3. ``ours_regional_fp32`` (a second compile).
+4. ``ours_full_bf16`` (``compile="full"``: the whole step as one graph, for its compile time; ``--no-full-compile``
+   skips it).
 
-Each variant runs under its own time limit (SIGALRM, so a slow ``torch.compile`` is cut off too) inside
-a global budget; an error or timeout is recorded in its row and the run goes on. The JSON is rewritten
-after every variant, so a run killed from outside still leaves its numbers. Host syncs per step are
-counted with ``torch.cuda.set_sync_debug_mode``. Needs ``.peers/spd`` (their checkout) and
-``.peers/wheels`` (pydantic, einops, jaxtyping wheels, unpacked on first use into ``.peers/site-cpXY``).
+Every variant with PGD is timed a second time without its PGD terms (same module and optimizer, nothing
+recompiled): ``step_ms_nopgd``, ``pgd_ms`` (PGD cost per step), ``pgd_share``. Compiled variants report
+``compile_s`` (first step minus a timed step), the regions compiled, graphs and graph breaks. Each variant runs
+under its own time limit (SIGALRM, so a slow ``torch.compile`` is cut off too and recorded as timed out) inside a
+global budget (270 s by default: the whole run stays under 5 minutes); an error or timeout is recorded in its row
+and the run goes on. The JSON is rewritten after every variant, so a run killed from outside still leaves its
+numbers; its ``summary`` holds best peer vs best ours against the goal (``--goal``, ``--compile-limit-s``). Host
+syncs per step are counted with ``torch.cuda.set_sync_debug_mode``. The peer needs ``.peers/spd`` (their checkout)
+and ``.peers/wheels`` (pydantic and its dependencies, unpacked on first use): see ``spd_peer_runner.py``; without
+them the JSON records the peer as not runnable, with the reason.
 """
 
 from __future__ import annotations
@@ -36,7 +46,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import dataclasses
 import gc
 import json
 import platform
@@ -56,7 +65,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import spd_peer_runner as peer  # noqa: E402
-from result_header import result_header  # noqa: E402
+from result_header import device_slug, result_header  # noqa: E402
 
 from lightning_opt.models import spd as S  # noqa: E402
 from lightning_opt.modules.spd import PGDConfig, SPDLossConfig, SPDModule, SPDTrainConfig  # noqa: E402
@@ -148,7 +157,7 @@ def gpt2_layer(device: str, smoke: bool) -> dict[str, Any]:
     from lightning_opt.models.gpt2 import GPT, GPTConfig
 
     if smoke:
-        shape = {"vocab_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16}
+        shape = {"vocab_size": 64, "n_layer": 3, "n_head": 2, "n_embd": 32, "block_size": 16}
         bs, T, C, hid, layer = 2, 16, 16, [16], 1
     else:
         shape = {"block_size": 512}  # GPT-2 small otherwise
@@ -165,6 +174,16 @@ def gpt2_layer(device: str, smoke: bool) -> dict[str, Any]:
         stochastic_recon=1.0, stochastic_recon_layerwise=1.0, pgd_recon=1.0,
         pgd=PGDConfig(n_steps=1, step_size=0.1, init="random", scope="shared"), output="kl",
     )
+    differences = [
+        "theirs reads every loss term and each layer's CI-L0 back to the host every step (.item()), and asserts on "
+        "the PGD sources (a device sync); ours keeps them on the device",
+        f"theirs attaches forward hooks per pass and recomputes the frozen blocks before block {layer} in every masked "
+        f"pass; ours replaces the two layers once and reuses the target pass' outputs of blocks 0-{layer - 1} (the "
+        "same values)",
+        "theirs computes the target's log-softmax in every KL term; ours once per step (the same values)",
+        "initial V, U and CI weights are drawn by each implementation's own initialisation (same shapes)",
+        "ours compiled variants use fused AdamW; their loop uses torch's default AdamW (foreach)",
+    ]
     theirs = {
         "ci_fn_type": "shared_mlp",
         "ci_fn_hidden_dims": hid,
@@ -180,7 +199,8 @@ def gpt2_layer(device: str, smoke: bool) -> dict[str, Any]:
              "mask_scope": "shared_across_batch"},
         ],
     }
-    return {"target": target, "batches": batches, "patterns": patterns, "spd": spd, "loss": loss, "lr": 5e-4, "theirs": theirs}
+    return {"target": target, "batches": batches, "patterns": patterns, "spd": spd, "loss": loss, "lr": 5e-4, "theirs": theirs,
+            "differences": differences}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -189,47 +209,56 @@ def gpt2_layer(device: str, smoke: bool) -> dict[str, Any]:
 
 
 def our_step(
-    w: dict[str, Any], device: str, bf16: bool, compiled: bool, steps: int, smoke: bool = False,
-    sync_each_step: bool = False, no_pgd: bool = False,
+    w: dict[str, Any], device: str, bf16: bool, compile_mode: str, steps: int, smoke: bool = False,
+    sync_each_step: bool = False,
 ) -> Any:
     """One of our training steps (forward, every loss term, backward, AdamW) as a closure.
 
-    ``sync_each_step`` reads the loss back to the host every step, as goodfire's loop does (ablation
-    for "fewer syncs"); ``no_pgd`` drops the PGD terms (ablation for their cost).
+    ``compile_mode`` is ``SPDTrainConfig.compile`` (``none``, ``regional`` or ``full``), applied by the module
+    itself (:meth:`SPDModule.apply_compile`); ``step.compiled`` lists what it compiled. ``sync_each_step`` reads
+    the loss back to the host every step, as goodfire's loop does (ablation for "fewer syncs");
+    ``step.set_pgd(False)`` drops the PGD terms (their cost: the same module, nothing recompiled under regional
+    compilation).
     """
     loss = copy.deepcopy(w["loss"])
-    if no_pgd:
-        loss = dataclasses.replace(loss, pgd_recon=0.0, pgd_recon_subset=0.0)
     m = SPDModule(
         target=copy.deepcopy(w["target"]),
         spd=copy.deepcopy(w["spd"]),
         loss=loss,
-        train=SPDTrainConfig(lr=w["lr"], autocast_bf16=bf16, faithfulness_warmup_steps=0),
+        # smoke: trace with dynamo (graph breaks, guards) but skip inductor's slow CPU code generation
+        train=SPDTrainConfig(lr=w["lr"], autocast_bf16=bf16, faithfulness_warmup_steps=0, compile=compile_mode,
+                             compile_backend="eager" if smoke else "inductor"),
     ).to(device)
     params = m.spd.component_parameters() + m.spd.ci_parameters()
-    fused = compiled and device.startswith("cuda")
+    fused = compile_mode != "none" and device.startswith("cuda")
     opt = torch.optim.AdamW(params, lr=w["lr"], weight_decay=0.0, fused=fused)
-    # smoke: trace with dynamo (graph breaks, guards) but skip inductor's slow CPU code generation
-    fn = torch.compile(m.compute_losses, backend="eager" if smoke else "inductor") if compiled else m.compute_losses
+    compiled = m.apply_compile()
     frac = torch.zeros((), device=device)
     state = {"step": 0}
+    pgd_coeffs = {k: getattr(loss, k) for k in ("pgd_recon", "pgd_recon_subset")}
 
     def step(batch: Any) -> Any:
         frac.fill_(state["step"] / steps)
-        total, _terms = fn(batch, frac)
+        total, _terms = m.losses(batch, frac)
         opt.zero_grad(set_to_none=True)
         total.backward()
         opt.step()
         state["step"] += 1
         return float(total.detach()) if sync_each_step else total.detach()
 
+    def set_pgd(on: bool) -> None:
+        for k, v in pgd_coeffs.items():
+            setattr(m.loss_cfg, k, v if on else 0.0)
+
+    step.compiled = compiled  # type: ignore[attr-defined]
+    step.set_pgd = set_pgd  # type: ignore[attr-defined]
+    # the whole-step graph guards on the loss coefficients: switching PGD off there recompiles all of it
+    step.pgd_switch_recompiles = compile_mode == "full"  # type: ignore[attr-defined]
     return step
 
 
-def peer_step(w: dict[str, Any], device: str, bf16: bool, no_pgd: bool = False) -> Any:
+def peer_step(w: dict[str, Any], device: str, bf16: bool) -> Any:
     cfg = dict(w["theirs"], autocast_bf16=bf16)
-    if no_pgd:
-        cfg["loss_metric_configs"] = [c for c in cfg["loss_metric_configs"] if not c["classname"].startswith("PGD")]
     return peer.build_step(copy.deepcopy(w["target"]).to(device), w["patterns"], cfg, device)
 
 
@@ -329,12 +358,37 @@ def time_limit(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
+def _timed(step: Any, batches: list[Any], device: str, iters: int, measure_s: float) -> tuple[int, float, Any]:
+    """Time up to ``iters`` steps, in synced chunks of 5, stopping after ``measure_s`` seconds: (steps, ms/step, last)."""
+    _sync(device)
+    done, last, t0 = 0, None, time.perf_counter()
+    while done < iters:
+        for _ in range(min(5, iters - done)):
+            last = step(batches[done % len(batches)])
+            done += 1
+        _sync(device)
+        if time.perf_counter() - t0 > measure_s:
+            break
+    return done, 1000 * (time.perf_counter() - t0) / done, last
+
+
+def _dynamo_counts() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) so far in this process (reset between variants)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0)), int(sum(counters["graph_break"].values()))
+
+
 def run_variant(
-    name: str, make: Any, w: dict[str, Any], device: str, warmup: int, iters: int, budget_s: float, measure_s: float
+    name: str, make: Any, w: dict[str, Any], device: str, warmup: int, iters: int, budget_s: float, measure_s: float,
+    pgd_share: bool = False,
 ) -> dict[str, Any]:
     """Build, warm up (compiles here), count syncs, then time up to ``iters`` steps or ``measure_s`` seconds.
 
-    The whole variant runs under ``budget_s``; any error or timeout is recorded in the row, never raised.
+    ``first_step_s`` is the first step's wall time (compilation included: ``compile_s`` is it minus one timed
+    step). With ``pgd_share`` (and a step that can switch its PGD terms off without recompiling), the same step is
+    timed again without PGD: ``step_ms_nopgd``, ``pgd_ms`` (the PGD cost per step) and ``pgd_share``. The whole
+    variant runs under ``budget_s``; any error or timeout is recorded in the row, never raised.
     """
     row: dict[str, Any] = {"variant": name, "budget_s": round(budget_s, 1)}
     batches = w["batches"]
@@ -342,28 +396,37 @@ def run_variant(
     step = None
     try:
         preimport_compile_stack()  # never under the alarm (see its docstring)
+        torch._dynamo.utils.counters.clear()
         with time_limit(budget_s):
             step = make()
+            row["build_s"] = round(time.perf_counter() - t_start, 2)
+            if getattr(step, "compiled", None):
+                row["compiled"] = list(step.compiled)
             last = None
             for i in range(warmup):
+                t_first = time.perf_counter()
                 last = step(batches[i % len(batches)])
-            _sync(device)
+                _sync(device)
+                if i == 0:
+                    row["first_step_s"] = round(time.perf_counter() - t_first, 2)
             row["setup_and_warmup_s"] = round(time.perf_counter() - t_start, 2)
             row["syncs_per_step"] = count_syncs(step, batches[0], device)
-            _sync(device)
-            done, t0 = 0, time.perf_counter()
-            while done < iters:  # chunks of 5 steps, synced, so the timed part also respects measure_s
-                for _ in range(min(5, iters - done)):
-                    last = step(batches[done % len(batches)])
-                    done += 1
-                _sync(device)
-                if time.perf_counter() - t0 > measure_s:
-                    break
-            row["timed_iters"] = done
-            row["step_ms"] = 1000 * (time.perf_counter() - t0) / done
+            done, ms, last = _timed(step, batches, device, iters, measure_s)
+            row["timed_iters"], row["step_ms"] = done, ms
             row["final_loss"] = float(last) if last is not None else None
+            if "first_step_s" in row:
+                row["compile_s"] = round(max(row["first_step_s"] - ms / 1000, 0.0), 2)
+            row["graphs"], row["graph_breaks"] = _dynamo_counts()
             if device.startswith("cuda"):
                 row["peak_mem_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+            if pgd_share and hasattr(step, "set_pgd") and not getattr(step, "pgd_switch_recompiles", False):
+                step.set_pgd(False)
+                step(batches[0])  # a step without PGD first (allocator, any new region variant)
+                done, ms_nopgd, _ = _timed(step, batches, device, iters, measure_s)
+                step.set_pgd(True)
+                row["step_ms_nopgd"] = ms_nopgd
+                row["pgd_ms"] = ms - ms_nopgd
+                row["pgd_share"] = ms / ms_nopgd
     except Exception as err:  # one failing variant must not kill the others
         row["error"] = f"{type(err).__name__}: {err}"
         row["traceback"] = traceback.format_exc()[-2000:]
@@ -385,45 +448,81 @@ def run_variant(
 
 # (ratio name, numerator variant, denominator variant): numerator time / denominator time
 RATIOS = [
-    ("goal: peer_bf16 / ours_compiled_bf16 (both at their defaults)", "peer_bf16", "ours_compiled_bf16"),
-    ("peer_fp32 / ours_compiled_bf16", "peer_fp32", "ours_compiled_bf16"),
+    ("goal: peer_bf16 / ours_regional_bf16 (both at their defaults)", "peer_bf16", "ours_regional_bf16"),
+    ("peer_fp32 / ours_regional_bf16", "peer_fp32", "ours_regional_bf16"),
     ("peer_bf16 / ours_eager_bf16 (no compile)", "peer_bf16", "ours_eager_bf16"),
-    ("structure (module replacement, cached target weights, fused unmasked path; both read values back every step, fp32 eager)",
+    ("structure (module replacement, cached target weights, prefix replay; both read values back every step, fp32 eager)",
      "peer_fp32", "ours_eager_fp32_sync"),
     ("fewer syncs (ours fp32 eager: loss read every step / never)", "ours_eager_fp32_sync", "ours_eager_fp32"),
     ("bf16 autocast, ours eager (fp32 / bf16)", "ours_eager_fp32", "ours_eager_bf16"),
     ("bf16 autocast, peer (fp32 / bf16)", "peer_fp32", "peer_bf16"),
-    ("compile + fused AdamW, bf16 (eager / compiled)", "ours_eager_bf16", "ours_compiled_bf16"),
-    ("compile + fused AdamW, fp32 (eager / compiled)", "ours_eager_fp32", "ours_compiled_fp32"),
-    ("bf16 autocast, ours compiled (fp32 / bf16)", "ours_compiled_fp32", "ours_compiled_bf16"),
-    ("PGD share, ours (step with PGD / without)", "ours_eager_bf16", "ours_eager_bf16_nopgd"),
-    ("PGD share, peer (step with PGD / without)", "peer_bf16", "peer_bf16_nopgd"),
+    ("regional compile + fused AdamW, bf16 (eager / compiled)", "ours_eager_bf16", "ours_regional_bf16"),
+    ("regional compile + fused AdamW, fp32 (eager / compiled)", "ours_eager_fp32", "ours_regional_fp32"),
+    ("bf16 autocast, ours compiled (fp32 / bf16)", "ours_regional_fp32", "ours_regional_bf16"),
+    ("whole-step graph vs regional, bf16 (full / regional)", "ours_full_bf16", "ours_regional_bf16"),
 ]
 
 
 def speedups(rows: list[dict[str, Any]]) -> dict[str, float]:
     by = {r["variant"]: r for r in rows if "step_ms" in r}
     out = {name: by[a]["step_ms"] / by[b]["step_ms"] for name, a, b in RATIOS if a in by and b in by}
-    peers = [r["step_ms"] for n, r in by.items() if n.startswith("peer") and "nopgd" not in n]
-    ours = [r["step_ms"] for n, r in by.items() if n.startswith("ours") and "nopgd" not in n and "sync" not in n]
+    peers = [r["step_ms"] for n, r in by.items() if n.startswith("peer")]
+    ours = [r["step_ms"] for n, r in by.items() if n.startswith("ours") and "sync" not in n]
     if peers and ours:
         out["best peer / best ours"] = min(peers) / min(ours)
     return out
 
 
+def summary(rows: list[dict[str, Any]], goal_ratio: float, compile_limit_s: float) -> dict[str, Any]:
+    """The headline: best peer vs best ours (which variants, the ratio, the goal), our best compile time, and
+    the PGD cost per step of each implementation's best variant."""
+    by = {r["variant"]: r for r in rows if "step_ms" in r}
+    peers = {n: r for n, r in by.items() if n.startswith("peer")}
+    ours = {n: r for n, r in by.items() if n.startswith("ours") and "sync" not in n}
+    out: dict[str, Any] = {}
+    if ours:
+        best = min(ours, key=lambda n: ours[n]["step_ms"])
+        out["best_ours"] = {"variant": best, "step_ms": ours[best]["step_ms"]}
+        compiled = {n: r["compile_s"] for n, r in ours.items() if r.get("compiled") and "compile_s" in r}
+        if compiled:
+            out["ours_compile_s"] = compiled
+            out[f"ours_best_compile_within_{compile_limit_s:.0f}_s"] = (
+                compiled.get(best, 0.0) <= compile_limit_s)
+        if "pgd_ms" in ours[best]:
+            out["best_ours"].update(pgd_ms=ours[best]["pgd_ms"], pgd_share=ours[best]["pgd_share"])
+    if peers:
+        best = min(peers, key=lambda n: peers[n]["step_ms"])
+        out["best_peer"] = {"variant": best, "step_ms": peers[best]["step_ms"]}
+        if "pgd_ms" in peers[best]:
+            out["best_peer"].update(pgd_ms=peers[best]["pgd_ms"], pgd_share=peers[best]["pgd_share"])
+    if ours and peers:
+        ratio = out["best_peer"]["step_ms"] / out["best_ours"]["step_ms"]
+        out["best_vs_best"] = ratio
+        out[f"best_vs_best_at_least_{goal_ratio:g}x"] = ratio >= goal_ratio
+    timed_out = [r["variant"] for r in rows if str(r.get("error", "")).startswith("timeout")]
+    if timed_out:
+        out["timed_out"] = timed_out
+    return out
+
+
 def print_table(results: dict[str, Any]) -> None:
     print(f"\nSPD step time on {results['device']} (torch {results['torch']})", flush=True)
-    print(f"{'workload':<12}{'variant':<24}{'ms/step':>9}{'iters':>6}{'syncs':>6}{'setup s':>8}{'loss':>11}  note")
+    print(f"{'workload':<12}{'variant':<22}{'ms/step':>9}{'no PGD':>9}{'iters':>6}{'syncs':>6}{'compile s':>10}"
+          f"{'loss':>11}  note")
     for wname, res in results["workloads"].items():
         for r in res["rows"]:
             ms = f"{r['step_ms']:.2f}" if "step_ms" in r else "-"
+            nopgd = f"{r['step_ms_nopgd']:.2f}" if "step_ms_nopgd" in r else "-"
             syncs = "-" if r.get("syncs_per_step") is None else str(r["syncs_per_step"])
-            setup = f"{r['setup_and_warmup_s']:.1f}" if "setup_and_warmup_s" in r else "-"
+            comp = f"{r['compile_s']:.1f}" if r.get("compiled") and "compile_s" in r else "-"
             loss = f"{r['final_loss']:.4g}" if r.get("final_loss") is not None else "-"
             note = (r.get("error") or r.get("skipped") or "")[:60]
-            print(f"{wname:<12}{r['variant']:<24}{ms:>9}{r.get('timed_iters', '-'):>6}{syncs:>6}{setup:>8}{loss:>11}  {note}")
+            print(f"{wname:<12}{r['variant']:<22}{ms:>9}{nopgd:>9}{r.get('timed_iters', '-'):>6}{syncs:>6}{comp:>10}"
+                  f"{loss:>11}  {note}")
         for k, v in res.get("speedup", {}).items():
             print(f"{'':<12}{v:6.2f}x  {k}")
+        if res.get("summary"):
+            print(f"{'':<12}summary: {json.dumps(res['summary'])}")
         if "parity" in res:
             print(f"{'':<12}parity (same parameters, ours vs theirs): {json.dumps(res['parity'])[:300]}")
 
@@ -444,16 +543,21 @@ def _versions() -> dict[str, str | None]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU-sized shapes and 2 iterations")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "spd_step.json"))
+    ap.add_argument("--out", default=None,
+                    help="result JSON (default benchmarks/results/spd_step_<workloads>_<device>.json, _smoke with --smoke)")
     ap.add_argument("--iters", type=int, default=50, help="timed steps per variant (at most)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (torch.compile compiles here)")
     ap.add_argument("--measure-s", type=float, default=4.0, help="stop timing a variant after this many seconds")
-    ap.add_argument("--budget-s", type=float, default=200.0, help="whole run, from start to JSON; later variants are skipped")
-    ap.add_argument("--eager-budget-s", type=float, default=30.0, help="one eager variant (build, warmup, timing)")
-    ap.add_argument("--compile-budget-s", type=float, default=90.0, help="one compiled variant, compile included")
-    ap.add_argument("--workloads", default="resid_mlp1,lm", help="comma-separated: resid_mlp1, lm, gpt2_layer")
+    ap.add_argument("--budget-s", type=float, default=270.0, help="whole run, from start to JSON; later variants are skipped")
+    ap.add_argument("--eager-budget-s", type=float, default=40.0, help="one eager variant (build, warmup, timing)")
+    ap.add_argument("--compile-budget-s", type=float, default=90.0,
+                    help="one compiled variant, compile and timing included (a longer one is recorded as timed out)")
+    ap.add_argument("--compile-limit-s", type=float, default=60.0, help="the compile time the summary checks against")
+    ap.add_argument("--goal", type=float, default=4.0, help="best peer / best ours ratio the summary checks against")
+    ap.add_argument("--workloads", default="gpt2_layer", help="comma-separated: gpt2_layer, resid_mlp1, lm")
     ap.add_argument("--no-peer", action="store_true", help="skip goodfire's spd")
     ap.add_argument("--no-ablations", action="store_true", help="only the headline variants")
+    ap.add_argument("--no-full-compile", action="store_true", help="skip ours_full_bf16 (the whole step as one graph)")
     args = ap.parse_args(argv)
     t_begin = time.perf_counter()
     deadline = t_begin + args.budget_s
@@ -462,6 +566,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    builders = {"resid_mlp1": resid_mlp1, "lm": lm, "gpt2_layer": gpt2_layer}
+    names = [n for n in args.workloads.split(",") if n]
+    unknown = [n for n in names if n not in builders]
+    if unknown:
+        raise SystemExit(f"unknown workload(s) {unknown}; choose from {sorted(builders)}")
     results: dict[str, Any] = {
         **result_header("spd_step", on_gpu=device == "cuda"),
         "versions": _versions(),  # with the peer's own dependencies
@@ -469,10 +578,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "smoke": args.smoke,
         "iters": iters,
         "warmup": warmup,
-        "budgets_s": {"total": args.budget_s, "eager": args.eager_budget_s, "compiled": args.compile_budget_s, "measure": args.measure_s},
+        "budgets_s": {"total": args.budget_s, "eager": args.eager_budget_s, "compiled": args.compile_budget_s,
+                      "measure": args.measure_s},
+        "goal": {"best_vs_best_at_least": args.goal, "compile_s_at_most": args.compile_limit_s},
         "workloads": {},
     }
-    out = Path(args.out)
+    slug = "smoke" if args.smoke else device_slug()
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"spd_step_{'_'.join(names)}_{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:  # after every variant, so a run killed from outside still leaves its numbers
@@ -487,46 +599,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 results["peer_stubbed_imports"] = peer.install()
             commit = peer.PEER_DIR / "COMMIT"
             results["peer_commit"] = commit.read_text().strip() if commit.exists() else None
+            results["peer_runnable"] = True
         except Exception as err:
+            results["peer_runnable"] = False
             results["peer_error"] = f"{type(err).__name__}: {err}"
             use_peer = False
-    builders = {"resid_mlp1": resid_mlp1, "lm": lm, "gpt2_layer": gpt2_layer}
-    names = [n for n in args.workloads.split(",") if n]
-    unknown = [n for n in names if n not in builders]
-    if unknown:
-        raise SystemExit(f"unknown workload(s) {unknown}; choose from {sorted(builders)}")
+    else:
+        results["peer_runnable"] = None  # not asked for
+    results["peer_compiled"] = ("not offered: goodfire spd's training loop (spd/run_spd.py) has no torch.compile "
+                                "option, so only its eager step runs")
     ws = {n: builders[n](device, args.smoke) for n in names}
     for n in names:
-        results["workloads"][n] = {"rows": [], "speedup": {}}
+        results["workloads"][n] = {"rows": [], "speedup": {}, "differences": ws[n].get("differences", [])}
 
     def variants(wname: str, phase: int) -> list[tuple[str, Any, bool]]:
         w, steps = ws[wname], int(ws[wname]["theirs"]["steps"])
-        has_pgd = any(c["classname"].startswith("PGD") for c in w["theirs"]["loss_metric_configs"])
 
-        def ours(bf16: bool, compiled: bool, **kw: Any) -> Any:
-            return lambda: our_step(w, device, bf16, compiled, steps, args.smoke, **kw)
+        def ours(bf16: bool, mode: str, **kw: Any) -> Any:
+            return lambda: our_step(w, device, bf16, mode, steps, args.smoke, **kw)
 
         v: list[tuple[str, Any, bool]] = []  # (name, factory, compiled)
         if phase == 1:
             if use_peer:
                 v.append(("peer_bf16", lambda: peer_step(w, device, True), False))
-            v += [("ours_eager_bf16", ours(True, False), False), ("ours_compiled_bf16", ours(True, True), True)]
+            v += [("ours_eager_bf16", ours(True, "none"), False), ("ours_regional_bf16", ours(True, "regional"), True)]
         elif phase == 2 and not args.no_ablations:
             if use_peer:
                 v.append(("peer_fp32", lambda: peer_step(w, device, False), False))
-            v += [("ours_eager_fp32", ours(False, False), False), ("ours_eager_fp32_sync", ours(False, False, sync_each_step=True), False)]
-            if has_pgd:
-                if use_peer:
-                    v.append(("peer_bf16_nopgd", lambda: peer_step(w, device, True, no_pgd=True), False))
-                v.append(("ours_eager_bf16_nopgd", ours(True, False, no_pgd=True), False))
+            v += [("ours_eager_fp32", ours(False, "none"), False),
+                  ("ours_eager_fp32_sync", ours(False, "none", sync_each_step=True), False)]
         elif phase == 3 and not args.no_ablations:
-            v = [("ours_compiled_fp32", ours(False, True), True)]
+            v = [("ours_regional_fp32", ours(False, "regional"), True)]
+        elif phase == 4 and not args.no_ablations and not args.no_full_compile:
+            v = [("ours_full_bf16", ours(True, "full"), True)]
         return v
 
     reserve_s = 5.0  # parity check + writing the JSON
-    for phase in (1, 2, 3):  # headline variants first, then cheap ablations, then the extra compile
+    for phase in (1, 2, 3, 4):  # headline variants first, then cheap ablations, then the extra compiles
         for wname in names:
             res = results["workloads"][wname]
+            has_pgd = any(c["classname"].startswith("PGD") for c in ws[wname]["theirs"]["loss_metric_configs"])
             for vname, make, compiled in variants(wname, phase):
                 left = deadline - time.perf_counter() - reserve_s
                 cap = args.compile_budget_s if compiled else args.eager_budget_s
@@ -535,10 +647,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     print(f"[{time.perf_counter() - t_begin:6.1f}s] {wname}/{vname}: skipped (budget)", flush=True)
                     continue
                 print(f"[{time.perf_counter() - t_begin:6.1f}s] {wname}/{vname} ...", flush=True)
-                row = run_variant(vname, make, ws[wname], device, warmup, iters, min(cap, left), args.measure_s)
+                row = run_variant(vname, make, ws[wname], device, warmup, iters, min(cap, left), args.measure_s,
+                                  pgd_share=has_pgd and "sync" not in vname)
                 res["rows"].append(row)
                 res["speedup"] = speedups(res["rows"])
+                res["summary"] = summary(res["rows"], args.goal, args.compile_limit_s)
                 msg = f"{row['step_ms']:.2f} ms/step" if "step_ms" in row else row.get("error", "")[:120]
+                if "step_ms_nopgd" in row:
+                    msg += f", {row['step_ms_nopgd']:.2f} without PGD"
+                if row.get("compiled") and "compile_s" in row:
+                    msg += f", compile {row['compile_s']:.1f} s"
                 print(f"[{time.perf_counter() - t_begin:6.1f}s] {wname}/{vname}: {msg} (wall {row['wall_s']} s)", flush=True)
                 save()
             if phase == 1 and wname == "resid_mlp1" and use_peer:

@@ -10,13 +10,20 @@ This file is plain torch. :class:`SPDModel` replaces the chosen target modules *
 :class:`ComponentLayer` wrappers; what each wrapper computes is driven by a shared
 :class:`SPDRunState` that the caller fills before a forward pass, so no hooks are registered per
 forward and the whole loss computation traces as one graph under ``torch.compile``.
+
+Two things make a training step cheaper without changing what it computes: :class:`PrefixReplay` (the
+repeated blocks of the target that run before the first decomposed layer give the same output in every
+masked pass of a step, so the masked passes reuse the target pass' outputs of those blocks) and
+:meth:`SPDModel.compile_regions` (regional compilation: one compiled function per repeated block class,
+one for the masked linear layers and one for the KL divergence, each compiled once and reused).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -28,6 +35,8 @@ CIFnType = Literal["mlp", "vector_mlp", "shared_mlp"]
 SigmoidType = Literal["leaky_hard", "hard", "lower_leaky_hard", "upper_leaky_hard", "sigmoid"]
 SamplingType = Literal["continuous", "binomial"]
 OutputLossType = Literal["mse", "kl"]
+CompileMode = Literal["none", "full", "regional"]
+COMPILE_MODES = ("none", "full", "regional")
 _CI_FNS = ("mlp", "vector_mlp", "shared_mlp")
 _SIGMOIDS = ("leaky_hard", "hard", "lower_leaky_hard", "upper_leaky_hard", "sigmoid")
 
@@ -242,12 +251,89 @@ class SharedMLPCI(nn.Module):
 # --------------------------------------------------------------------------------------------------
 
 
+def masked_linear(
+    x: Tensor, V: Tensor, U: Tensor, mask: Tensor | None, delta_mask: Tensor | None, delta_w: Tensor | None,
+    bias: Tensor | None,
+) -> Tensor:
+    """What a linear :class:`ComponentLayer` computes on its components: ``((x V) * mask) U``, plus the delta
+    component ``delta_mask * (x delta_w)`` and the target's bias.
+
+    A pure function of its tensors, so that regional compilation (:meth:`SPDModel.compile_regions`) compiles it
+    once per layer shape and every decomposed linear layer of that shape reuses it.
+    """
+    acts = x.to(V.dtype) @ V
+    if mask is not None:
+        acts = acts * mask
+    out = acts @ U
+    if delta_mask is not None and delta_w is not None:
+        out = out + delta_mask.unsqueeze(-1) * (x @ delta_w.to(x.dtype))
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out
+
+
+def kl_sum(pred: Tensor, target: Tensor, target_lse: Tensor) -> Tensor:
+    """``sum over positions of KL(softmax(target) || softmax(pred))`` in float32; ``target_lse`` is the target's
+    logsumexp over the last dimension (``[..., 1]``, computed once per step by :func:`recon_target`)."""
+    log_p = target.float() - target_lse
+    log_q = F.log_softmax(pred.float(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum()
+
+
+def compile_region(fn: Callable[..., Any], backend: str = "inductor", fullgraph: bool = False,
+                   recompile_limit: int = 64) -> Callable[..., Any]:
+    """``torch.compile(fn)`` for one region: static shapes (each shape compiles once, none turns dynamic), and
+    room for ``recompile_limit`` variants (shapes, grad modes) of it, above dynamo's default of 8."""
+    kw: dict[str, Any] = {"dynamic": False, "backend": backend, "fullgraph": fullgraph}
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return torch.compile(fn, recompile_limit=recompile_limit, **kw)
+    import torch._dynamo.config as dynamo_config
+
+    compiled = torch.compile(fn, **kw)
+    key = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with dynamo_config.patch(**{key: max(getattr(dynamo_config, key), recompile_limit)}):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+@dataclass
+class PrefixReplay:
+    """Outputs of the target's repeated blocks that ran before the first decomposed layer of a target pass.
+
+    Such a block's input cannot depend on any mask, so a masked pass on the same input gets the same output from
+    it: :meth:`SPDModel.masked_forward` hands back the recorded tensor instead of running the block again (for a
+    GPT-2 layer in the middle of the network, half of the blocks of every masked pass). Only calls whose
+    arguments are tensors, ``None`` or numbers and whose output is one tensor are recorded: a block handed
+    another object (a key/value cache, say) may change it as a side effect. A masked pass replays only when its
+    arguments are the very objects the target pass was given.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outputs: dict[tuple[str, int], Tensor] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)  # calls of each block in the pass under way
+    mode: str = "record"  # "record" (target pass), "replay" (a masked pass on the same input) or "off"
+    component_seen: bool = False  # a decomposed layer ran in the recording pass: nothing after it is recorded
+
+    def same_input(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+        return (len(args) == len(self.args) and all(a is b for a, b in zip(args, self.args))
+                and kwargs.keys() == self.kwargs.keys() and all(kwargs[k] is self.kwargs[k] for k in kwargs))
+
+
+def _plain_call(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    return all(a is None or isinstance(a, (Tensor, bool, int, float)) for a in (*args, *kwargs.values()))
+
+
 @dataclass
 class SPDRunState:
     """What the component layers do in the next forward pass (filled by :class:`SPDModel`).
 
     A layer whose name is not in ``masks`` runs the frozen target weights. ``routes[name]`` (bool,
-    leading dims of the input) picks components where True and the target elsewhere.
+    leading dims of the input) picks components where True and the target elsewhere. ``masked_linear`` and
+    ``kl`` are the functions the layers and the KL loss run (compiled ones under regional compilation).
     """
 
     masks: dict[str, Tensor] = field(default_factory=dict)
@@ -255,12 +341,40 @@ class SPDRunState:
     delta_weights: dict[str, Tensor] = field(default_factory=dict)
     routes: dict[str, Tensor] = field(default_factory=dict)
     inputs: dict[str, Tensor] | None = None
+    replay: PrefixReplay | None = None
+    masked_linear: Callable[..., Tensor] = masked_linear
+    kl: Callable[..., Tensor] = kl_sum
 
     def clear(self) -> None:
         self.masks = {}
         self.delta_masks = {}
         self.routes = {}
         self.inputs = None
+        self.replay = None
+
+
+class _BlockRunner:
+    """The ``forward`` of one repeated block of the target (set on the instance, so the module tree and its
+    state dict stay as they are): hands back the :class:`PrefixReplay` output when a masked pass replays, and
+    otherwise runs ``fn`` (the block class' ``forward``; its compiled version under regional compilation)."""
+
+    def __init__(self, block: nn.Module, name: str, state: SPDRunState) -> None:
+        self.block, self.name, self.state = block, name, state
+        self.fn: Callable[..., Any] = type(block).forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        rp = self.state.replay
+        if rp is None or rp.mode == "off":
+            return self.fn(self.block, *args, **kwargs)
+        i = rp.calls.get(self.name, 0)
+        rp.calls[self.name] = i + 1
+        if rp.mode == "replay":
+            out = rp.outputs.get((self.name, i))
+            return self.fn(self.block, *args, **kwargs) if out is None else out
+        out = self.fn(self.block, *args, **kwargs)
+        if not rp.component_seen and isinstance(out, Tensor) and _plain_call(args, kwargs):
+            rp.outputs[(self.name, i)] = out
+        return out
 
 
 def _is_hf_conv1d(module: nn.Module) -> bool:
@@ -323,19 +437,22 @@ class ComponentLayer(nn.Module):
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def masked_forward(self, x: Tensor, mask: Tensor | None, delta_mask: Tensor | None, delta_w: Tensor | None) -> Tensor:
+        if self.kind == "linear":
+            return self._state.masked_linear(x, self.V, self.U, mask, delta_mask, delta_w, self.bias)
         acts = self.component_acts(x)
         if mask is not None:
             acts = acts * mask
         out = acts @ self.U
         if delta_mask is not None and delta_w is not None:
-            d = F.embedding(x, delta_w) if self.kind == "embedding" else x @ delta_w.to(x.dtype)
-            out = out + delta_mask.unsqueeze(-1) * d
+            out = out + delta_mask.unsqueeze(-1) * F.embedding(x, delta_w)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
 
     def forward(self, x: Tensor) -> Tensor:
         st = self._state
+        if st.replay is not None and st.replay.mode == "record":
+            st.replay.component_seen = True
         if st.inputs is not None:
             st.inputs[self.name] = x
         mask = st.masks.get(self.name)
@@ -348,6 +465,21 @@ class ComponentLayer(nn.Module):
                 tgt = self.target_forward(x)
             out = torch.where(route.unsqueeze(-1), out, tgt.to(out.dtype))
         return out
+
+
+def repeated_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """The children of every ``nn.ModuleList`` in ``model`` that holds two or more modules of one class (the
+    transformer blocks of a language model), by name: the outermost such lists only, and no list of component
+    layers."""
+    out: dict[str, nn.Module] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.ModuleList) or len(m) < 2 or len({type(c) for c in m}) != 1:
+            continue
+        if isinstance(m[0], ComponentLayer) or any(name.startswith(b + ".") for b in out):
+            continue
+        for i, c in enumerate(m):
+            out[f"{name}.{i}" if name else str(i)] = c
+    return out
 
 
 def match_modules(model: nn.Module, patterns: Sequence[ComponentPattern]) -> dict[str, int]:
@@ -395,6 +527,10 @@ class SPDModel(nn.Module):
         >>> masks = spd.stochastic_masks(ci.lower)
         >>> spd.refresh_delta_weights()  # W - V U, once per optimizer step
         >>> y = spd.masked_forward(x, masks=masks, delta_masks=spd.delta_masks(ci.lower))
+
+    ``target_forward(x, keep_prefix=True)`` also records the outputs of the repeated blocks that run before the
+    first decomposed layer (:class:`PrefixReplay`); masked passes on the same ``x`` then reuse them, until
+    :meth:`forget_prefix`.
     """
 
     def __init__(self, target: nn.Module, config: SPDConfig) -> None:
@@ -416,6 +552,14 @@ class SPDModel(nn.Module):
         self._layers = layers  # plain dict: the layers are registered once, under target
         self.ci_fns = nn.ModuleDict({n.replace(".", "-"): self._make_ci(layers[n]) for n in self.layer_names})
         self._lower, self._upper = _sigmoid_pair(config.sigmoid)
+        self._runners: dict[str, _BlockRunner] = {}
+        for name, block in repeated_blocks(target).items():
+            if "forward" in vars(block):  # already wrapped by someone else (accelerate's hooks, say): left alone
+                continue
+            runner = _BlockRunner(block, name, self.state)
+            block.forward = runner  # an instance attribute: no new module, same state dict keys
+            self._runners[name] = runner
+        self.compiled_regions: list[str] = []
 
     def _make_ci(self, layer: ComponentLayer) -> nn.Module:
         cfg = self.config
@@ -452,17 +596,29 @@ class SPDModel(nn.Module):
         self.state.clear()
         return self._output(self.target(*args, **kwargs))
 
-    def target_forward(self, *args: Any, **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        """Target output and the input of every decomposed layer (no grad: the target is frozen)."""
-        self.state.clear()
-        self.state.inputs = {}
+    def target_forward(self, *args: Any, keep_prefix: bool = False, **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        """Target output and the input of every decomposed layer (no grad: the target is frozen).
+
+        ``keep_prefix`` records the outputs of the blocks before the first decomposed layer for the masked passes
+        on the same arguments (:class:`PrefixReplay`); :meth:`forget_prefix` drops them.
+        """
+        st = self.state
+        st.clear()
+        st.inputs = {}
+        st.replay = PrefixReplay(args, dict(kwargs)) if keep_prefix else None
         try:
             with torch.no_grad():
                 out = self._output(self.target(*args, **kwargs))
-            inputs = self.state.inputs
+            inputs = st.inputs
         finally:
-            self.state.inputs = None
+            st.inputs = None
+            if st.replay is not None:
+                st.replay.mode = "off"
         return out, inputs
+
+    def forget_prefix(self) -> None:
+        """Drop the block outputs :meth:`target_forward` kept (``keep_prefix=True``)."""
+        self.state.replay = None
 
     def masked_forward(
         self,
@@ -480,14 +636,24 @@ class SPDModel(nn.Module):
         st.masks = dict(masks)
         st.delta_masks = dict(delta_masks) if delta_masks else {}
         st.routes = dict(routes) if routes else {}
+        rp = st.replay
+        if rp is not None:
+            rp.mode = "replay" if rp.same_input(args, kwargs) else "off"
+            rp.calls = {}
         try:
             return self._output(self.target(*args, **kwargs))
         finally:
             st.masks, st.delta_masks, st.routes = {}, {}, {}
+            if rp is not None:
+                rp.mode = "off"
 
     def weight_deltas(self) -> dict[str, Tensor]:
-        """``W - V U`` per layer, ``[d_in, d_out]`` (differentiable in V, U)."""
-        return {n: self._layers[n].weight - self._layers[n].component_weight() for n in self.layer_names}
+        """``W - V U`` per layer, ``[d_in, d_out]`` (differentiable in V, U), in the parameters' dtype also
+        under autocast: ``V U`` close to ``W`` leaves a small difference that bf16 rounding of ``V U`` would
+        swamp."""
+        device = self._layers[self.layer_names[0]].V.device.type
+        with torch.autocast(device, enabled=False):
+            return {n: self._layers[n].weight - self._layers[n].component_weight() for n in self.layer_names}
 
     def refresh_delta_weights(self, deltas: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
         """Compute the weight deltas once and hand them to the layers for the delta component."""
@@ -520,6 +686,42 @@ class SPDModel(nn.Module):
             return None
         return {n: torch.rand(g.shape[:-1], device=g.device, dtype=g.dtype) for n, g in ci.items()}
 
+    # -- losses and compilation -------------------------------------------------------------------
+    def recon_loss(self, pred: Tensor, target: ReconTarget) -> Tensor:
+        """:func:`recon_loss` with this model's KL function (the compiled one under regional compilation)."""
+        s, n = recon_loss_sum(pred, target, kl=self.state.kl)
+        return s / n
+
+    def compile_regions(self, backend: str = "inductor") -> list[str]:
+        """Regional compilation: compile the repeated pieces of a step once and reuse them.
+
+        * each repeated block class of the target without a decomposed layer (the transformer blocks around a
+          decomposed one): one compiled ``forward`` for all its instances;
+        * :func:`masked_linear` for every linear component layer (one graph per layer shape);
+        * :func:`kl_sum` for the KL reconstruction losses.
+
+        The rest (the block holding the decomposed layers, causal importances, masks, the importance loss) runs
+        eagerly between them. Compiling a handful of small graphs takes a fraction of the time of the whole step
+        as one graph. Returns what was compiled, by name; calling it again changes nothing.
+        """
+        if self.compiled_regions:
+            return self.compiled_regions
+        done: dict[type, Callable[..., Any]] = {}
+        for name, runner in self._runners.items():
+            if any(isinstance(m, ComponentLayer) for m in runner.block.modules()):
+                continue
+            cls = type(runner.block)
+            if cls not in done:
+                done[cls] = compile_region(cls.forward, backend)
+            runner.fn = done[cls]
+            self.compiled_regions.append(name)
+        if any(layer.kind == "linear" for layer in self._layers.values()):
+            self.state.masked_linear = compile_region(masked_linear, backend, fullgraph=True)
+            self.compiled_regions.append("masked_linear")
+        self.state.kl = compile_region(kl_sum, backend, fullgraph=True)
+        self.compiled_regions.append("kl")
+        return self.compiled_regions
+
 
 def stochastic_mask(ci: Tensor, sampling: str = "continuous") -> Tensor:
     """``ci + (1 - ci) * r``: every value lies in [ci, 1]."""
@@ -550,17 +752,38 @@ def faithfulness_loss(deltas: Mapping[str, Tensor]) -> Tensor:
     return total / n
 
 
-def recon_loss_sum(pred: Tensor, target: Tensor, kind: str) -> tuple[Tensor, int]:
-    """(summed loss, count) for ``mse`` (count = elements) or ``kl`` (KL(target || pred) per position)."""
-    if kind == "mse":
-        return ((pred.float() - target.float()) ** 2).sum(), pred.numel()
-    log_q = F.log_softmax(pred.float(), dim=-1)
-    log_p = F.log_softmax(target.float(), dim=-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum()
-    return kl, pred.shape[:-1].numel()
+@dataclass
+class ReconTarget:
+    """The target's output, prepared once per step for every reconstruction loss against it: for ``kl``, the
+    logsumexp of its logits (``lse``, float32 ``[..., 1]``), so no loss term normalises the target again."""
+
+    kind: str
+    out: Tensor
+    lse: Tensor | None = None
 
 
-def recon_loss(pred: Tensor, target: Tensor, kind: str) -> Tensor:
+def recon_target(target: Tensor, kind: str) -> ReconTarget:
+    if kind == "kl":
+        return ReconTarget(kind, target, torch.logsumexp(target.float(), dim=-1, keepdim=True))
+    return ReconTarget(kind, target)
+
+
+def recon_loss_sum(pred: Tensor, target: Tensor | ReconTarget, kind: str | None = None,
+                   kl: Callable[..., Tensor] = kl_sum) -> tuple[Tensor, int]:
+    """(summed loss, count) for ``mse`` (count = elements) or ``kl`` (KL(target || pred) per position).
+
+    ``target`` is the target's output with its ``kind``, or a :class:`ReconTarget` (prepared once for several
+    losses). ``kl`` computes the summed KL (:func:`kl_sum` or a compiled version of it).
+    """
+    if not isinstance(target, ReconTarget) and kind is None:
+        raise ValueError("recon_loss_sum: give the loss kind ('mse' or 'kl') with a target tensor")
+    tgt = target if isinstance(target, ReconTarget) else recon_target(target, kind)
+    if tgt.kind == "mse":
+        return ((pred.float() - tgt.out.float()) ** 2).sum(), pred.numel()
+    return kl(pred, tgt.out, tgt.lse), pred.shape[:-1].numel()
+
+
+def recon_loss(pred: Tensor, target: Tensor | ReconTarget, kind: str | None = None) -> Tensor:
     s, n = recon_loss_sum(pred, target, kind)
     return s / n
 

@@ -278,9 +278,15 @@ class SPDTrainConfig:
         schedule: ``cosine`` (to ``final_lr_frac``) or ``constant``; ``warmup_frac`` of steps linear warmup.
         faithfulness_warmup_steps / _lr / _weight_decay: AdamW on ``||W - V U||^2`` alone before training,
             so the components start out summing to the target.
-        autocast_bf16: run the loss computation under bf16 autocast.
-        compile: ``torch.compile`` the loss computation (forward + all terms; backward is compiled by
-            AOTAutograd with it).
+        autocast_bf16: run the loss computation under bf16 autocast (the weight deltas ``W - V U`` stay in
+            float32).
+        compile: ``none`` (eager), ``full`` (``torch.compile`` of the whole loss computation, forward + all
+            terms, as one graph; backward compiled by AOTAutograd with it) or ``regional``
+            (:meth:`~lightning_opt.models.spd.SPDModel.compile_regions`: the target's repeated blocks, the masked
+            linear layers and the KL loss compiled once each and reused: a fraction of the compile time of
+            ``full``). ``True`` / ``False`` mean ``full`` / ``none``.
+        compile_backend: the ``torch.compile`` backend (``inductor``; ``eager`` traces with dynamo only, for
+            checking graph breaks without code generation).
         ci_threshold: importance above which a subcomponent counts as active for CI-L0.
         identity_patterns: layers whose single-feature importances should be an identity (toy
             models), for ``identity_ci_error``.
@@ -297,7 +303,8 @@ class SPDTrainConfig:
     faithfulness_warmup_lr: float = 0.01
     faithfulness_warmup_weight_decay: float = 0.1
     autocast_bf16: bool = False
-    compile: bool = False
+    compile: bool | S.CompileMode = "none"
+    compile_backend: str = "inductor"
     ci_threshold: float = 0.1
     identity_patterns: list[str] = field(default_factory=list)
     eval_batches: int = 4
@@ -312,6 +319,10 @@ class SPDTrainConfig:
             raise ValueError("warmup_frac must be in [0, 1) and final_lr_frac in [0, 1]")
         if self.lr <= 0 or self.batch_size <= 0:
             raise ValueError("lr and batch_size must be positive")
+        if isinstance(self.compile, bool):
+            self.compile = "full" if self.compile else "none"
+        if self.compile not in S.COMPILE_MODES:
+            raise ValueError(f"SPDTrainConfig.compile={self.compile!r}; choose one of {S.COMPILE_MODES}")
 
 
 def _as(cls: type, value: Any) -> Any:
@@ -471,7 +482,9 @@ class SPDModule(L.LightningModule):
         with torch.autocast(dev_type, dtype=torch.bfloat16, enabled=self.train_cfg.autocast_bf16):
             deltas = spd.weight_deltas()
             spd.refresh_delta_weights(deltas)
-            target_out, inputs = spd.target_forward(x)
+            # the masked passes below reuse the outputs of the blocks before the first decomposed layer
+            target_out, inputs = spd.target_forward(x, keep_prefix=True)
+            tgt = S.recon_target(target_out, lc.output)
             ci = spd.causal_importances(inputs)
             terms: dict[str, Tensor] = {}
             if lc.faithfulness > 0:
@@ -480,11 +493,11 @@ class SPDModule(L.LightningModule):
                 p = S.annealed_p(lc.p, frac, lc.p_anneal_start, lc.p_final, lc.p_anneal_end)
                 terms["importance_minimality"] = S.importance_minimality_loss(ci.upper, p, lc.beta, lc.eps, self._reduce_sums)
             use_delta = self.spd_cfg.use_delta
-            kind = lc.output
+
 
             def run(masks: dict[str, Tensor], delta: bool = use_delta, routes: dict[str, Tensor] | None = None) -> Tensor:
-                dm = spd.delta_masks({k: ci.lower[k] for k in masks}) if delta else None
-                return S.recon_loss(spd.masked_forward(x, masks=masks, delta_masks=dm, routes=routes), target_out, kind)
+                dm = self._uniform_delta_masks(spd.delta_masks({k: ci.lower[k] for k in masks})) if delta else None
+                return spd.recon_loss(spd.masked_forward(x, masks=masks, delta_masks=dm, routes=routes), tgt)
 
             if lc.stochastic_recon > 0:
                 terms["stochastic_recon"] = sum(run(spd.stochastic_masks(ci.lower)) for _ in range(lc.n_mask_samples)) / lc.n_mask_samples
@@ -504,22 +517,36 @@ class SPDModule(L.LightningModule):
             if lc.ci_masked_recon > 0:
                 terms["ci_masked_recon"] = run(dict(ci.lower), delta=False)
             if lc.pgd_recon > 0:
-                terms["pgd_recon"] = self.pgd_recon(x, target_out, ci.lower, lead_shape, routes=None)
+                terms["pgd_recon"] = self.pgd_recon(x, tgt, ci.lower, lead_shape, routes=None)
             if lc.pgd_recon_subset > 0:
                 routes = S.uniform_k_subset_routes(spd.layer_names, lead_shape, x.device)
-                terms["pgd_recon_subset"] = self.pgd_recon(x, target_out, ci.lower, lead_shape, routes=routes)
+                terms["pgd_recon_subset"] = self.pgd_recon(x, tgt, ci.lower, lead_shape, routes=routes)
             total = sum(getattr(lc, k) * v for k, v in terms.items())
         spd.state.delta_weights = {}
+        spd.forget_prefix()
         terms["ci_l0"] = sum(S.ci_l0(g, self.train_cfg.ci_threshold) for g in ci.lower.values())
         for n, g in ci.lower.items():
             terms[f"ci_l0/{n}"] = S.ci_l0(g.detach(), self.train_cfg.ci_threshold)
         return total, terms
 
+    def _uniform_delta_masks(self, dms: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
+        """Under regional compilation (in grad mode), delta masks as dense tensors that take a gradient: the
+        stochastic terms' random masks and the final PGD pass' fixed ones become leaves with ``requires_grad``
+        (their gradient, a vector over positions, is never read), the adversarial ones of the ascent stay as
+        they are. Every masked pass then hands the compiled layer tensors of one kind, and each layer shape
+        compiles two variants fewer. Elsewhere the masks pass through unchanged."""
+        if dms is None or self.train_cfg.compile != "regional" or not torch.is_grad_enabled():
+            return dms
+        return {k: v.contiguous() if v.requires_grad else v.detach().contiguous().requires_grad_(True)
+                for k, v in dms.items()}
+
     def pgd_recon(
-        self, x: Tensor, target_out: Tensor, ci: dict[str, Tensor], lead_shape: torch.Size, routes: dict[str, Tensor] | None
+        self, x: Tensor, target_out: Tensor | S.ReconTarget, ci: dict[str, Tensor], lead_shape: torch.Size,
+        routes: dict[str, Tensor] | None,
     ) -> Tensor:
         """Reconstruction under masks ``g + (1 - g) s`` with the sources ``s`` chosen adversarially."""
         pc, spd, use_delta = self.loss_cfg.pgd, self.spd, self.spd_cfg.use_delta
+        tgt = target_out if isinstance(target_out, S.ReconTarget) else S.recon_target(target_out, self.loss_cfg.output)
         shared = pc.scope == "shared"
         src_shape = (1,) * len(lead_shape) if shared else tuple(lead_shape)
         dist_on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -542,8 +569,8 @@ class SPDModule(L.LightningModule):
                 masks[n] = g[n] + (1 - g[n]) * src[..., :C]
                 if use_delta:
                     dms[n] = src[..., C]
-            out = spd.masked_forward(x, masks=masks, delta_masks=dms, routes=routes)
-            return S.recon_loss(out, target_out, self.loss_cfg.output)
+            dms = self._uniform_delta_masks(dms)
+            return spd.recon_loss(spd.masked_forward(x, masks=masks, delta_masks=dms, routes=routes), tgt)
 
         ci_detached = {k: v.detach() for k, v in ci.items()}  # the adversary needs no grad through g
         n_steps = pc.n_steps if self.pgd_steps_now is None else self.pgd_steps_now
@@ -569,8 +596,23 @@ class SPDModule(L.LightningModule):
     # -- Lightning hooks ------------------------------------------------------------------------------
     @override
     def setup(self, stage: str) -> None:
-        if stage == "fit" and self.train_cfg.compile and self._loss_fn == self.compute_losses:
-            self._loss_fn = torch.compile(self.compute_losses)
+        if stage == "fit":
+            self.apply_compile()
+
+    def apply_compile(self) -> list[str]:
+        """Compile as ``train.compile`` says (once; later calls change nothing): ``full`` wraps
+        :meth:`compute_losses` in ``torch.compile``, ``regional`` compiles the repeated pieces in place
+        (:meth:`~lightning_opt.models.spd.SPDModel.compile_regions`). Returns what was compiled."""
+        tc = self.train_cfg
+        if tc.compile == "full" and self._loss_fn == self.compute_losses:
+            self._loss_fn = torch.compile(self.compute_losses, backend=tc.compile_backend)
+        elif tc.compile == "regional":
+            return self.spd.compile_regions(tc.compile_backend)
+        return ["compute_losses"] if tc.compile == "full" else []
+
+    def losses(self, batch: Any, frac: Tensor | float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
+        """:meth:`compute_losses` as the training step runs it (compiled after :meth:`apply_compile`)."""
+        return self._loss_fn(batch, frac)
 
     @override
     def on_fit_start(self) -> None:
@@ -623,7 +665,7 @@ class SPDModule(L.LightningModule):
         self._frac.fill_(self.global_step / max_steps)
         pgd = self.loss_cfg.pgd
         self.pgd_steps_now = pgd.steps_at(self.global_step) if pgd.n_steps_schedule else None
-        total, terms = self._loss_fn(batch, self._frac)
+        total, terms = self.losses(batch, self._frac)
         self.log("train/loss", total)  # no prog_bar: a per-batch sync in Lightning (see LazyProgressBar)
         for k, v in terms.items():
             self.log(f"train/{k}", v)
@@ -633,7 +675,9 @@ class SPDModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         tc = self.train_cfg
         params = self.spd.component_parameters() + self.spd.ci_parameters()
-        opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+        # the fused kernel (one launch for every parameter) where every parameter is on a GPU
+        fused = all(p.is_cuda for p in params)
+        opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, fused=fused or None)
         total = max(int(self.trainer.max_steps), 1) if self.trainer.max_steps and self.trainer.max_steps > 0 else 1
         mult = ScheduleConfig(name=tc.schedule, warmup_steps=int(tc.warmup_frac * total), total_steps=total,
                               min_ratio=tc.final_lr_frac)
@@ -738,7 +782,8 @@ class SPDModule(L.LightningModule):
         x = self.batch_inputs(batch)
         spd = self.spd
         spd.refresh_delta_weights()
-        target_out, inputs = spd.target_forward(x)
+        target_out, inputs = spd.target_forward(x, keep_prefix=True)
+        tgt = S.recon_target(target_out, self.loss_cfg.output)
         ci = spd.causal_importances(inputs)
         res: dict[str, float] = {}
         for n, g in ci.lower.items():
@@ -753,8 +798,9 @@ class SPDModule(L.LightningModule):
             "zero": ({n: torch.zeros_like(g) for n, g in ci.lower.items()}, None),
         }
         outs = {k: spd.masked_forward(x, masks=m, delta_masks=d) for k, (m, d) in variants.items()}
+        spd.forget_prefix()
         for k, o in outs.items():
-            res[f"recon/{k}"] = float(S.recon_loss(o, target_out, kind))
+            res[f"recon/{k}"] = float(spd.recon_loss(o, tgt))
         if kind == "kl" and isinstance(batch, (tuple, list)) and len(batch) > 1:
             y = batch[1]
             res["ce/target"] = float(F.cross_entropy(target_out.flatten(0, -2).float(), y.flatten()))

@@ -1,9 +1,12 @@
 """benchmarks/spd_step.py on CPU: every variant is recorded, a timeout is an error row and not a crash,
-and the JSON is written with the fields the lead's GPU run is read by."""
+and the JSON is written with the fields the GPU run is read by (PGD cost per step, compile time, the summary
+against the goal, whether goodfire's spd could run)."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from tests.benchmarks._load import load_benchmark
 
@@ -19,17 +22,19 @@ def test_smoke_records_a_compile_timeout_and_keeps_going(tmp_path):
     ])
     on_disk = json.loads(out.read_text())
     assert on_disk["workloads"].keys() == res["workloads"].keys() == {"resid_mlp1"}
-    for key in ("device", "versions", "command", "budgets_s", "elapsed_s"):
+    for key in ("device", "versions", "command", "budgets_s", "elapsed_s", "goal"):
         assert key in on_disk, key
     rows = {r["variant"]: r for r in on_disk["workloads"]["resid_mlp1"]["rows"]}
     # the compiled variants ran out of their 0.05 s budget: recorded as timeouts
-    for name in ("ours_compiled_bf16", "ours_compiled_fp32"):
+    for name in ("ours_regional_bf16", "ours_regional_fp32", "ours_full_bf16"):
         assert rows[name]["error"].startswith("timeout"), rows[name]
     # ... and the eager variants after them still ran
     for name in ("ours_eager_bf16", "ours_eager_fp32", "ours_eager_fp32_sync"):
         assert rows[name]["step_ms"] > 0 and rows[name]["timed_iters"] == 2, rows[name]
     speed = on_disk["workloads"]["resid_mlp1"]["speedup"]
     assert "fewer syncs (ours fp32 eager: loss read every step / never)" in speed
+    assert set(on_disk["workloads"]["resid_mlp1"]["summary"]["timed_out"]) == {
+        "ours_regional_bf16", "ours_regional_fp32", "ours_full_bf16"}
     # a compile cut off by the alarm must leave torch.compile usable in this process (the alarm once
     # landed inside inductor's first import and broke every later compile in the test session)
     import torch
@@ -44,3 +49,53 @@ def test_global_budget_skips_the_rest(tmp_path):
     res = _bench().main(["--smoke", "--no-peer", "--workloads", "resid_mlp1", "--budget-s", "0", "--out", str(tmp_path / "x.json")])
     rows = res["workloads"]["resid_mlp1"]["rows"]
     assert rows and all("skipped" in r for r in rows)
+
+
+def test_smoke_gpt2_layer_reports_pgd_cost_compile_time_and_regions(tmp_path):
+    """The GPT-2-layer workload at smoke size: each variant is timed with and without PGD (the same module), the
+    regional variants list what they compiled and trace without graph breaks, and the summary names our best."""
+    out = tmp_path / "g.json"
+    res = _bench().main(["--smoke", "--no-peer", "--no-full-compile", "--out", str(out)])
+    assert json.loads(out.read_text())["workloads"].keys() == {"gpt2_layer"}
+    w = res["workloads"]["gpt2_layer"]
+    rows = {r["variant"]: r for r in w["rows"]}
+    assert set(rows) == {"ours_eager_bf16", "ours_regional_bf16", "ours_eager_fp32", "ours_eager_fp32_sync",
+                         "ours_regional_fp32"}
+    for name, r in rows.items():
+        assert "error" not in r, (name, r.get("error"))
+        if name != "ours_eager_fp32_sync":
+            assert r["step_ms_nopgd"] > 0 and r["pgd_ms"] == pytest.approx(r["step_ms"] - r["step_ms_nopgd"])
+    for name in ("ours_regional_bf16", "ours_regional_fp32"):
+        # the blocks around the decomposed one (block 1 of 3), the masked layers and the KL
+        assert rows[name]["compiled"] == ["blocks.0", "blocks.2", "masked_linear", "kl"]
+        assert rows[name]["graph_breaks"] == 0 and rows[name]["graphs"] >= 4
+        assert rows[name]["compile_s"] >= 0
+    assert res["peer_runnable"] is None  # --no-peer
+    assert w["differences"] and w["summary"]["best_ours"]["variant"] in rows
+    assert "best_vs_best" not in w["summary"]  # no peer, no ratio
+
+
+def test_peer_without_its_checkout_is_recorded_as_not_runnable(tmp_path, monkeypatch):
+    bench = _bench()
+    monkeypatch.setattr(bench.peer, "PEER_DIR", tmp_path / "no-checkout")
+    res = bench.main(["--smoke", "--no-ablations", "--workloads", "resid_mlp1", "--out", str(tmp_path / "p.json")])
+    assert res["peer_runnable"] is False and "checkout not found" in res["peer_error"]
+    assert not any(r["variant"].startswith("peer") for r in res["workloads"]["resid_mlp1"]["rows"])
+
+
+def test_smoke_with_goodfire_spd_side_by_side(tmp_path):
+    """With their checkout and wheels in ``.peers/`` (git-ignored; see benchmarks/spd_peer_runner.py): their step
+    runs beside ours on the GPT-2-layer workload, with and without PGD, and the summary gives best vs best."""
+    bench = _bench()
+    if not (bench.peer.PEER_DIR / "spd" / "__init__.py").exists():
+        pytest.skip("goodfire spd is not in .peers/spd")
+    res = bench.main(["--smoke", "--no-ablations", "--out", str(tmp_path / "s.json")])
+    if not res["peer_runnable"]:
+        pytest.skip(f"goodfire spd cannot run here: {res['peer_error']}")
+    w = res["workloads"]["gpt2_layer"]
+    rows = {r["variant"]: r for r in w["rows"]}
+    assert rows["peer_bf16"]["step_ms"] > 0 and rows["peer_bf16"]["step_ms_nopgd"] > 0, rows["peer_bf16"]
+    s = w["summary"]
+    assert s["best_peer"]["variant"] == "peer_bf16"
+    assert s["best_vs_best"] == pytest.approx(s["best_peer"]["step_ms"] / s["best_ours"]["step_ms"])
+    assert "best_vs_best_at_least_4x" in s
