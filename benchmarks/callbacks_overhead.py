@@ -343,7 +343,8 @@ SINGLES: dict[str, Callable[[str], pl.Callback]] = {
         prewarm=False,
     ),
     "evalthrottle": lambda d: EvalThrottle(every_n_steps=10**9),
-    "cudamem": lambda d: CudaMemoryHygiene(gc_every_n_steps=25),
+    # one scheduled collection inside a main run's timed window (global step 20; its default is every 100)
+    "cudamem": lambda d: CudaMemoryHygiene(gc_every_n_steps=20),
     "speedmon": lambda d: SpeedMonitor(log_every_n_steps=LOG_EVERY),
 }
 
