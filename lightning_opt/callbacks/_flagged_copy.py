@@ -13,6 +13,7 @@ writes every tensor whatever the flag says. Triton is imported on the first CUDA
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections import OrderedDict
 from typing import Any
@@ -119,6 +120,8 @@ class FlaggedCopy:
     def _kernel_ok(self, flag: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         if self._kernel_failed or not triton_runs_on(flag) or not _triton_installed():
             return False
+        if flag.is_cuda and os.environ.get("TRITON_INTERPRET") == "1":
+            return False  # the interpreter runs on the host: it cannot follow device addresses from the table
         return all(d.is_contiguous() and s.is_contiguous() for d, s in pairs)
 
     def _launch(self, flag: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
