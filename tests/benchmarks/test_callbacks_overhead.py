@@ -55,3 +55,16 @@ def test_smoke_runs_both_workloads_and_checks_the_skip(tmp_path):
     costs = report["device_costs"]
     assert costs["main_gradient_check"]["nan_skip_check_ms"] > 0
     assert costs["speedrun_muon_flagged_copy"]["tensors"] > 0
+
+
+def test_a_failing_speedrun_workload_keeps_the_main_results(tmp_path, monkeypatch):
+    bench = _bench()
+
+    def broken(settings, nan_at=None):
+        raise RuntimeError("no such model")
+
+    monkeypatch.setattr(bench, "speedrun_module", broken)
+    report = bench.main(["--smoke", "--variants", "none,nanskip", "--out", str(tmp_path / "o.json")])
+    assert "overhead_vs_none" in report["attribution"]["nanskip"]
+    assert "no such model" in report["speedrun"]["error"]
+    assert report["speedrun_attribution"] is None
