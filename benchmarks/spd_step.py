@@ -178,7 +178,7 @@ def gpt2_layer(device: str, smoke: bool) -> dict[str, Any]:
         "theirs reads every loss term and each layer's CI-L0 back to the host every step (.item()), and asserts on "
         "the PGD sources (a device sync); ours keeps them on the device",
         f"theirs attaches forward hooks per pass and recomputes the frozen blocks before block {layer} in every masked "
-        f"pass; ours replaces the two layers once and reuses the target pass' outputs of blocks 0-{layer - 1} (the "
+        f"pass; ours replaces the two layers once and reuses the target pass' outputs of those {layer} blocks (the "
         "same values)",
         "theirs computes the target's log-softmax in every KL term; ours once per step (the same values)",
         "initial V, U and CI weights are drawn by each implementation's own initialisation (same shapes)",
@@ -486,8 +486,11 @@ def summary(rows: list[dict[str, Any]], goal_ratio: float, compile_limit_s: floa
         compiled = {n: r["compile_s"] for n, r in ours.items() if r.get("compiled") and "compile_s" in r}
         if compiled:
             out["ours_compile_s"] = compiled
-            out[f"ours_best_compile_within_{compile_limit_s:.0f}_s"] = (
-                compiled.get(best, 0.0) <= compile_limit_s)
+    # the compile mode the GPT-2 layer config uses: every regional variant compiled, each within the limit
+    regional = [r for r in rows if r["variant"].startswith("ours_regional") and "skipped" not in r]
+    if regional:
+        out[f"ours_regional_compile_within_{compile_limit_s:.0f}_s"] = all(
+            "compile_s" in r and r["compile_s"] <= compile_limit_s for r in regional)
         if "pgd_ms" in ours[best]:
             out["best_ours"].update(pgd_ms=ours[best]["pgd_ms"], pgd_share=ours[best]["pgd_share"])
     if peers:

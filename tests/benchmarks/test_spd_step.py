@@ -33,8 +33,9 @@ def test_smoke_records_a_compile_timeout_and_keeps_going(tmp_path):
         assert rows[name]["step_ms"] > 0 and rows[name]["timed_iters"] == 2, rows[name]
     speed = on_disk["workloads"]["resid_mlp1"]["speedup"]
     assert "fewer syncs (ours fp32 eager: loss read every step / never)" in speed
-    assert set(on_disk["workloads"]["resid_mlp1"]["summary"]["timed_out"]) == {
-        "ours_regional_bf16", "ours_regional_fp32", "ours_full_bf16"}
+    summary = on_disk["workloads"]["resid_mlp1"]["summary"]
+    assert set(summary["timed_out"]) == {"ours_regional_bf16", "ours_regional_fp32", "ours_full_bf16"}
+    assert summary["ours_regional_compile_within_60_s"] is False
     # a compile cut off by the alarm must leave torch.compile usable in this process (the alarm once
     # landed inside inductor's first import and broke every later compile in the test session)
     import torch
@@ -72,6 +73,7 @@ def test_smoke_gpt2_layer_reports_pgd_cost_compile_time_and_regions(tmp_path):
         assert rows[name]["compile_s"] >= 0
     assert res["peer_runnable"] is None  # --no-peer
     assert w["differences"] and w["summary"]["best_ours"]["variant"] in rows
+    assert w["summary"]["ours_regional_compile_within_60_s"] is True
     assert "best_vs_best" not in w["summary"]  # no peer, no ratio
 
 
