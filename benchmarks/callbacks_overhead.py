@@ -691,6 +691,8 @@ def speedrun_section(args: argparse.Namespace, cuda: bool, tmpdir: str, t_start:
                      sync: dict[str, Any], checks: dict[str, Any], costs: dict[str, Any]) -> None:
     """The six callbacks in the speedrun recipe's configuration: the recipe's module and optimizer, none vs all6."""
     settings = speedrun_settings(args.smoke)
+    if args.speedrun_batch_size and not args.smoke:
+        settings["batch_size"] = args.speedrun_batch_size
     sr = speedrun_module(settings)
 
     def sr_data(n: int) -> RandomTokens:
@@ -732,6 +734,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--speedrun-rounds", type=int, default=3)
     p.add_argument("--speedrun-steps", type=int, default=10)
     p.add_argument("--speedrun-warmup", type=int, default=3)
+    p.add_argument("--speedrun-batch-size", type=int, default=None, help="default: the recipe's (data.batch_size)")
     p.add_argument("--no-sync-check", action="store_true", help="skip the no-sync check runs")
     p.add_argument("--out", default=None,
                    help="result file (default: benchmarks/results/callbacks_overhead_<device>.json)")
