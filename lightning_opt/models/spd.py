@@ -272,12 +272,33 @@ def masked_linear(
     return out
 
 
+class _KLSum(torch.autograd.Function):
+    """``sum over positions of KL(softmax(t) || softmax(s))``, float32, with its gradient in ``s`` written out."""
+
+    @staticmethod
+    def forward(ctx: Any, pred: Tensor, target: Tensor, target_lse: Tensor) -> Tensor:
+        s = pred.float()
+        lse = torch.logsumexp(s, dim=-1, keepdim=True)
+        log_p = target.float() - target_lse
+        ctx.save_for_backward(pred, target, target_lse, lse)
+        return (log_p.exp() * (log_p - (s - lse))).sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        pred, target, target_lse, lse = ctx.saved_tensors
+        g = (torch.exp(pred.float() - lse) - torch.exp(target.float() - target_lse)) * grad
+        return g.to(pred.dtype), None, None
+
+
 def kl_sum(pred: Tensor, target: Tensor, target_lse: Tensor) -> Tensor:
     """``sum over positions of KL(softmax(target) || softmax(pred))`` in float32; ``target_lse`` is the target's
-    logsumexp over the last dimension (``[..., 1]``, computed once per step by :func:`recon_target`)."""
-    log_p = target.float() - target_lse
-    log_q = F.log_softmax(pred.float(), dim=-1)
-    return (log_p.exp() * (log_p - log_q)).sum()
+    logsumexp over the last dimension (``[..., 1]``, computed once per step by :func:`recon_target`).
+
+    The gradient (in ``pred`` only: the target is a constant) is ``softmax(pred) - softmax(target)`` per position,
+    from the saved logits and logsumexps: no float32 log-probabilities are kept for the backward pass, and it
+    reads the logits once (autograd's log-softmax backward would sum the target's probabilities again).
+    """
+    return _KLSum.apply(pred, target, target_lse)
 
 
 def compile_region(fn: Callable[..., Any], backend: str = "inductor", fullgraph: bool = False,

@@ -228,3 +228,68 @@ def test_identity_ci_error_counts_deviations_after_permutation():
 def test_ci_l0():
     ci = torch.tensor([[0.9, 0.05, 0.2], [0.0, 0.0, 0.0]])
     assert math.isclose(float(S.ci_l0(ci, 0.1)), 1.0)
+
+
+# -- the pieces regional compilation compiles ----------------------------------------------------------------
+
+
+def test_kl_sum_value_and_gradient_equal_the_log_softmax_kl():
+    """KL(target || pred) from the target's logsumexp, with its gradient softmax(pred) - softmax(target), against
+    the textbook log-softmax form in float64; zero for identical logits; a bf16 prediction gets a bf16 gradient."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    t = 5 * torch.randn(3, 4, 50, generator=g)
+    s = (t + 0.5 * torch.randn(3, 4, 50, generator=g)).requires_grad_(True)
+    tgt = S.recon_target(t, "kl")
+    value = S.kl_sum(s, t, tgt.lse)
+    value.backward()
+    s64 = s.detach().double().requires_grad_(True)
+    log_p = F.log_softmax(t.double(), -1)
+    ref = (log_p.exp() * (log_p - F.log_softmax(s64, -1))).sum()
+    ref.backward()
+    assert float(value) == pytest.approx(float(ref), rel=1e-5)
+    # float32 softmax from the saved logsumexp: within 1e-4 of the largest gradient entry
+    assert float((s.grad.double() - s64.grad).abs().max()) <= 1e-4 * float(s64.grad.abs().max())
+    assert float(S.kl_sum(t, t, tgt.lse)) == 0.0
+    sb = s.detach().bfloat16().requires_grad_(True)
+    S.kl_sum(sb, t, tgt.lse).backward()
+    assert sb.grad.dtype == torch.bfloat16
+    # recon_loss takes the prepared target or the tensor with its kind, with the same value
+    assert float(S.recon_loss(s, tgt)) == float(S.recon_loss(s, t, "kl")) == pytest.approx(float(ref) / 12, rel=1e-5)
+    with pytest.raises(ValueError, match="kind"):
+        S.recon_loss(s, t)
+
+
+def test_masked_linear_is_the_component_path_with_delta_and_bias():
+    g = torch.Generator().manual_seed(0)
+    x, V, U = torch.randn(2, 3, 5, generator=g), torch.randn(5, 4, generator=g), torch.randn(4, 6, generator=g)
+    mask, dm = torch.rand(2, 3, 4, generator=g), torch.rand(2, 3, generator=g)
+    dw, b = torch.randn(5, 6, generator=g), torch.randn(6, generator=g)
+    want = ((x @ V) * mask) @ U + dm[..., None] * (x @ dw) + b
+    assert torch.allclose(S.masked_linear(x, V, U, mask, dm, dw, b), want, atol=1e-6)
+    assert torch.allclose(S.masked_linear(x, V, U, None, None, None, None), x @ V @ U, atol=1e-6)
+
+
+def test_weight_deltas_stay_float32_under_bf16_autocast():
+    spd = S.SPDModel(_tms(), _cfg())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        deltas = spd.weight_deltas()
+    for n, d in deltas.items():
+        layer = spd.layers[n]
+        assert d.dtype == torch.float32
+        assert torch.allclose(d, layer.weight - layer.V @ layer.U, atol=1e-7)
+
+
+def test_compile_region_keeps_compiling_past_dynamo_s_default_recompile_limit():
+    """Ten shapes of one region compile ten graphs (dynamo's default limit of 8 would fall back to eager)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    fn = S.compile_region(lambda a: a * 2 + 1, backend="eager", fullgraph=True)
+    for n in range(1, 11):
+        assert torch.equal(fn(torch.ones(n)), torch.full((n,), 3.0))
+    assert counters["stats"]["unique_graphs"] == 10
+    torch._dynamo.reset()
