@@ -23,12 +23,19 @@ synthetic activations; 4096 / 8192 / 16384 / 32768 features per layer. Per featu
   the top ops, and op-call counts (``aten::copy_``, ``aten::index``, all ops).
 * ``select_ours`` / ``select_torch_topk`` / ``select_global_topk``: the BatchTopK selection alone on the bf16
   pre-activations ``[12 * 4096 * F]`` (ours = ``ops.topk.batch_topk_rows``; ``torch.topk`` of k*tokens; the
-  single-process ``global_batch_topk`` with ``group="local"``). ``select_path`` says which path
-  ``select_ours`` took (``triton_2pass``: ``_topk_triton.select_16bit``; ``candidates``: candidate step +
-  threshold step). Also the candidate path (``select_ours_candidates``), with the top-k threshold step
-  (``select_ours_topk_threshold``) and with torch candidates, the candidate phase alone, and a sweep of the
-  Triton kernels' launch shape for the whole selection (``select_sweep``: ``batch_topk_rows``'s
-  ``triton_block`` x ``triton_num_warps``).
+  single-process ``global_batch_topk`` with ``group="local"``). ``select_path`` says which path ``select_ours``
+  took (``triton_1pass``: ``_topk_triton.select_16bit_1pass``, one read of ``x``, no host sync;
+  ``triton_2pass``: ``_topk_triton.select_16bit``, two reads and one host sync; ``candidates``: candidate step +
+  threshold step). Beside it, in the same run: the two-pass selection (``select_ours_2pass``, also per layer),
+  the candidate path (``select_ours_candidates``), with the top-k threshold step (``select_ours_topk_threshold``)
+  and with torch candidates, the two-pass candidate phase alone (``phase_candidates``), the one-pass selection's
+  read of ``x`` alone (``phase_stash``) and the whole one-pass selection forced through its device-side fallback
+  (``select_ours_fallback``); the host syncs of one call of each Triton path (``select_host_syncs``); sweeps of
+  the Triton launch shapes (``select_sweep``: the one-pass stash pass, ``select_sweep_2pass``: the two-pass
+  selection; ``batch_topk_rows``'s ``triton_block`` x ``triton_num_warps``); and exactness: the kept multiset
+  against ``torch.topk`` (``select_exact``), every path's indices alike (``select_backends_agree``), the tie rule
+  on coarse values (``select_ties_exact``), the fallback's answer (``select_fallback_exact``) and whether the
+  sample's bound held (``select_fast_path``).
 * ``peer``: crosslayer-coding's own ``CrossLayerTranscoder`` + ``LossManager.compute_total_loss`` step
   (its trainer's step: activations, total loss, backward, AdamW; sparsity and pre-activation terms on), and
   its BatchTopK helper alone. Runs in a subprocess per size (own memory accounting, OOM isolated), only
@@ -39,7 +46,8 @@ Step time: median of CUDA-event intervals over ``--steps`` steps after ``--warmu
 ``torch.cuda.max_memory_allocated`` over the measured steps (process-wide peak incl. parameters, grads,
 AdamW state).
 
-    python benchmarks/clt_step.py                   # CUDA, about 3 min on an H100
+    python benchmarks/clt_step.py                   # CUDA, about 3 min on an H100; writes
+                                                    # benchmarks/results/clt_step_<device>.json
     python benchmarks/clt_step.py --features 8192 --variants ours_dense module select peer   # the goals only
     python benchmarks/clt_step.py --smoke           # CPU, seconds (tiny shapes; checks the script runs and
                                                     # prints the module step's op profile)
@@ -66,7 +74,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 PEER_DIR = os.path.join(ROOT, ".peers", "crosslayer-coding")
 
-from result_header import result_header  # noqa: E402
+from result_header import device_slug, result_header  # noqa: E402
 
 from lightning_opt.models.clt import (  # noqa: E402
     CLT,
@@ -309,8 +317,36 @@ def _triton_ok(x: torch.Tensor) -> bool:
         return False
 
 
+def _host_syncs(fn: Callable[[], Any], dev: torch.device) -> int | str:
+    """Host syncs of one call of ``fn`` (CUDA: ``torch.cuda.set_sync_debug_mode`` warnings)."""
+    if dev.type != "cuda":
+        return "not counted on CPU"
+    fn()  # warm: first calls compile and run self-checks (one-time syncs)
+    torch.cuda.synchronize(dev)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+# the selection's timings, printed side by side
+SELECT_KEYS = ("select_ours", "select_ours_2pass", "select_ours_candidates", "select_ours_torch_candidates",
+               "select_ours_topk_threshold", "select_ours_per_layer", "select_ours_per_layer_2pass", "phase_stash",
+               "phase_candidates", "phase_candidates_torch", "select_ours_fallback", "select_torch_topk",
+               "select_global_topk", "peer_select")
+SELECT_PATHS = {"triton": "triton_1pass", "triton_2pass": "triton_2pass", "candidates": "candidates"}
+# launch shapes (entries per program x warps) swept for the one-pass stash pass and the two-pass selection
+STASH_SWEEP = ((1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16))
+TWO_PASS_SWEEP = ((2048, 4), (2048, 8), (4096, 8))
+
+
 def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
-    """BatchTopK selection alone on bf16 pre-activations [L * N * F] (ours, torch.topk, global_batch_topk)."""
+    """BatchTopK selection alone on bf16 pre-activations [L * N * F]: ours (the one-pass Triton selection that
+    ``auto`` takes, the two-pass Triton selection, the candidate paths), torch.topk, global_batch_topk."""
     n_keep = args.k * args.tokens
     g = torch.Generator(device=dev).manual_seed(1)
     pre = torch.randn(args.layers * args.tokens * nf, device=dev, generator=g).to(torch.bfloat16)
@@ -322,14 +358,16 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
         """``batch_topk_rows`` on ``x`` as ``rows`` rows, with its path options ``paths``."""
         return lambda: batch_topk_rows(x.view(rows, -1), n, **paths)
 
-    lo = topk_mod._row_lower_bounds(pre.view(1, -1), n_keep).to(pre.dtype)
+    lo, expect = topk_mod._row_lower_bounds(pre.view(1, -1), n_keep)
+    lo = lo.to(pre.dtype)
     out["select_candidates_backend"] = "triton" if _triton_ok(pre) else "torch"
-    # which path select_ours takes: the two-pass Triton selection or candidates + threshold step
+    # which path select_ours takes: the one-pass or two-pass Triton selection, or candidates + threshold step
     with warnings.catch_warnings(record=True) as caught:  # a failed Triton self-check warns: keep its message
         warnings.simplefilter("always")
-        out["select_path"] = "triton_2pass" if topk_mod._use_select_16bit(pre.view(1, -1)) else "candidates"
+        out["select_path"] = SELECT_PATHS[topk_mod._select_path(pre.view(1, -1))]
     if caught:
         out["select_warnings"] = [str(w.message)[:300] for w in caught]
+    one_pass = out["select_path"] == "triton_1pass"
 
     variants: dict[str, Callable[[], Any]] = {
         "select_ours": select(),
@@ -341,6 +379,19 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
         "phase_candidates_torch": lambda: topk_mod.candidates_ge(pre, lo, pre.numel(), backend="torch"),
         "select_torch_topk": lambda: torch.topk(pre, n_keep, sorted=False),
     }
+    two_pass = _triton_ok(pre)  # the two-pass Triton selection, where Triton runs
+    if two_pass:
+        variants["select_ours_2pass"] = select(select_backend="triton_2pass")
+        variants["select_ours_per_layer_2pass"] = select(args.layers, select_backend="triton_2pass")
+    if one_pass:
+        from lightning_opt.ops import _topk_triton as kt
+
+        cap = kt.stash_capacity(expect, kt.STASH_BLOCK)
+        # the one read of x alone, and the whole selection forced through its device-side fallback (a bound
+        # no entry reaches: every row short)
+        variants["phase_stash"] = lambda: kt.stash_pass(pre, lo, pre.numel(), cap)
+        never = torch.full((1,), float("inf"), device=dev).to(pre.dtype)
+        variants["select_ours_fallback"] = lambda: kt.select_16bit_1pass(pre.view(1, -1), n_keep, never, expect)
     try:
         from lightning_opt.ops.global_topk import global_batch_topk
 
@@ -352,40 +403,57 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
             out[name] = time_fn(fn, dev, 2, args.select_steps)
         except Exception as err:  # one failing variant must not kill the others
             out[name] = {"error": repr(err)}
-    if _triton_ok(pre) and out["select_path"] == "triton_2pass":  # the two passes' launch shape (default marked)
+    try:
+        out["select_host_syncs"] = {name: _host_syncs(variants[name], dev)
+                                    for name in ("select_ours", "select_ours_2pass", "select_ours_candidates")
+                                    if name in variants}
+    except Exception as err:
+        out["select_host_syncs"] = repr(err)
+    if _triton_ok(pre):  # the Triton passes' launch shapes (defaults marked)
         from lightning_opt.ops import _topk_triton as kt
 
-        sweep = {}
-        for block in (1024, 2048, 4096, 8192):
-            for warps in (4, 8):
-                fn = select(triton_block=block, triton_num_warps=warps)
+        for key, path, shapes, default in (
+                ("select_sweep", "triton", STASH_SWEEP, (kt.STASH_BLOCK, kt.STASH_WARPS)),
+                ("select_sweep_2pass", "triton_2pass", TWO_PASS_SWEEP, (kt.BLOCK, kt.NUM_WARPS))):
+            if path == "triton" and not one_pass:
+                continue
+            sweep = {}
+            for block, warps in shapes:
+                fn = select(select_backend=path, triton_block=block, triton_num_warps=warps)
                 try:
                     sweep[f"{block}x{warps}"] = round(time_fn(fn, dev, 2, args.select_steps)["median_ms"], 4)
                 except Exception as err:
                     sweep[f"{block}x{warps}"] = repr(err)[:120]
-        out["select_sweep"] = {"default": f"{kt.BLOCK}x{kt.NUM_WARPS}", "ms": sweep}
+            out[key] = {"path": SELECT_PATHS[path], "default": f"{default[0]}x{default[1]}", "ms": sweep}
     # exactness: same kept multiset as torch.topk
     try:
         idx, vals = batch_topk_rows(pre.view(1, -1), n_keep)
         ref = torch.topk(pre.float(), n_keep, sorted=False).values
         out["select_exact"] = bool(idx.numel() == n_keep and torch.equal(vals.float().sort().values, ref.sort().values))
+        if one_pass:  # whether the sample's bound held on this data (no fallback), and the fallback's answer
+            got, fast = kt.select_16bit_1pass(pre.view(1, -1), n_keep, lo, expect)
+            out["select_fast_path"] = bool(fast)
+            out["select_fallback_exact"] = bool(torch.equal(variants["select_ours_fallback"]()[0], idx)
+                                                and torch.equal(got, idx))
     except Exception as err:
         out["select_exact"] = repr(err)
-    try:  # the Triton and torch candidate paths, and both threshold steps, must select the same indices
+    try:  # every path (one-pass, two-pass, Triton and torch candidates, both threshold steps): the same indices
         a = variants["select_ours"]()[0]
-        others = [variants[v]()[0] for v in ("select_ours_candidates", "select_ours_torch_candidates",
-                                             "select_ours_topk_threshold")]
-        layer_rows = variants["select_ours_per_layer"]()[0]
+        others = [variants[v]()[0] for v in ("select_ours_2pass", "select_ours_candidates",
+                                             "select_ours_torch_candidates", "select_ours_topk_threshold")
+                  if v in variants]
         layer_rows_c = select(args.layers, select_backend="candidates")()[0]
+        layer_rows = [variants[v]()[0] for v in ("select_ours_per_layer", "select_ours_per_layer_2pass")
+                      if v in variants]
         out["select_backends_agree"] = bool(all(torch.equal(a, b) for b in others)
-                                            and torch.equal(layer_rows, layer_rows_c))
+                                            and all(torch.equal(b, layer_rows_c) for b in layer_rows))
         # ties: coarse values (many equal to the cut-off) against a stable-sort reference of the tie rule
         coarse = (pre[: 1 << 24].float() * 4).round().to(pre.dtype)
         n_small = min(1 << 14, coarse.numel() // 4)
-        got = select(x=coarse, n=n_small)()[0]
-        got_c = select(x=coarse, n=n_small, select_backend="candidates")()[0]
         ref = torch.sort(coarse.float(), descending=True, stable=True).indices[:n_small].sort().values
-        out["select_ties_exact"] = bool(torch.equal(got, ref) and torch.equal(got_c, ref))
+        backends = ("auto", "triton_2pass", "candidates") if two_pass else ("auto", "candidates")
+        out["select_ties_exact"] = bool(all(
+            torch.equal(select(x=coarse, n=n_small, select_backend=b)()[0], ref) for b in backends))
     except Exception as err:
         out["select_backends_agree"] = repr(err)
     return out
@@ -465,7 +533,7 @@ def run_peer(nf: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ main
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (seconds)")
     p.add_argument("--features", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
@@ -484,10 +552,11 @@ def main() -> None:
                    help="profile one module step (top ops) at this feature count")
     p.add_argument("--device", default=None)
     p.add_argument("--peer-timeout", type=int, default=240)
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "clt_step.json"))
+    p.add_argument("--out", default=None,
+                   help="result JSON (default: benchmarks/results/clt_step_<device>.json, clt_step_smoke.json)")
     p.add_argument("--peer-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--peer-features", type=int, default=0, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.variants = ["ours_dense" if v == "ours_dense_plaingrad" else v for v in args.variants]
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:
@@ -496,13 +565,14 @@ def main() -> None:
         args.device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.peer_worker:
         peer_worker(args)
-        return
+        return None
     if args.smoke:
         args.features, args.layers, args.d_model, args.tokens, args.k = [64, 128], 3, 16, 64, 4
         args.steps, args.warmup, args.select_steps = 2, 1, 2
         args.profile_features, args.aux_max_dead = 128, 32
-        if args.out.endswith("clt_step.json"):
-            args.out = args.out.replace("clt_step.json", "clt_step_smoke.json")
+    if args.out is None:
+        name = "clt_step_smoke.json" if args.smoke else f"clt_step_{device_slug()}.json"
+        args.out = os.path.join(ROOT, "benchmarks", "results", name)
     dev = torch.device(args.device)
     results: dict[str, Any] = {}
     for nf in args.features:
@@ -582,6 +652,17 @@ def main() -> None:
               f"{f('peer_select'):>8} | {f('module'):>7} | {f('module_noaux'):>7} | {f('module_plaingrad'):>9} | "
               f"{(f'{msp:.2f}x' if msp else '-'):>6} | {'/'.join(peaks):>32}")
     for nf, row in results.items():
+        times = {k: ms(row, k) for k in SELECT_KEYS}
+        if times["select_ours"] is not None:
+            print(f"\nselection at {nf} features, ms (select_ours took {row.get('select_path')}): " + ", ".join(
+                f"{k}={t:.3f}" for k, t in times.items() if t is not None))
+            print(f"  host syncs per call: {row.get('select_host_syncs')}; exact: {row.get('select_exact')}, "
+                  f"paths agree: {row.get('select_backends_agree')}, ties: {row.get('select_ties_exact')}, "
+                  f"fallback: {row.get('select_fallback_exact')}, sample's bound held: {row.get('select_fast_path')}")
+            for key in ("select_sweep", "select_sweep_2pass"):
+                if isinstance(row.get(key), dict):
+                    print(f"  {key} ({row[key]['path']}, default {row[key]['default']}): {row[key]['ms']}")
+    for nf, row in results.items():
         comp = row.get("module_compile")
         if isinstance(comp, dict) and "median_ms" in comp:
             base = ms(row, "module")
@@ -600,6 +681,7 @@ def main() -> None:
                 for op in v["profile_top_ops"][:12]:
                     print(f"  {op['self_ms']:9.3f}  x{op['calls']:<4} {op['op'][:90]}")
     print(f"wrote {args.out}")
+    return report
 
 
 if __name__ == "__main__":

@@ -111,7 +111,8 @@ class CLTConfig:
         topk_select_backend, topk_candidates_backend, topk_threshold_method: which path the BatchTopK
             selection takes (``select_backend``, ``candidates_backend``, ``threshold_method`` of
             :func:`~lightning_opt.ops.topk.batch_topk_rows`; the candidate step also of the global selection
-            across ranks). Every path selects the same entries; ``"auto"`` is the fastest measured.
+            across ranks). Every path selects the same entries; ``"auto"`` takes the one-pass Triton selection
+            (no host sync) where it runs.
     """
 
     n_layers: int

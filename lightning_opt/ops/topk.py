@@ -5,34 +5,40 @@ decoder can consume them directly; :func:`scatter_dense` turns them into a dense
 
 Tie rule (every selection here): entries are ranked by (value descending, flat index ascending), i.e. among
 entries equal to the cut-off value the ones with the smallest flat index are kept. The kept *multiset of
-values* always equals ``torch.topk``'s. NaN entries are never kept.
+values* always equals ``torch.topk``'s. NaN entries are never kept while a row has ``n`` other entries; for a
+row with fewer, the candidate paths raise and the one-pass Triton selection keeps the row's NaN entries last.
 
 BatchTopK algorithm (``batch_topk_rows``), for ``R`` rows of ``M`` entries keeping ``n`` per row:
 
 1. A per-row lower bound ``lo`` from a fixed-seed sample of columns: a value that about ``1.1 n`` entries
    of the row reach (with a binomial margin), so every true top-``n`` entry is at or above it.
 2. Candidates: the entries with ``x >= lo``, as ascending flat indices and values (one host sync: the count
-   sizes the rest). On CUDA with Triton installed this is one fused pass (compare, block-local prefix sum,
-   one atomic per block, compaction into preallocated buffers; ``ops._topk_triton``) followed by a sort of
-   the few hits; otherwise ``nonzero(x >= lo)``. Both give the same indices. If a row has fewer than ``n``
-   candidates (unlucky sample) that row falls back to ``lo = -inf``.
+   sizes the rest). On CUDA with Triton installed this is a counting pass and an ordered compaction pass
+   (``ops._topk_triton.compact_ge``); otherwise ``nonzero(x >= lo)``. Both give the same indices. If a row
+   has fewer than ``n`` candidates (unlucky sample) that row falls back to ``lo = -inf``.
 3. Per row, the ``n``-th largest candidate is the exact threshold ``t``; keep ``> t`` and the first
    ``n - count(> t)`` entries ``== t``.
 
 This touches ``x`` twice (sample gather aside): one compare + compaction, one gather. ``torch.topk`` over
 hundreds of millions of entries with ``k`` near a million is several times slower (see docs/clt.md).
 
-bf16/fp16 scores on CUDA with Triton (at most 256 rows) skip steps 2-3: ``ops._topk_triton.select_16bit`` reads
-``x`` twice (per-block counts of the entries ``>= lo``; then those entries in flat order, at slots the counts'
-prefix sums give, with their 16-bit order keys), sorts only the candidates' keys for each row's exact cut-off and
-keeps by a running count. Same result and tie rule; one host sync, between the passes (the candidate count, and
-whether some row came up short: then the path above runs). It is checked against a stable sort once per device and falls back with a warning if
-it disagrees.
+bf16/fp16 scores on CUDA with Triton skip steps 2-3 and the host sync: ``ops._topk_triton.select_16bit_1pass``
+reads ``x`` once (per block, the entries ``>= lo`` to the block's own slots), compacts the candidates into
+buffers whose size comes from the sample, sorts only their 16-bit order keys for each row's exact cut-off and
+keeps by running counts; all shapes are fixed, so nothing waits for the device. When the sample misleads (a
+row short of ``n`` candidates, more candidates than the buffers hold) a device-side exact fallback (histograms
+of the order keys over ``x``) writes the result instead, still without a sync. Same result and tie rule. The
+two-pass form (``select_backend="triton_2pass"``: a counting pass, one host sync, an ordered compaction pass)
+stays available. The Triton selection is checked against a stable sort once per device and launch shape and
+falls back with a warning if it disagrees.
 
 Every path gives the same indices; the keyword arguments of :func:`batch_topk_rows` (``select_backend``,
 ``candidates_backend``, ``threshold_method``, validated by :func:`check_topk_options`) choose among them for
-measurements and tests. ``"auto"`` everywhere is the fastest measured choice. ``triton_block`` and
-``triton_num_warps`` set the Triton passes' launch shape (same indices for every shape).
+measurements and tests. ``"auto"`` picks the one-pass Triton selection where it runs (no host sync), and the
+fastest measured choice of the other steps elsewhere (``benchmarks/clt_step.py`` times every path side by side).
+``triton_block`` and
+``triton_num_warps`` set the Triton passes' launch shape (same indices for every shape; ``None``: the path's
+default).
 """
 
 from __future__ import annotations
@@ -59,9 +65,10 @@ CandidatesBackend = Literal["auto", "torch", "triton"]
 # or "auto" (top-k for one row and on CPU, histogram for several rows on CUDA): with one row both have no extra
 # sync and the top-k was faster on an H200 (2.08 vs 2.44 ms at 4096 x 12 x 8192 bf16, docs/clt.md)
 ThresholdMethod = Literal["auto", "histogram", "topk"]
-# whole selection for bf16/fp16: "auto" (the two-pass Triton selection when it passes its self-check, else
-# the candidate + threshold steps), "candidates" (always the candidate + threshold steps) or "triton"
-SelectBackend = Literal["auto", "candidates", "triton"]
+# whole selection for bf16/fp16: "auto" (the one-pass Triton selection when it passes its self-check, else the
+# candidate + threshold steps), "triton" (the one-pass Triton selection: no host sync), "triton_2pass" (the
+# two-pass Triton selection: one host sync) or "candidates" (always the candidate + threshold steps)
+SelectBackend = Literal["auto", "candidates", "triton", "triton_2pass"]
 
 
 def check_topk_options(select_backend: str = "auto", candidates_backend: str = "auto",
@@ -74,11 +81,14 @@ def check_topk_options(select_backend: str = "auto", candidates_backend: str = "
             raise ValueError(f"{name}={value!r} is unknown; choose one of {get_args(kind)}")
 
 
-# default launch shape of the Triton passes, entries per program x warps: ``ops._topk_triton.BLOCK`` x
-# ``NUM_WARPS``, repeated so that importing this module does not import triton (tests/ops/test_topk.py checks
-# that they agree)
+# default launch shapes of the Triton passes, entries per program x warps: the two-pass selection's and the
+# candidate step's (``ops._topk_triton.BLOCK`` x ``NUM_WARPS``) and the one-pass selection's stash pass
+# (``STASH_BLOCK`` x ``STASH_WARPS``), repeated so that importing this module does not import triton
+# (tests/ops/test_topk.py checks that they agree)
 _TRITON_BLOCK = 2048
 _TRITON_NUM_WARPS = 4
+_STASH_BLOCK = 4096
+_STASH_WARPS = 8
 _KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 _BINS = 1 << 16
 _MAX_BINS = 1 << 24  # rows * bins of the histogram; more rows use the top-k step
@@ -105,18 +115,19 @@ def _sample_columns(m: int, device: torch.device) -> torch.Tensor:
     return _COLUMN_CACHE[key]
 
 
-def _row_lower_bounds(x2d: torch.Tensor, n_keep: int) -> torch.Tensor:
-    """Per-row value that at least ``n_keep`` entries reach with high probability."""
+def _row_lower_bounds(x2d: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, float]:
+    """Per-row value that at least ``n_keep`` entries reach with high probability, and the fraction of a row's
+    entries expected at or above it (a host float: it sizes buffers without a sync)."""
     rows, m = x2d.shape
     if m <= _SAMPLE_COLS:
         # The whole row is the sample: the n-th largest is exact.
-        return torch.topk(x2d.float(), n_keep, dim=1, sorted=False).values.amin(dim=1)
+        return torch.topk(x2d.float(), n_keep, dim=1, sorted=False).values.amin(dim=1), n_keep / m
     cols = _sample_columns(m, x2d.device)
     sample = x2d[:, cols].float()
     # (2**18 columns: at 4096 x 12 x 8192 with k=200 about 1.3x the kept count is expected to pass, by the
     # margin of _sample_rank; ~2x with 2**15.)
     j = _sample_rank(_SAMPLE_COLS, n_keep / m)
-    return torch.topk(sample, j, dim=1, sorted=False).values.amin(dim=1)
+    return torch.topk(sample, j, dim=1, sorted=False).values.amin(dim=1), j / _SAMPLE_COLS
 
 
 def _sample_rank(s: int, frac: float) -> int:
@@ -126,30 +137,45 @@ def _sample_rank(s: int, frac: float) -> int:
     return min(s, int(math.ceil(1.1 * mean + 4.0 * math.sqrt(mean) + 16)))
 
 
-def _use_select_16bit(x2d: torch.Tensor, backend: SelectBackend = "auto", *, block: int = _TRITON_BLOCK,
-                      num_warps: int = _TRITON_NUM_WARPS) -> bool:
-    """Whether the two-pass Triton selection (``_topk_triton.select_16bit``) with launch shape ``block`` x
-    ``num_warps`` handles ``x2d`` under ``backend``."""
+def _launch_shape(path: str, block: int | None, num_warps: int | None) -> tuple[int, int]:
+    """``(block, num_warps)`` of the Triton passes of ``path`` (``"triton"``: the one-pass selection's stash pass;
+    else the two-pass selection and the candidate step), ``None`` meaning that path's default."""
+    default = (_STASH_BLOCK, _STASH_WARPS) if path == "triton" else (_TRITON_BLOCK, _TRITON_NUM_WARPS)
+    return (default[0] if block is None else block, default[1] if num_warps is None else num_warps)
+
+
+def _select_path(x2d: torch.Tensor, backend: SelectBackend = "auto", *, block: int | None = None,
+                 num_warps: int | None = None) -> str:
+    """Which selection ``batch_topk_rows`` runs on ``x2d`` under ``backend``: ``"triton"`` (the one-pass Triton
+    selection), ``"triton_2pass"`` or ``"candidates"`` (candidate and threshold steps). ``block`` x
+    ``num_warps``: the Triton passes' launch shape (``None``: the path's default)."""
     if backend == "candidates" or x2d.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if x2d.shape[0] * _BINS > _MAX_BINS:
-        return False
+        return "candidates"
+    rows = x2d.shape[0]
+    if backend == "triton_2pass":
+        return "triton_2pass" if rows * _BINS <= _MAX_BINS else "candidates"
+    if rows >= 1 << 15:
+        return "candidates"
+    if backend == "triton":
+        return "triton"
     from lightning_opt.ops import _topk_triton
 
-    if backend == "triton":
-        return True
-    return _topk_triton.available(x2d) and _select_16bit_works(x2d.device, block=block, num_warps=num_warps)
+    if not _topk_triton.available(x2d):
+        return "candidates"
+    return "triton" if _select_16bit_works(x2d.device, "triton", *_launch_shape("triton", block, num_warps)) \
+        else "candidates"
 
 
-_SELECT_CHECKED: dict[tuple[torch.device, int, int], bool] = {}
+_SELECT_CHECKED: dict[tuple[torch.device, str, int, int], bool] = {}
 
 
-def _select_16bit_works(device: torch.device, *, block: int = _TRITON_BLOCK,
-                        num_warps: int = _TRITON_NUM_WARPS) -> bool:
-    """Compile and check the Triton selection once per device and launch shape against the torch path (ties,
-    NaN, -0, rows that split a block); a failure costs a warning and the torch path instead of a crash or a
-    wrong selection."""
-    key = (device, block, num_warps)
+def _select_16bit_works(device: torch.device, path: str = "triton", block: int = _STASH_BLOCK,
+                        num_warps: int = _STASH_WARPS) -> bool:
+    """Compile and check a Triton selection (``path``: ``"triton"`` one-pass or ``"triton_2pass"``) once per
+    device and launch shape against a stable sort (ties, NaN, -0, rows that split a block, the one-pass
+    selection's fallback and its fast path); a failure costs a warning and the torch path instead of a crash or
+    a wrong selection."""
+    key = (device, path, block, num_warps)
     if key not in _SELECT_CHECKED:
         from lightning_opt.ops import _topk_triton
 
@@ -163,12 +189,21 @@ def _select_16bit_works(device: torch.device, *, block: int = _TRITON_BLOCK,
                 x[0, 3], x[1, 4], x[-1, 5] = float("nan"), -0.0, 0.0
                 x = x.to(device)
                 lo = x.float().topk(200, dim=1).values[:, -1].to(dtype)  # exact bounds (NaN-free rows 1, 2)
+                # row 0 takes every entry: more candidates than the one-pass buffers hold (its fallback runs)
                 lo[0] = float("-inf")
-                got = _topk_triton.select_16bit(x, 150, lo, block=block, num_warps=num_warps)
+                if path == "triton":
+                    got = _topk_triton.select_16bit_1pass(x, 150, lo, 200 / m, block=block, num_warps=num_warps)[0]
+                else:
+                    got = _topk_triton.select_16bit(x, 150, lo, block=block, num_warps=num_warps)
                 ref = torch.sort(x.float().nan_to_num(float("-inf")), dim=1, descending=True, stable=True)
                 ref = (ref.indices[:, :150].sort(dim=1).values + torch.arange(rows, device=device)[:, None] * m)
                 if got is None or not torch.equal(got, ref.reshape(-1)):
                     raise RuntimeError("the Triton selection disagrees with a stable sort on a check problem")
+                if path == "triton":  # the fast path too: rows 1.. alone, exact bounds
+                    got = _topk_triton.select_16bit_1pass(x[1:], 150, lo[1:], 200 / m, block=block,
+                                                          num_warps=num_warps)[0]
+                    if not torch.equal(got, ref[1:].reshape(-1) - m):
+                        raise RuntimeError("the Triton selection disagrees with a stable sort on a check problem")
             ok = True
         except Exception as err:  # any failure means: use the torch path
             import warnings
@@ -217,19 +252,26 @@ def candidates_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int,
 @torch.no_grad()
 def _select_rows(x2d: torch.Tensor, n_keep: int, select_backend: SelectBackend = "auto",
                  candidates_backend: CandidatesBackend = "auto",
-                 threshold_method: ThresholdMethod = "auto", *, block: int = _TRITON_BLOCK,
-                 num_warps: int = _TRITON_NUM_WARPS) -> torch.Tensor:
+                 threshold_method: ThresholdMethod = "auto", *, block: int | None = None,
+                 num_warps: int | None = None) -> torch.Tensor:
     """Sorted flat indices into ``x2d`` of the ``n_keep`` largest entries of every row (``block`` x
-    ``num_warps``: the Triton passes' launch shape)."""
+    ``num_warps``: the Triton passes' launch shape, ``None``: the path's default)."""
     rows, m = x2d.shape
     device = x2d.device
     if n_keep == 0 or rows == 0:
         return torch.empty(0, dtype=torch.long, device=device)
     if n_keep == m:
         return torch.arange(rows * m, device=device)
-    lo = _row_lower_bounds(x2d, n_keep).to(x2d.dtype)
+    lo, expect = _row_lower_bounds(x2d, n_keep)
+    lo = lo.to(x2d.dtype)
+    path = _select_path(x2d, select_backend, block=block, num_warps=num_warps)
+    block, num_warps = _launch_shape(path, block, num_warps)
     launch = {"block": block, "num_warps": num_warps}
-    if _use_select_16bit(x2d, select_backend, **launch):
+    if path == "triton":  # no host sync: fixed shapes, a device-side fallback
+        from lightning_opt.ops import _topk_triton
+
+        return _topk_triton.select_16bit_1pass(x2d, n_keep, lo, expect, **launch)[0]
+    if path == "triton_2pass":
         from lightning_opt.ops import _topk_triton
 
         idx = _topk_triton.select_16bit(x2d, n_keep, lo, **launch)
@@ -362,28 +404,32 @@ def batch_topk_rows(
     select_backend: SelectBackend = "auto",
     candidates_backend: CandidatesBackend = "auto",
     threshold_method: ThresholdMethod = "auto",
-    triton_block: int = _TRITON_BLOCK,
-    triton_num_warps: int = _TRITON_NUM_WARPS,
+    triton_block: int | None = None,
+    triton_num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep the ``n_keep`` largest entries of every row of ``x2d``.
 
     With one row this is BatchTopK over a whole batch (``n_keep = k * tokens``); with one row per layer it
-    is per-layer BatchTopK. The three path options select the same indices; ``"auto"`` is the fastest measured.
+    is per-layer BatchTopK. The three path options select the same indices; ``"auto"`` takes the one-pass Triton
+    selection (no host sync) where it runs.
     So do the Triton passes' launch shapes.
 
     Args:
         x2d: ``[rows, entries]`` scores (e.g. pre-activations); gradients flow into the returned values.
         n_keep: entries kept per row.
-        select_backend: for bf16/fp16 ``x2d``: ``auto`` (the two-pass Triton selection where it runs and passes
-            its self-check), ``triton`` (insist) or ``candidates`` (the candidate and threshold steps).
+        select_backend: for bf16/fp16 ``x2d``: ``auto`` (the one-pass Triton selection where it runs and passes
+            its self-check), ``triton`` (insist on it), ``triton_2pass`` (the two-pass Triton selection: one host
+            sync) or ``candidates`` (the candidate and threshold steps).
         candidates_backend: the candidate step: ``auto`` (Triton passes where they run), ``torch``
             (``nonzero``) or ``triton``.
         threshold_method: the threshold step: ``auto`` (``histogram`` for several rows on CUDA, else
             ``topk``), ``histogram`` (a 2**16-bin histogram of order keys) or ``topk`` (a top-k of each row's
             candidates).
-        triton_block: entries per program of the Triton passes (the two-pass selection and the candidate
-            step), a power of two; the default 2048 was the fastest in an H200 sweep (docs/clt.md).
-        triton_num_warps: warps per program of the Triton passes, a power of two (default 4).
+        triton_block: entries per program of the Triton passes of the path taken, a power of two; ``None``:
+            that path's default (one-pass stash pass 4096; two-pass selection and candidate step 2048, the
+            fastest of those in an H200 sweep, docs/clt.md).
+        triton_num_warps: warps per program of those passes, a power of two; ``None``: the path's default
+            (8 and 4).
 
     Returns:
         ``(flat_indices, values)``: int64 indices into ``x2d.reshape(-1)``, ascending within each row and
@@ -400,7 +446,8 @@ def batch_topk_rows(
     check_topk_options(select_backend, candidates_backend, threshold_method)
     from lightning_opt.ops._topk_triton import check_launch
 
-    check_launch(triton_block, triton_num_warps)
+    check_launch(_TRITON_BLOCK if triton_block is None else triton_block,
+                 _TRITON_NUM_WARPS if triton_num_warps is None else triton_num_warps)
     idx = _select_rows(x2d.detach(), n_keep, select_backend, candidates_backend, threshold_method,
                        block=triton_block, num_warps=triton_num_warps)
     return idx, _TakeUnique.apply(x2d.reshape(-1), idx)

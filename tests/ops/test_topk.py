@@ -71,7 +71,7 @@ def test_batch_topk_fallback_when_sample_misses(monkeypatch: pytest.MonkeyPatch,
     # A bound that is too high forces the exact fallback path; the result must not change.
     torch.manual_seed(2)
     x = torch.randn(2, 50_000)
-    monkeypatch.setattr(topk_mod, "_row_lower_bounds", lambda x2d, n: torch.full((x2d.shape[0],), 10.0))
+    monkeypatch.setattr(topk_mod, "_row_lower_bounds", lambda x2d, n: (torch.full((x2d.shape[0],), 10.0), 0.02))
     idx, _ = batch_topk_rows(x, 800, threshold_method=threshold_method)
     assert torch.equal(idx, _reference(x, 800))
 
@@ -109,11 +109,16 @@ def test_launch_shape_defaults_agree() -> None:
     from lightning_opt.ops import _topk_triton as kt
 
     params = inspect.signature(batch_topk_rows).parameters
-    assert (params["triton_block"].default, params["triton_num_warps"].default) == (kt.BLOCK, kt.NUM_WARPS)
-    assert (kt.BLOCK, kt.NUM_WARPS) == (2048, 4)
+    assert (params["triton_block"].default, params["triton_num_warps"].default) == (None, None)  # the path's
+    assert (topk_mod._TRITON_BLOCK, topk_mod._TRITON_NUM_WARPS) == (kt.BLOCK, kt.NUM_WARPS) == (2048, 4)
+    assert (topk_mod._STASH_BLOCK, topk_mod._STASH_WARPS) == (kt.STASH_BLOCK, kt.STASH_WARPS) == (4096, 8)
+    assert topk_mod._launch_shape("triton", None, None) == (4096, 8)
+    assert topk_mod._launch_shape("triton_2pass", None, 8) == (2048, 8)
     for fn in (kt.count_ge, kt.compact_counted, kt.compact_ge, kt.select_16bit, topk_mod.candidates_ge):
         p = inspect.signature(fn).parameters
         assert (p["block"].default, p["num_warps"].default) == (2048, 4), fn.__name__
+    p = inspect.signature(kt.select_16bit_1pass).parameters
+    assert (p["block"].default, p["num_warps"].default) == (4096, 8)
 
 
 def test_token_topk_and_scatter() -> None:
@@ -225,6 +230,109 @@ def test_triton_two_pass_selection_matches_stable_sort(dtype: torch.dtype, rows:
     for backend in ("triton", "candidates"):
         idx, vals = batch_topk_rows(x, n, select_backend=backend, triton_block=block)
         assert torch.equal(idx, ref) and torch.equal(vals, x.reshape(-1)[idx])
+
+
+def _nan_last_reference(x2d: torch.Tensor, n: int) -> torch.Tensor:
+    """Per row the n largest, ties by smallest index, NaN ranked below every value (the one-pass fallback's rule
+    for rows with fewer than n non-NaN entries); ascending flat indices."""
+    rows, m = x2d.shape
+    order = torch.sort(x2d.float().nan_to_num(float("-inf")), dim=1, descending=True, stable=True).indices
+    nan_last = torch.sort(x2d.float().isnan().gather(1, order).to(torch.uint8), dim=1, stable=True).indices
+    order = order.gather(1, nan_last)
+    return (order[:, :n].sort(dim=1).values + torch.arange(rows, device=x2d.device)[:, None] * m).reshape(-1)
+
+
+@pytest.mark.skipif(not _triton_runs_here(), reason="needs triton on CUDA (or TRITON_INTERPRET=1 on CPU)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,m,n", [(1, 9000, 700), (3, 3000, 250), (5, 777, 40), (2, 2048, 100)])
+def test_triton_one_pass_selection_matches_stable_sort(dtype: torch.dtype, rows: int, m: int, n: int) -> None:
+    """The one-pass selection on its fast path and through each of its rare paths: blocks with more hits than
+    slots (read again from x), more candidates than the buffer, rows short of n (a bound too high): always the
+    stable-sort answer, and the device flag says which path wrote it."""
+    from lightning_opt.ops import _topk_triton as kt
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    block = 512  # rows of 9000 / 3000 / 777 entries split blocks, 2048 do not
+    torch.manual_seed(5)
+    x = (torch.randn(rows, m, device=dev) * 3).round().to(dtype)  # many ties at the cut-off
+    x[0, 3], x[-1, 4], x[-1, 5] = float("nan"), -0.0, 0.0
+    ref = _stable_sort_reference(x, n)
+    lo = x.float().nan_to_num(float("-inf")).topk(n, dim=1).values[:, -1].to(dtype)  # exact: ties pass too
+    expect = n / m
+
+    def run(bound: torch.Tensor, **kw) -> bool:
+        got, fast = kt.select_16bit_1pass(x, n, bound, expect, block=block, **kw)
+        assert got.dtype == torch.int64 and torch.equal(got, ref), kw
+        return bool(fast)
+
+    assert run(lo)  # fast path
+    assert run(lo, num_warps=4) and run(lo, slot_cap=512)  # launch shape / no block over its slots
+    # 16 slots per block: blocks with more hits are read again from x by the compaction
+    hits = torch.nn.functional.pad((x >= lo[:, None]).reshape(-1).int(), (0, -(rows * m) % block))
+    assert int(hits.view(-1, block).sum(1).max()) > 16
+    assert run(lo, slot_cap=16, cand_cap=rows * m)
+    assert not run(lo, cand_cap=rows * n + 1) or int((x >= lo[:, None]).sum()) <= rows * n + 1  # ties overflow
+    # every entry a candidate: more than the buffer holds
+    assert not run(torch.full((rows,), -1e4, device=dev).to(dtype), cand_cap=rows * n)
+    assert not run(torch.full((rows,), 100.0, device=dev).to(dtype))  # no candidates: rows short
+    got, fast = kt.select_16bit_1pass(x, n, lo, expect)  # the default launch shape
+    assert torch.equal(got, ref) and bool(fast)
+    assert topk_mod._select_16bit_works(x.device, "triton", block, 8)  # the per-device self-check passes
+    for backend in ("triton", "triton_2pass", "candidates"):  # through batch_topk_rows: identical indices
+        idx, vals = batch_topk_rows(x, n, select_backend=backend, triton_block=block)
+        assert torch.equal(idx, ref) and torch.equal(vals, x.reshape(-1)[idx]), backend
+
+
+@pytest.mark.skipif(not _triton_runs_here(), reason="needs triton on CUDA (or TRITON_INTERPRET=1 on CPU)")
+def test_triton_one_pass_rows_with_nan_and_sampled_bounds() -> None:
+    from lightning_opt.ops import _topk_triton as kt
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    # a row with fewer than n non-NaN entries: no sync to raise, so its NaN entries come last (flat order)
+    x = torch.randn(2, 3000, device=dev).to(torch.bfloat16)
+    x[1, ::2] = float("nan")
+    x[1, 1::4] = float("nan")  # row 1: 750 real values
+    n = 1000
+    for lo in (torch.full((2,), -1e4, device=dev), x.float().nan_to_num(-1e4).topk(n, dim=1).values[:, -1]):
+        got, fast = kt.select_16bit_1pass(x, n, lo.to(x.dtype), n / 3000, block=512)
+        assert not bool(fast) and torch.equal(got, _nan_last_reference(x, n))
+    with pytest.raises(ValueError, match="fewer than 1000 non-NaN"):  # the synced paths raise instead
+        batch_topk_rows(x, n, select_backend="candidates")
+    # rows longer than the sample (2**18 columns): sampled bounds, the expected fraction sizes the buffers
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 300_000, generator=g).to(torch.bfloat16).to(dev)
+    lo, expect = topk_mod._row_lower_bounds(x, 600)
+    assert 600 / 300_000 < expect < 1.5 * 600 / 300_000
+    idx, _ = batch_topk_rows(x, 600, select_backend="triton")
+    assert torch.equal(idx, _stable_sort_reference(x, 600))
+    got, fast = kt.select_16bit_1pass(x, 600, lo.to(x.dtype), expect)
+    assert bool(fast) and torch.equal(got, idx)  # the sample's bound held: no fallback
+
+
+def test_one_pass_capacities() -> None:
+    from lightning_opt.ops import _topk_triton as kt
+
+    # slots: a power of two, at least twice a block's expected hits, at most the block
+    assert kt.stash_capacity(0.0, 4096) == 16
+    for expect, block in ((1.4e-3, 4096), (5e-3, 2048), (0.03, 4096), (0.5, 4096), (1.0, 512)):
+        cap = kt.stash_capacity(expect, block)
+        assert cap & (cap - 1) == 0 and min(block, 2 * expect * block) <= cap <= block
+    # candidates: 1.5 x expected + 1024 per row, at most the row
+    assert kt.candidate_capacity(0.001, 12, 1_000_000) == 12 * 2524
+    assert kt.candidate_capacity(0.9, 2, 1000) == 2000
+
+
+@pytest.mark.skipif(not _triton_runs_here(), reason="needs triton on CUDA (or TRITON_INTERPRET=1 on CPU)")
+def test_one_pass_argument_errors() -> None:
+    from lightning_opt.ops import _topk_triton as kt
+
+    x = torch.zeros(2, 100, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="block must be in"):
+        kt.select_16bit_1pass(x, 5, torch.zeros(2, dtype=torch.bfloat16), 0.1, block=32)
+    with pytest.raises(ValueError, match="n_keep must be"):
+        kt.select_16bit_1pass(x, 0, torch.zeros(2, dtype=torch.bfloat16), 0.1)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        kt.select_16bit_1pass(x.float(), 5, torch.zeros(2), 0.1)
 
 
 @pytest.mark.gpu

@@ -28,12 +28,15 @@ _MODULES = (T, D, S)
 # kernels launched by a wrapper (the others are @triton.jit helpers they call)
 _KERNELS = {
     "_count_ge_kernel", "_compact_ordered_kernel",
+    "_stash_kernel", "_compact_stash_kernel", "_fb_hist_kernel", "_fb_count_kernel", "_fb_scan_kernel",
+    "_fb_write_kernel", "_grad_kept_kernel",
     "_forward_kernel", "_grad_values_kernel", "_grad_weight_kernel",
     "_softcap_ce_kernel", "_transpose_bytes_kernel",
 }
-_HELPERS = {"_block", "_per_row", "_capped"}
+_HELPERS = {"_block", "_per_row", "_capped", "_order_key", "_key16", "_emit", "_fb_tile", "_pick", "_fb_cut"}
 _CONSTEXPRS = {"BLOCK", "BLOCK_IN_ONE_ROW", "CAPPED", "BLOCK_D", "BLOCK_E", "HAS_CAP", "FIXED_MAX", "FAST_TANH",
-               "WRITE_GRAD", "WRITE_G8", "WRITE_DENSE", "BLOCK_M"}
+               "WRITE_GRAD", "WRITE_G8", "WRITE_DENSE", "BLOCK_M", "VEC", "EVEN", "CAP", "GROUP", "SUB", "ROWS",
+               "STAGE", "TILE", "CHUNK", "W_MULT"}
 
 
 def _module_of(name: str):
@@ -55,6 +58,45 @@ def _selection_cases():
             yield ("_compact_ordered_kernel", {"x_ptr": f"*{dt}", "lo_ptr": f"*{dt}", "pre_ptr": "*i64",
                                                "idx_ptr": "*i64", "val_ptr": f"*{dt}", "n": n, "row_len": "i32",
                                                "cap": "i32"}, {**meta, "CAPPED": capped}, warps)
+
+
+def _one_pass_cases():
+    # the one-pass selection (16-bit scores only): i32 sizes below 2**31 entries, i64 above; the default stash
+    # shape and the sweep's extremes; blocks inside rows or split by them; the tail block masked or not
+    for dt, n, (block, warps), even, one_row in itertools.product(
+            ("bf16", "fp16"), ("i32", "i64"), ((T.STASH_BLOCK, T.STASH_WARPS), (2048, 4), (16384, 16)),
+            (True, False), (True, False)):
+        if dt == "fp16" and (n == "i64" or block != T.STASH_BLOCK):
+            continue
+        yield ("_stash_kernel", {"x_ptr": f"*{dt}", "lo_ptr": f"*{dt}", "cnt_ptr": "*i32", "slot_ptr": "*i32",
+                                 "n": n, "row_len": n, "cap": "i32"},
+               {"BLOCK": block, "VEC": T._VEC, "EVEN": even, "BLOCK_IN_ONE_ROW": one_row}, warps)
+    for dt, n, rows, (cap, block) in itertools.product(("bf16", "fp16"), ("i32", "i64"), (False, True),
+                                                       ((32, T.STASH_BLOCK), (1024, 2048), (16384, 16384))):
+        yield ("_compact_stash_kernel", {"x_ptr": f"*{dt}", "lo_ptr": f"*{dt}", "cnt_ptr": "*i32", "incl_ptr": "*i64",
+                                         "slot_ptr": "*i32", "idx_ptr": "*i64", "key_ptr": "*i32", "n": n, "nb": "i32",
+                                         "row_len": n, "cand_cap": "i32"},
+               {"BLOCK": block, "CAP": cap, "GROUP": max(1, T._COMPACT_SLOTS // cap), "SUB": min(block, 256),
+                "ROWS": rows}, 4)
+    for dt, n in (("bf16", "i32"), ("bf16", "i64"), ("fp16", "i32")):
+        sizes = {"rows": "i32", "row_len": n, "n_tiles": "i32", "tiles_per_row": "i32", "n_keep": n}
+        for stage in (0, 1):
+            yield ("_fb_hist_kernel", {"x_ptr": f"*{dt}", "fast_ptr": "*i32", "hist_ptr": "*i64", **sizes},
+                   {"STAGE": stage, "TILE": T._FB_TILE}, 4)
+        yield ("_fb_count_kernel", {"x_ptr": f"*{dt}", "fast_ptr": "*i32", "hist_ptr": "*i64", "gt_ptr": "*i32",
+                                    "eq_ptr": "*i32", **sizes}, {"TILE": T._FB_TILE}, 4)
+        yield ("_fb_write_kernel", {"x_ptr": f"*{dt}", "fast_ptr": "*i32", "hist_ptr": "*i64",
+                                    "eq_before_ptr": "*i64", "kept_before_ptr": "*i64", "out_ptr": "*i64", **sizes},
+               {"TILE": T._FB_TILE}, 4)
+        yield ("_fb_scan_kernel", {"fast_ptr": "*i32", "hist_ptr": "*i64", "gt_ptr": "*i32", "eq_ptr": "*i32",
+                                   "eq_before_ptr": "*i64", "kept_before_ptr": "*i64", "rows": "i32",
+                                   "tiles_per_row": "i32", "n_keep": n}, {"CHUNK": T._FB_CHUNK}, 4)
+    # the CLT decode's gradient at the kept entries: 16-bit (autocast) or fp32 decoders, aligned or not
+    for w, mult, per_layer in (("bf16", 8, "i32"), ("bf16", 1, "i64"), ("fp16", 8, "i32"), ("fp32", 4, "i64")):
+        yield ("_grad_kept_kernel", {"idx_ptr": "*i64", "w_off_ptr": "*i64", "w0_ptr": f"*{w}", "g_ptr": f"*{w}",
+                                     "out_ptr": "*fp32", "nnz": "i32", "per_layer": per_layer, "n_features": "i32",
+                                     "d": "i32", "n_layers": "i32"},
+               {"W_MULT": mult, "BLOCK_E": 16, "BLOCK_D": 128}, 4)
 
 
 def _decode_cases():
@@ -100,7 +142,7 @@ def _all_cases():
     # (kernel, signature, constexprs, num_warps, aligned); aligned: every pointer 16-byte aligned and every int
     # a multiple of 16, as Triton specialises a real launch at CLT shapes (tt.divisibility hints change codegen)
     seen = set()
-    for name, sig, consts, warps in (*_selection_cases(), *_decode_cases(), *_softcap_cases()):
+    for name, sig, consts, warps in (*_selection_cases(), *_one_pass_cases(), *_decode_cases(), *_softcap_cases()):
         yield name, sig, consts, warps, False
         if name not in seen:
             seen.add(name)
