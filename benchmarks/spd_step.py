@@ -414,7 +414,7 @@ def run_variant(
             done, ms, last = _timed(step, batches, device, iters, measure_s)
             row["timed_iters"], row["step_ms"] = done, ms
             row["final_loss"] = float(last) if last is not None else None
-            if "first_step_s" in row:
+            if "first_step_s" in row and row.get("compiled"):
                 row["compile_s"] = round(max(row["first_step_s"] - ms / 1000, 0.0), 2)
             row["graphs"], row["graph_breaks"] = _dynamo_counts()
             if device.startswith("cuda"):
@@ -483,7 +483,7 @@ def summary(rows: list[dict[str, Any]], goal_ratio: float, compile_limit_s: floa
     if ours:
         best = min(ours, key=lambda n: ours[n]["step_ms"])
         out["best_ours"] = {"variant": best, "step_ms": ours[best]["step_ms"]}
-        compiled = {n: r["compile_s"] for n, r in ours.items() if r.get("compiled") and "compile_s" in r}
+        compiled = {n: r["compile_s"] for n, r in ours.items() if "compile_s" in r}
         if compiled:
             out["ours_compile_s"] = compiled
     # the compile mode the GPT-2 layer config uses: every regional variant compiled, each within the limit
@@ -517,7 +517,7 @@ def print_table(results: dict[str, Any]) -> None:
             ms = f"{r['step_ms']:.2f}" if "step_ms" in r else "-"
             nopgd = f"{r['step_ms_nopgd']:.2f}" if "step_ms_nopgd" in r else "-"
             syncs = "-" if r.get("syncs_per_step") is None else str(r["syncs_per_step"])
-            comp = f"{r['compile_s']:.1f}" if r.get("compiled") and "compile_s" in r else "-"
+            comp = f"{r['compile_s']:.1f}" if "compile_s" in r else "-"
             loss = f"{r['final_loss']:.4g}" if r.get("final_loss") is not None else "-"
             note = (r.get("error") or r.get("skipped") or "")[:60]
             print(f"{wname:<12}{r['variant']:<22}{ms:>9}{nopgd:>9}{r.get('timed_iters', '-'):>6}{syncs:>6}{comp:>10}"
@@ -658,7 +658,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 msg = f"{row['step_ms']:.2f} ms/step" if "step_ms" in row else row.get("error", "")[:120]
                 if "step_ms_nopgd" in row:
                     msg += f", {row['step_ms_nopgd']:.2f} without PGD"
-                if row.get("compiled") and "compile_s" in row:
+                if "compile_s" in row:
                     msg += f", compile {row['compile_s']:.1f} s"
                 print(f"[{time.perf_counter() - t_begin:6.1f}s] {wname}/{vname}: {msg} (wall {row['wall_s']} s)", flush=True)
                 save()
