@@ -587,12 +587,9 @@ class CLT(nn.Module):
     def _decode_dense_sparse_grad(self, acts: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
         """:meth:`decode` of top-k activations (``acts`` = ``vals`` scattered at ``idx``, zeros elsewhere) whose
         backward computes the activation gradient at the kept entries only (see :class:`_DenseDecodeSparseGrad`)."""
-        L, N, nf = acts.shape
+        nf = acts.shape[2]
         ws = [w.reshape(nf, -1).to(acts.dtype) for w in self.W_dec]
-        # One host sync: the layer bounds of the kept entries. The selection synced just before, so the queue
-        # it waits for is short.
-        bounds = torch.searchsorted(idx, torch.arange(L + 1, device=idx.device) * (N * nf)).tolist()
-        return _DenseDecodeSparseGrad.apply(vals, acts.detach(), idx, bounds, *ws) + self.b_dec
+        return _DenseDecodeSparseGrad.apply(vals, acts.detach(), idx, *ws) + self.b_dec
 
     def _forward_feature_sharded(self, x: torch.Tensor) -> CLTOutput:
         """Encode this rank's features, select exactly over the group's union, decode from the gathered entries.
@@ -845,16 +842,17 @@ class _DenseDecodeSparseGrad(torch.autograd.Function):
 
     Forward and the decoder gradient are the plain dense matmuls. The activation gradient is needed only at
     the ``k N`` kept entries (the activations are zero elsewhere and only ``values`` carry gradients), so
-    instead of the dense ``grad_out @ W^T`` (as many FLOPs as the forward) it is a gather-dot per kept entry:
-    the Triton kernel of ``ops.sparse_decode`` on CUDA, a chunked torch gather elsewhere.
+    instead of the dense ``grad_out @ W^T`` (as many FLOPs as the forward) it is a gather-dot per kept entry
+    (:func:`_grad_at_kept`): one Triton launch for every layer on CUDA (no host sync), chunked torch gathers
+    elsewhere.
 
     Inputs: ``values`` (differentiable, at ``indices``), ``acts`` ``[L, N, F]`` (detached dense form),
-    ``indices`` (flat into ``[L, N, F]``, grouped by layer), ``bounds`` (``L + 1`` layer offsets into
-    ``indices``), then the ``L`` decoders ``[F, (L - l) d]`` in the compute dtype. Output ``[N, L, d]`` float32.
+    ``indices`` (flat into ``[L, N, F]``, grouped by layer), then the ``L`` decoders ``[F, (L - l) d]`` in the
+    compute dtype. Output ``[N, L, d]`` float32.
     """
 
     @staticmethod
-    def forward(ctx: Any, values: torch.Tensor, acts: torch.Tensor, indices: torch.Tensor, bounds: list[int],
+    def forward(ctx: Any, values: torch.Tensor, acts: torch.Tensor, indices: torch.Tensor,
                 *weights: torch.Tensor) -> torch.Tensor:
         L, N, _ = acts.shape
         d = weights[0].shape[1] // L
@@ -862,35 +860,88 @@ class _DenseDecodeSparseGrad(torch.autograd.Function):
         for s, w in enumerate(weights):
             out[:, s:] += (acts[s] @ w).view(N, L - s, d)
         ctx.save_for_backward(acts, indices, *weights)
-        ctx.bounds, ctx.values_dtype = bounds, values.dtype
+        ctx.values_dtype = values.dtype
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         acts, indices, *weights = ctx.saved_tensors
         L, N, nf = acts.shape
-        bounds = ctx.bounds
-        grad_out = grad_out.contiguous()  # e.g. an expanded (stride 0) gradient of a sum
-        grad_vals = torch.zeros(indices.numel(), dtype=torch.float32, device=acts.device)
+        # one copy of the gradient in the matmuls' dtype; layer s's [N, (L - s) d] is a view of it (row stride L d)
+        g = grad_out.to(acts.dtype).contiguous()
         grad_w: list[torch.Tensor | None] = [None] * L
-        for s, w in enumerate(weights):
-            g = grad_out[:, s:].reshape(N, -1).to(acts.dtype)  # [N, (L - s) d], the dtype of the matmuls
-            if ctx.needs_input_grad[4 + s]:
-                grad_w[s] = acts[s].t() @ g
-            lo, hi = bounds[s], bounds[s + 1]
-            if ctx.needs_input_grad[0] and hi > lo:
-                local = indices[lo:hi] - s * N * nf
-                tok = torch.div(local, nf, rounding_mode="floor")
-                grad_vals[lo:hi] = _gather_dot(local - tok * nf, tok, g, w)
-        return (grad_vals.to(ctx.values_dtype), None, None, None, *grad_w)
+        for s in range(L):
+            if ctx.needs_input_grad[3 + s]:
+                grad_w[s] = acts[s].t() @ g[:, s:].reshape(N, -1)
+        grad_vals = None
+        if ctx.needs_input_grad[0]:
+            grad_vals = _grad_at_kept(indices, g, weights, N, nf).to(ctx.values_dtype)
+        return (grad_vals, None, None, *grad_w)
+
+
+def _grad_at_kept(indices: torch.Tensor, g: torch.Tensor, weights: list[torch.Tensor], n_tokens: int,
+                  nf: int) -> torch.Tensor:
+    """float32 ``[nnz]``: ``<g[tok, s:].flatten(), weights[s][feat]>`` at every kept entry ``(s, tok, feat)`` of
+    ``indices`` (flat into ``[L, n_tokens, nf]``, grouped by layer). ``g``: ``[n_tokens, L, d]``.
+
+    Where Triton runs (CUDA): every layer in one launch of ``ops._topk_triton.grad_kept``, no host sync. Else a
+    chunked torch gather-dot per layer, whose slices need the layer bounds on the host (a sync on a GPU
+    without Triton; free on the CPU)."""
+    from lightning_opt.ops import _topk_triton
+
+    if _topk_triton.available(g) and _grad_kept_works(g.device):
+        return _topk_triton.grad_kept(indices, g, weights, n_tokens, nf)
+    return _grad_at_kept_torch(indices, g, weights, n_tokens, nf)
+
+
+def _grad_at_kept_torch(indices: torch.Tensor, g: torch.Tensor, weights: list[torch.Tensor], n_tokens: int,
+                        nf: int) -> torch.Tensor:
+    """:func:`_grad_at_kept` in torch: per layer, the slice its host-side bounds give."""
+    L = len(weights)
+    bounds = torch.searchsorted(indices, torch.arange(L + 1, device=indices.device) * (n_tokens * nf)).tolist()
+    out = torch.zeros(indices.numel(), dtype=torch.float32, device=g.device)
+    for s, w in enumerate(weights):
+        lo, hi = bounds[s], bounds[s + 1]
+        if hi > lo:
+            local = indices[lo:hi] - s * n_tokens * nf
+            tok = torch.div(local, nf, rounding_mode="floor")
+            out[lo:hi] = _gather_dot(local - tok * nf, tok, g[:, s:].reshape(n_tokens, -1), w)
+    return out
+
+
+_GRAD_KEPT_CHECKED: dict[torch.device, bool] = {}
+
+
+def _grad_kept_works(device: torch.device) -> bool:
+    """Run ``ops._topk_triton.grad_kept`` once per device on a small problem (3 layers, unaligned rows) against
+    the torch gather-dot; a failure costs a warning and the torch path, not a crash or a wrong gradient."""
+    if device not in _GRAD_KEPT_CHECKED:
+        from lightning_opt.ops import _topk_triton
+
+        ok = False
+        try:
+            gen = torch.Generator().manual_seed(0)
+            L, N, nf = 3, 5, 7
+            for dtype, d in ((torch.bfloat16, 16), (torch.float32, 3)):
+                ws = [torch.randn(nf, (L - s) * d, generator=gen).to(device, dtype) for s in range(L)]
+                g = torch.randn(N, L, d, generator=gen).to(device, dtype)
+                idx = torch.randperm(L * N * nf, generator=gen)[:40].sort().values.to(device)
+                got = _topk_triton.grad_kept(idx, g, ws, N, nf)
+                ref = _grad_at_kept_torch(idx, g, ws, N, nf)
+                if not torch.allclose(got, ref, rtol=1e-3, atol=1e-3):
+                    raise RuntimeError("grad_kept disagrees with the torch gather-dot on a check problem")
+            ok = True
+        except Exception as err:  # any failure means: use the torch path
+            import warnings
+
+            warnings.warn(f"CLT dense decode: Triton gradient at the kept entries unusable ({err}); using torch",
+                          stacklevel=2)
+        _GRAD_KEPT_CHECKED[device] = ok
+    return _GRAD_KEPT_CHECKED[device]
 
 
 def _gather_dot(feat: torch.Tensor, tok: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``out[e] = <g[tok[e]], w[feat[e]]>`` in float32 (``g``'s rows may be strided, columns contiguous)."""
-    if _triton_decode_ok(w.device):
-        from lightning_opt.ops import _sparse_decode_triton as kernels
-
-        return kernels.grad_values(feat, tok, g, w.contiguous())
     out = torch.empty(feat.numel(), dtype=torch.float32, device=w.device)
     step = max(1, (1 << 24) // max(1, w.shape[1]))  # bounds the [chunk, D] temporaries
     for i in range(0, feat.numel(), step):

@@ -122,9 +122,19 @@ class CLTModule(TrainingModule):
     steps the Trainer writes logs (``log_every_n_steps``) and on the last batch of an epoch; ``train/loss``
     is logged every step (a device tensor: no host sync unless a logger or progress bar reads it). AuxK is skipped
     without a host sync while no feature is dead (the previous step's answer is copied to pinned host memory
-    asynchronously and is complete once the forward's own selection sync has happened) and otherwise
+    asynchronously; reading it waits on the event recorded after the previous step's loss, while that step's
+    backward and this step's forward are queued on the GPU, so the GPU never idles for it) and otherwise
     considers at most ``aux_max_dead`` dead features per layer, the ones silent longest (see
     :func:`~lightning_opt.models.clt.auxk_loss`).
+
+    Host syncs: none in a training step outside the logging steps on CUDA with Triton and bf16 pre-activations
+    (``precision="bf16-mixed"``) for the top-k activations with the dense decode: the one-pass BatchTopK selection
+    (``ops._topk_triton.select_16bit_1pass``) has fixed shapes and an exact device-side fallback, and the dense
+    decode's gradient at the kept entries needs no layer bounds on the host (``benchmarks/clt_step.py`` counts
+    them: ``host_syncs_per_step``). One sync per step remains where sizes come from the data: fp32
+    pre-activations (the candidate step's count), ``decode="sparse"`` (the layer bounds), a GPU without Triton,
+    a BatchTopK over ranks (``topk_group``) or a sharded CLT. The first steps of a process run one-time
+    self-checks of the Triton kernels (they sync once).
 
     Logged keys (values of the logging step): ``train/loss``, ``train/mse``, ``train/fvu``, ``train/l0``, ``train/sparsity_lambda``,
     ``train/sparsity``, ``train/preact``, ``train/auxk``, ``train/dead_fraction``; ``val/fvu``,
@@ -148,7 +158,8 @@ class CLTModule(TrainingModule):
         compile: ``torch.compile`` (``fullgraph``, ``dynamic=False``) the two regions of the training step that
             have static shapes: the encoder (input normalisation + batched encoder matmul, in training mode) and
             the loss terms (target normalisation, MSE, tanh sparsity penalty, pre-activation loss). The top-k
-            selection and the decode between them stay eager (their sizes come from the data: host syncs).
+            selection and the decode between them stay eager (Triton kernels; on the paths with a host sync, sizes
+            that come from the data).
             Not with a sharded CLT (``DecoderShardingStrategy``) nor a BatchTopK over ranks (``topk_group``).
         resample_dead_every: every this many optimizer steps, re-initialise the features dead over the
             ``dead_tokens`` window (see :meth:`resample_dead_features`); ``None`` = never. Single process,
@@ -360,13 +371,13 @@ class CLTModule(TrainingModule):
         return trainer_logs_next_step(self.trainer) or self.trainer.is_last_batch
 
     def _maybe_dead(self) -> bool:
-        """False only when the last step's update left no dead feature (answer read without waiting)."""
+        """False only when the last step's update left no dead feature (a host flag; no device sync)."""
         if self._any_dead is None:
             return True
         flag, event = self._any_dead
         if event is not None:
-            # Recorded at the end of the previous step; the forward's top-k selection has synced with the
-            # host since, so this returns at once (a deterministic answer, not a racy query()).
+            # Recorded after the previous step's loss: waiting for it leaves that step's backward and this step's
+            # forward queued on the GPU, so the GPU does not idle (a deterministic answer, not a racy query()).
             event.synchronize()
         return bool(flag)
 

@@ -391,3 +391,28 @@ def test_clt_config_topk_paths_reach_the_selection_and_the_hparams() -> None:
     assert "aten::index_add_" in ops["histogram"] and "aten::index_add_" not in ops["topk"]
     with pytest.raises(ValueError, match="threshold_method='sort' is unknown"):
         CLTConfig(**base, topk_threshold_method="sort")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not _triton_runs_here(), reason="needs triton on CUDA (or TRITON_INTERPRET=1 on CPU)")
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 16), (torch.float32, 16), (torch.bfloat16, 3)])
+def test_grad_kept_matches_the_torch_gather_dot(dtype: torch.dtype, d: int) -> None:
+    """The CLT dense decode's gradient at the kept entries, every source layer in one launch (no layer bounds on
+    the host), against the per-layer torch gather-dot; rows 16-byte aligned (vector loads) or not (d=3)."""
+    from lightning_opt.models import clt as clt_mod
+    from lightning_opt.ops import _topk_triton as kt
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(11)
+    L, N, nf = 4, 9, 13
+    ws = [torch.randn(nf, (L - s) * d, generator=gen).to(dev, dtype) for s in range(L)]
+    g = torch.randn(N, L, d, generator=gen).to(dev, dtype)
+    idx = torch.randperm(L * N * nf, generator=gen)[:100].sort().values.to(dev)
+    idx = idx[idx >= N * nf]  # no entry in layer 0: a layer without entries
+    got = kt.grad_kept(idx, g, ws, N, nf)
+    ref = clt_mod._grad_at_kept_torch(idx, g, ws, N, nf)
+    assert got.dtype == torch.float32 and got.shape == idx.shape
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert kt.grad_kept(idx[:0], g, ws, N, nf).numel() == 0
+    assert clt_mod._grad_kept_works(torch.device(dev))
+    with pytest.raises(ValueError, match="weights"):
+        kt.grad_kept(idx, g, [w.t() for w in ws], N, nf)
