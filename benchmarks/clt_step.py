@@ -533,6 +533,12 @@ def run_peer(nf: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ main
+def default_out(smoke: bool) -> str:
+    """``benchmarks/results/clt_step_<device>.json`` (``clt_step_smoke.json`` for ``--smoke``)."""
+    name = "clt_step_smoke.json" if smoke else f"clt_step_{device_slug()}.json"
+    return os.path.join(ROOT, "benchmarks", "results", name)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (seconds)")
@@ -571,8 +577,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         args.steps, args.warmup, args.select_steps = 2, 1, 2
         args.profile_features, args.aux_max_dead = 128, 32
     if args.out is None:
-        name = "clt_step_smoke.json" if args.smoke else f"clt_step_{device_slug()}.json"
-        args.out = os.path.join(ROOT, "benchmarks", "results", name)
+        args.out = default_out(args.smoke)
     dev = torch.device(args.device)
     results: dict[str, Any] = {}
     for nf in args.features:
