@@ -148,15 +148,19 @@ if triton is not None:
         start = pid.to(tl.int64) * BLOCK  # int64: x may exceed 2**31 entries
         r = tl.arange(0, BLOCK // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
         if EVEN:  # n is a multiple of BLOCK: no bounds mask
-            inb = r >= 0
+            x = tl.load(x_ptr + start + r)
         else:
             inb = r < tl.minimum(n - start, BLOCK).to(tl.int32)
-        x = tl.load(x_ptr + start + r, mask=inb, other=0.0)
+            x = tl.load(x_ptr + start + r, mask=inb, other=0.0)
         if BLOCK_IN_ONE_ROW:
             lo = tl.load(lo_ptr + start // row_len)
+        elif EVEN:
+            lo = tl.load(lo_ptr + (start + r) // row_len)
         else:
             lo = tl.load(lo_ptr + (start + r) // row_len, mask=inb, other=0)
-        hit = (x.to(tl.float32) >= lo.to(tl.float32)) & inb  # NaN: never
+        hit = x.to(tl.float32) >= lo.to(tl.float32)  # NaN: never
+        if not EVEN:
+            hit = hit & inb
         h = hit.to(tl.int32)
         chunk = tl.sum(h, axis=1)
         pos = (tl.cumsum(chunk, axis=0) - chunk)[:, None] + tl.cumsum(h, axis=1) - h
