@@ -243,3 +243,42 @@ def test_training_step_reads_nothing_back_from_the_device(tmp_path, activation: 
     assert calls and all("_maybe_dead" in stack for _, stack in calls), [name for name, _ in calls]
     # the control: the two-pass selection reads its candidate count back (its one host sync on a GPU)
     assert any(name == "tolist" for name, _ in reads("triton_2pass"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_training_step_makes_no_host_sync_on_gpu(tmp_path) -> None:
+    """The training step outside the logging steps (bf16-mixed, global BatchTopK, dense decode, AuxK active):
+    ``torch.cuda.set_sync_debug_mode`` warns on no host sync."""
+    pytest.importorskip("triton")
+    import warnings
+
+    caught: dict[str, list] = {}
+
+    class Count(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if batch_idx == 3:
+                torch.cuda.synchronize()
+                caught["cm"] = warnings.catch_warnings(record=True)
+                caught["w"] = caught["cm"].__enter__()
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if batch_idx == 3:
+                torch.cuda.set_sync_debug_mode(0)
+                caught["cm"].__exit__(None, None, None)
+
+    cfg = CLTConfig(n_layers=4, d_model=64, n_features=2048, activation="batchtopk_global", k=16)
+    with torch.device("cuda"):
+        module = CLTModule(cfg, sparsity_coef=1e-4, preact_coef=1e-6, aux_coef=0.03, aux_k=8, aux_max_dead=64,
+                           dead_tokens=512, decode="dense")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    data = [(torch.randn(512, 4, 64, device="cuda", generator=g), torch.randn(512, 4, 64, device="cuda", generator=g))
+            for _ in range(5)]
+    trainer = L.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=5, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, log_every_n_steps=50, default_root_dir=tmp_path, callbacks=[Count()])
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    syncs = [str(w.message) for w in caught["w"] if "synchroniz" in str(w.message)]
+    assert syncs == []

@@ -344,7 +344,8 @@ def test_triton_selection_parity_at_clt_scale_on_gpu() -> None:
     pre = torch.randn(12 * 4096 * 8192, device="cuda", generator=g).to(torch.bfloat16)
     n = 200 * 4096
     out = {}
-    for select, backend in (("candidates", "torch"), ("candidates", "triton"), ("triton", "torch")):
+    for select, backend in (("candidates", "torch"), ("candidates", "triton"), ("triton", "torch"),
+                            ("triton_2pass", "torch")):
         paths = dict(select_backend=select, candidates_backend=backend)
         out[select, backend] = (batch_topk_rows(pre.view(1, -1), n, **paths)[0],
                                 batch_topk_rows(pre.view(12, -1), n, **paths)[0],
@@ -352,6 +353,29 @@ def test_triton_selection_parity_at_clt_scale_on_gpu() -> None:
     ref = out["candidates", "torch"]
     for got in out.values():
         assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and _triton_runs_here()), reason="needs CUDA and triton")
+def test_one_pass_selection_makes_no_host_sync_on_gpu() -> None:
+    import warnings
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pre = torch.randn(12 * 4096 * 4096, device="cuda", generator=g).to(torch.bfloat16).view(1, -1)
+    for select in ("triton", "triton_2pass"):
+        batch_topk_rows(pre, 200 * 4096, select_backend=select)  # compile and self-check first
+    torch.cuda.synchronize()
+    counts = {}
+    for select in ("triton", "triton_2pass"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                batch_topk_rows(pre, 200 * 4096, select_backend=select)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        counts[select] = sum("synchroniz" in str(w.message) for w in caught)
+    assert counts == {"triton": 0, "triton_2pass": 1}
 
 
 def _ops_run(fn) -> set[str]:
