@@ -188,3 +188,43 @@ def test_kernel_compiles_for_sm90(case):
             raise
         pytest.skip(f"no ptxas: {err}")
     assert kernel.asm.get("cubin")
+
+
+def _addptrs(name: str, sig: dict[str, str], consts: dict[str, object]) -> list[str]:
+    import re
+
+    ttir = _compile(name, sig, consts, 4, aligned=False).asm["ttir"]
+    return [re.sub(r"\s+loc\(.*$", "", line.strip()) for line in ttir.splitlines() if "tt.addptr" in line]
+
+
+def test_one_pass_offsets_are_64_bit_at_32_bit_sizes():
+    """Index math past 2**31 entries (an x of 2**31 bf16 scores is 4 GiB): with every size passed as i32, as
+    Triton types them at the CLT's shapes, the one-pass kernels still address the scores, the candidate outputs and
+    the decoders with 64-bit offsets (the program id is widened before it is multiplied)."""
+    sizes = {"rows": "i32", "row_len": "i32", "n_tiles": "i32", "tiles_per_row": "i32", "n_keep": "i32"}
+    stash = _addptrs("_stash_kernel", {"x_ptr": "*bf16", "lo_ptr": "*bf16", "cnt_ptr": "*i32", "slot_ptr": "*i32",
+                                       "n": "i32", "row_len": "i32", "cap": "i32"},
+                     {"BLOCK": 4096, "VEC": 8, "EVEN": True, "BLOCK_IN_ONE_ROW": True})
+    # the block's first entry: a scalar 64-bit offset; the entries inside the block: 32-bit offsets from there
+    assert any(line.startswith("%") and "tt.addptr %x_ptr" in line and line.endswith("!tt.ptr<bf16>, i64")
+               for line in stash), stash
+    assert any("tt.addptr %slot_ptr" in line and line.endswith("!tt.ptr<i32>, i64") for line in stash), stash
+    tensors = {
+        "_compact_stash_kernel": ({"x_ptr": "*bf16", "lo_ptr": "*bf16", "cnt_ptr": "*i32", "incl_ptr": "*i64",
+                                   "slot_ptr": "*i32", "idx_ptr": "*i64", "key_ptr": "*i32", "n": "i32", "nb": "i32",
+                                   "row_len": "i32", "cand_cap": "i32"},
+                                  {"BLOCK": 4096, "CAP": 32, "GROUP": 32, "SUB": 256, "ROWS": True}),
+        "_fb_hist_kernel": ({"x_ptr": "*bf16", "fast_ptr": "*i32", "hist_ptr": "*i64", **sizes},
+                            {"STAGE": 1, "TILE": 4096}),
+        "_fb_write_kernel": ({"x_ptr": "*bf16", "fast_ptr": "*i32", "hist_ptr": "*i64", "eq_before_ptr": "*i64",
+                              "kept_before_ptr": "*i64", "out_ptr": "*i64", **sizes}, {"TILE": 4096}),
+        "_grad_kept_kernel": ({"idx_ptr": "*i64", "w_off_ptr": "*i64", "w0_ptr": "*bf16", "g_ptr": "*bf16",
+                               "out_ptr": "*fp32", "nnz": "i32", "per_layer": "i32", "n_features": "i32", "d": "i32",
+                               "n_layers": "i32"}, {"W_MULT": 8, "BLOCK_E": 16, "BLOCK_D": 128}),
+    }
+    for name, (sig, consts) in tensors.items():
+        # every per-entry address into the scores (bf16) or the int64 outputs and tables: 64-bit offsets (the
+        # 256 bins of a row's histogram aside)
+        lines = [line for line in _addptrs(name, sig, consts)
+                 if ("x!tt.ptr<bf16>>" in line or "x!tt.ptr<i64>>" in line) and "%bins" not in line]
+        assert lines and all(line.endswith("xi64>") for line in lines), (name, lines)
