@@ -53,12 +53,14 @@ except ImportError:  # pragma: no cover - depends on the environment
 __all__ = ["available", "check_launch", "count_ge", "compact_counted", "compact_ge", "select_16bit",
            "select_16bit_1pass", "stash_pass", "stash_capacity", "candidate_capacity", "grad_kept"]
 
-# default launch shape of both passes, entries per program x warps (the ``block`` / ``num_warps`` arguments; an
-# H200 sweep of the whole selection, benchmarks/clt_step.py's select_sweep: 2048 x 4 fastest)
+# default launch shape of the two-pass selection's passes and the candidate step, entries per program x warps
+# (the ``block`` / ``num_warps`` arguments; an H200 sweep of the whole selection: 2048 x 4 fastest)
 BLOCK = 2048
 NUM_WARPS = 4
 _BINS = 1 << 16
-# the one-pass selection: entries per program x warps of the stash pass (its ``block`` / ``num_warps``)
+# the one-pass selection: entries per program x warps of the stash pass (its ``block`` / ``num_warps``). Chosen
+# from the compiled code, not yet from a GPU timing (benchmarks/clt_step.py's select_sweep times the others):
+# 54 registers per thread (ptxas, sm_90), so four programs of 8 KiB of scores each are in flight per SM
 STASH_BLOCK = 4096
 STASH_WARPS = 8
 _VEC = 8  # entries per thread chunk of the stash pass (one 16-byte load of 16-bit scores)
@@ -453,8 +455,8 @@ def select_16bit(x2d: torch.Tensor, n_keep: int, lo_rows: torch.Tensor, *, block
     if x2d.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"select_16bit handles bf16/fp16 scores, got {x2d.dtype}")
     rows, m = x2d.shape
-    if rows > 1 << 15:
-        raise ValueError(f"select_16bit handles at most {1 << 15} rows, got {rows}")
+    if rows >= 1 << 15:  # sort keys row << 16 | key stay below 2**31
+        raise ValueError(f"select_16bit handles fewer than {1 << 15} rows, got {rows}")
     flat = x2d.contiguous().view(-1)
     check_launch(block, num_warps)
     launch = {"block": block, "num_warps": num_warps}
