@@ -64,6 +64,14 @@ def _triton_kernel() -> Any:
     return _kernel
 
 
+def warn_kernel_failed(kernel: str, err: Exception, fallback: str) -> None:
+    """Warns, from NaNSkip's point of view, that one of its Triton kernels failed and what runs instead."""
+    warnings.warn(
+        f"NaNSkip: the {kernel} Triton kernel failed ({type(err).__name__}: {err}); using {fallback} instead.",
+        stacklevel=4,
+    )
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -110,11 +118,8 @@ class FlaggedCopy:
                     continue
                 except Exception as err:  # noqa: BLE001 - a kernel that does not build must not stop training
                     self._kernel_failed = True
-                    warnings.warn(
-                        f"NaNSkip: the flagged-copy Triton kernel failed ({type(err).__name__}: {err}); using "
-                        "torch.where instead (one extra read and write of params and optimizer state per step).",
-                        stacklevel=3,
-                    )
+                    warn_kernel_failed("flagged-copy", err, "torch.where (one extra read and write of params and "
+                                       "optimizer state per step)")
             self._torch(f, pairs, clear_may_copy)
 
     def _kernel_ok(self, flag: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:

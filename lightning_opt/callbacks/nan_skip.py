@@ -16,6 +16,7 @@ from typing_extensions import override
 from lightning_opt._internals import override_step, restore_class
 from lightning_opt.callbacks._flagged_copy import FlaggedCopy
 from lightning_opt.callbacks._logging import KeyedStateCallback, log_metrics, log_step
+from lightning_opt.callbacks._nonfinite import NonFiniteCheck
 
 _REASONS = ("non-finite loss", "non-finite gradient", "loss spike", "loss clamped by LossClamp")
 _WRAP_TAG = "_lightning_opt_nan_skip"
@@ -301,7 +302,7 @@ class _OptimizerGuard:
             self.original_step(**kwargs)
             return loss
         device = params[0].device
-        code = owner._decision(params, device)
+        code, bad = owner._decision(params, device)
         trainer = owner._trainer
         meta = (trainer.global_step if trainer else -1, owner._batch_idx)
         use_host = (
@@ -318,7 +319,7 @@ class _OptimizerGuard:
             owner._record(ok, reasons, *meta)
             self.last_skipped = not ok
             return loss
-        bad = code.amax()  # the reasons are 0/1 flags: 1 skips the step
+        # bad: the maximum of the 0/1 reasons, 1 skips the step
         before = _host_numbers(self.optimizer.param_groups)
         if self.composite:
             self._applying = bad
@@ -382,8 +383,9 @@ class NaNSkip(KeyedStateCallback):
     wrapping each optimizer's ``step`` at train start, so it needs nothing from the LightningModule
     and covers automatic and manual optimization alike. See ``docs/callbacks/nan_skip.md``.
 
-    The check is one fused read of every gradient and loss (``torch._foreach_norm(ord=inf)``) and a
-    few tiny kernels; the decision never goes through the host on the way to the optimizer.
+    The check is one read of every gradient and loss: on CUDA with Triton one kernel per dtype that writes
+    the flags and the decision directly, elsewhere ``torch._foreach_norm(ord=inf)`` and a few tiny kernels;
+    the decision never goes through the host on the way to the optimizer.
 
     Args:
         mode: ``"device"`` (default): the decision stays on the device; fused optimizers
@@ -446,6 +448,8 @@ class NaNSkip(KeyedStateCallback):
         self._step_code: torch.Tensor | None = None
         self._spike_stats: torch.Tensor | None = None  # [mean, var, count] on device
         self._ones: dict[torch.device, torch.Tensor] = {}  # constants, one per device (never written to)
+        self._leaves: list[_Leaf] = []  # of this fit (kept after it ends, for ``paths``)
+        self._check = NonFiniteCheck()  # one Triton kernel per dtype on CUDA; else flag_nonfinite
 
     # -- hooks ----------------------------------------------------------------------------------
     @override
@@ -460,6 +464,7 @@ class NaNSkip(KeyedStateCallback):
             if getattr(opt.step, _WRAP_TAG, None) is not None:
                 continue
             self._guards.append(_OptimizerGuard(self, opt))
+        self._leaves = [leaf for guard in self._guards for leaf in guard.leaves]
         manual = not pl_module.automatic_optimization
         for config in trainer.lr_scheduler_configs:
             if manual or config.interval == "step":
@@ -566,6 +571,18 @@ class NaNSkip(KeyedStateCallback):
         step). Checkpoint callbacks keep the newest checkpoint from before it out of pruning."""
         return self._consecutive[0][0] if self._consecutive else None
 
+    @property
+    def paths(self) -> dict[str, str]:
+        """How the last device-mode step was checked and applied (host-side record, no sync): ``"check"`` is
+        ``"triton"`` (one kernel per dtype) or ``"foreach_norm"``; one entry per optimizer names its way of
+        applying the skip: ``"found_inf"`` (fused), ``"flagged_copy_triton"`` or ``"flagged_copy_torch"``."""
+        out = {"check": "triton" if self._check.uses_kernel else "foreach_norm"}
+        for i, leaf in enumerate(self._leaves):
+            way = "found_inf" if leaf.fused else (
+                "flagged_copy_triton" if leaf.copy.uses_kernel else "flagged_copy_torch")
+            out[f"{i}:{type(leaf.optimizer).__name__}"] = way
+        return out
+
     @override
     def state_key_settings(self) -> dict[str, Any]:
         return asdict(self.config)
@@ -605,9 +622,10 @@ class NaNSkip(KeyedStateCallback):
         self._scheduler_wraps = []
 
     @torch.no_grad()
-    def _decision(self, params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    def _decision(self, params: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 [len(_REASONS)] 0/1 flags on ``device``, the same on every rank: (loss not finite, gradient
-        not finite, spike, clamped), OR-ed with the earlier decisions of this training step. No host sync.
+        not finite, spike, clamped), OR-ed with the earlier decisions of this training step, and the decision
+        (their maximum, 0-dim). No host sync.
 
         One training step has one decision: its first one checks the gradients of *every* wrapped
         optimizer, and each later optimizer step of the same batch (manual optimization) inherits
@@ -618,22 +636,29 @@ class NaNSkip(KeyedStateCallback):
         cfg = self.config
         if self._step_code is None and len(self._guards) > 1:
             params = [p for guard in self._guards for p in guard.params_with_grad()] or params
-        one = self._ones.get(device)
-        if one is None:
-            one = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
-        code = torch.zeros(len(_REASONS), dtype=torch.float32, device=device)
-        parts: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        n = len(_REASONS)
+        # the reasons and, last, their maximum (the non-finite kernel writes it as it finds a bad value)
+        flags = torch.zeros(n + 1, dtype=torch.float32, device=device)
+        code = flags[:n]
+        slots: list[tuple[list[torch.Tensor], int]] = []
         if cfg.check_loss and self._losses:
-            parts.append((self._losses, code[0]))
+            slots.append((self._losses, 0))
         if cfg.check_grads:
-            parts.append(([p.grad for p in params], code[1]))
-        # one read of every gradient (and loss) together; flags set on the device
-        flag_nonfinite(parts, one)
+            slots.append(([p.grad for p in params], 1))
+        # one read of every gradient and loss together, flags set on the device
+        bad_ready = self._check(slots, flags, n)
+        if not bad_ready and slots:
+            one = self._ones.get(device)
+            if one is None:
+                one = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
+            flag_nonfinite([(tensors, code[i]) for tensors, i in slots], one)
         if self._clamped is not None:
             code[3].copy_(self._clamped.to(device, non_blocking=True))
+            bad_ready = False
         if cfg.spike_zscore is not None and self._loss_sum is not None:
             prior_bad = (code[0] + code[1] + code[3]) > 0
             code[2].copy_(self._spike(self._loss_sum.to(device), prior_bad))
+            bad_ready = False
         self._losses = []
         self._loss_sum = None
         self._clamped = None
@@ -643,10 +668,12 @@ class NaNSkip(KeyedStateCallback):
                 code = code.cuda()
             dist.all_reduce(code, op=dist.ReduceOp.MAX)
             code = code.to(device)
+            bad_ready = False
         if self._step_code is not None:
             code = torch.maximum(code, self._step_code.to(device))
+            bad_ready = False
         self._step_code = code
-        return code
+        return code, (flags[n] if bad_ready else code.amax())
 
     def _spike(self, loss: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
         cfg = self.config

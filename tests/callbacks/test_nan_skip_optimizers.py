@@ -10,6 +10,7 @@ from lightning.pytorch import Callback
 
 from lightning_opt.callbacks import NaNSkip
 from lightning_opt.callbacks._flagged_copy import FlaggedCopy
+from lightning_opt.callbacks._nonfinite import _CHUNK, NonFiniteCheck
 from lightning_opt.callbacks.nan_skip import flag_nonfinite
 from lightning_opt.optim.combined import CombinedOptimizer
 from lightning_opt.optim.factory import OptimConfig, build_optimizer
@@ -46,6 +47,36 @@ def test_flag_nonfinite_sets_only_the_flag_of_the_part_that_has_a_bad_value(dtyp
     flags = torch.zeros(2, device=dev)
     flag_nonfinite([(losses + [torch.tensor(float("nan"), device=dev)], flags[0]), (grads, flags[1])], one)
     assert flags.tolist() == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_nonfinite_kernel_flags_the_slot_of_the_bad_tensor_and_the_any_slot(dtype):
+    if not _kernel_runs_here():
+        pytest.skip("needs triton on CUDA (or TRITON_INTERPRET=1 on CPU)")
+    dev = _device()
+    big = torch.finfo(dtype).max  # finite: x - x is 0 (no overflow)
+    # a tensor over one chunk (its last chunk partial), a small one, an empty one, a float32 loss beside them
+    grads = [torch.full((_CHUNK + 5,), big, device=dev, dtype=dtype), torch.randn(5, 3, device=dev).to(dtype),
+             torch.zeros(0, device=dev, dtype=dtype)]
+    losses = [torch.tensor(2.0, device=dev)]
+    check = NonFiniteCheck()
+    for bad in (None, float("nan"), float("inf"), -float("inf")):
+        for where in ((0, _CHUNK + 4), (0, 0), (1, 7)):
+            g = [t.clone() for t in grads]
+            if bad is not None:
+                g[where[0]].view(-1)[where[1]] = bad
+            flags = torch.zeros(3, device=dev)
+            assert check([(losses, 0), (g, 1)], flags, 2)
+            assert check.uses_kernel
+            assert flags.tolist() == ([0.0, 0.0, 0.0] if bad is None else [0.0, 1.0, 1.0]), (bad, where)
+    flags = torch.zeros(3, device=dev)
+    assert check([([torch.tensor(float("nan"), device=dev)], 0), (grads, 1)], flags, 2)
+    assert flags.tolist() == [1.0, 0.0, 1.0]
+    # what it does not take (integers, a strided view) it leaves to the torch path, touching nothing
+    flags = torch.zeros(3, device=dev)
+    assert not check([([torch.ones(3, device=dev, dtype=torch.int64)], 0)], flags, 2)
+    assert not check([([torch.randn(4, 4, device=dev).t()], 0)], flags, 2)
+    assert not check.uses_kernel
 
 
 # -- the flagged copy ---------------------------------------------------------------------------------------
@@ -138,7 +169,13 @@ def test_muon_skip_is_exact_momentum_warmup_included(tmp_path, mode, combined, f
         assert torch.equal(a, b)
     assert _muon_steps(t1) == _muon_steps(t2) == [len(batches) - 1]
     assert t1.lr_scheduler_configs[0].scheduler.last_epoch == t2.lr_scheduler_configs[0].scheduler.last_epoch
+    if mode == "device":  # the check and the flagged copy take their Triton kernels wherever Triton runs
+        kernel = _kernel_runs_here()
+        assert skip.paths["check"] == ("triton" if kernel else "foreach_norm")
+        assert skip.paths["0:Muon"] == ("flagged_copy_triton" if kernel else "flagged_copy_torch")
     if combined:
         assert leaves.kinds == [("Muon", False), ("AdamW", fused)]
+        if mode == "device":
+            assert skip.paths["1:AdamW"] == ("found_inf" if fused else skip.paths["0:Muon"])
         # the inner optimizers' steps are unwrapped with the outer one
         assert all("step" not in o.__dict__ for o in t1.optimizers[0].optimizers)
