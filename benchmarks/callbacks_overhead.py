@@ -21,8 +21,9 @@ baseline runs around it (run order), so drift of the device's clocks between run
 variant's overhead is the median of its per-round overheads; the JSON keeps every round's value, their range
 and standard deviation, and the same from mean step times ("mean-based": log and GC steps count in full).
 
-Also measured, same process: what NaNSkip's check costs on the device for the model's gradients (one fused
-read) and what its flagged copy costs on a good and on a bad step for the speedrun's Muon parameters and
+Also measured, same process, on the device: what NaNSkip's check costs for the model's gradients (its Triton
+kernel and the ``torch._foreach_norm`` path, CUDA events around back-to-back calls after warm-up calls, median of
+many) and what its flagged copy costs on a good and on a bad step for the speedrun's Muon parameters and
 momentum; a skip check (a NaN loss at one step: parameters and optimizer state bit-identical across it, Muon's
 step counter not advanced) for both workloads; and a no-sync check of ``none``, ``all6`` and
 ``speedrun_all6``: ``set_sync_debug_mode("error")`` over every non-log step and every host wait on a CUDA
@@ -31,6 +32,7 @@ and fails the check; one after it leaves the device a backward of work).
 
     python benchmarks/callbacks_overhead.py                # CUDA, about 4 minutes on an H100
     python benchmarks/callbacks_overhead.py --variants none,nanskip,all6 --rounds 8 --no-speedrun
+    python benchmarks/callbacks_overhead.py --variants none,nanskip,all6 --rounds 6 --speedrun-rounds 0  # ~2 min
     python benchmarks/callbacks_overhead.py --smoke        # CPU, tiny models, seconds
 """
 
@@ -67,7 +69,8 @@ from lightning_opt.callbacks import (  # noqa: E402
     SpeedMonitor,
 )
 from lightning_opt.callbacks._flagged_copy import FlaggedCopy  # noqa: E402
-from lightning_opt.callbacks.nan_skip import flag_nonfinite  # noqa: E402
+from lightning_opt.callbacks._nonfinite import NonFiniteCheck  # noqa: E402
+from lightning_opt.callbacks.nan_skip import _REASONS, flag_nonfinite  # noqa: E402
 from lightning_opt.models.gpt2 import GPT, GPTConfig  # noqa: E402
 
 LOG_EVERY = 10
@@ -416,7 +419,8 @@ def run_variant(
         if isinstance(c, SpeedMonitor):
             out["speed_monitor_metrics"] = c.metrics
         if isinstance(c, NaNSkip):
-            out["nan_skip"] = {"skipped": c.skipped_total, "host_waits": c.host_waits, "steps": c.steps_seen}
+            out["nan_skip"] = {"skipped": c.skipped_total, "host_waits": c.host_waits, "steps": c.steps_seen,
+                               "paths": c.paths}
     del trainer
     gc.collect()
     return out
@@ -587,63 +591,90 @@ def skip_check(module: pl.LightningModule, data: Callable[[int], Any], tmpdir: s
         module.nan_at = None
 
 
-def _time_ms(fn: Callable[[], Any], reps: int) -> float:
-    """Median device time of ``fn`` (CUDA events per call) or host time on CPU, after one untimed call."""
-    fn()
+def _time_ms(fn: Callable[[], Any], reps: int, inner: int = 10) -> float:
+    """Device time of one call of ``fn``: after three untimed calls (compiles, table uploads), the median over
+    ``reps`` samples of (CUDA events around ``inner`` back-to-back calls) / ``inner``; host time on CPU. Back to
+    back, the device runs the calls from its queue, so launch gaps of an idle device are not counted."""
+    cuda = torch.cuda.is_available()
+    for _ in range(3):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
     times = []
     for _ in range(reps):
-        if torch.cuda.is_available():
+        if cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            fn()
+            for _ in range(inner):
+                fn()
             b.record()
             b.synchronize()
-            times.append(a.elapsed_time(b))
+            times.append(a.elapsed_time(b) / inner)
         else:
             t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+            for _ in range(inner):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / inner)
     return statistics.median(times)
 
 
 def check_costs(main: pl.LightningModule | None, speedrun: pl.LightningModule | None, reps: int) -> dict[str, Any]:
-    """NaNSkip's device work in isolation: the check on the model's gradients (float32, like under bf16-mixed)
-    and the flagged copy of the speedrun's Muon parameters and momentum on a good and a bad step."""
+    """NaNSkip's device work in isolation, on the device the runs train on (the modules are on the host after a
+    fit: every tensor here is made on the device): the check of a step's loss and gradients (float32, like under
+    bf16-mixed), through the Triton kernel NaNSkip uses on CUDA and through the ``torch._foreach_norm`` path; and
+    the flagged copy of the speedrun's Muon parameters and momentum on a good and a bad step."""
     out: dict[str, Any] = {}
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    n = len(_REASONS)
     if main is not None:
-        grads = [torch.randn_like(p) for p in main.parameters()]
+        grads = [torch.randn(p.shape, device=dev) for p in main.parameters()]
         loss = torch.tensor(3.0, device=dev)
         one = torch.ones((), device=dev)
         nbytes = sum(g.numel() * g.element_size() for g in grads)
+        kernel = NonFiniteCheck()
 
-        def check() -> None:
-            flags = torch.zeros(2, device=dev)
+        def torch_check() -> None:  # NaNSkip's fallback: zeros, the norms, one check kernel per part, the max
+            flags = torch.zeros(n, device=dev)
             flag_nonfinite([([loss], flags[0]), (grads, flags[1])], one)
+            flags.amax()
 
+        def triton_check() -> None:  # NaNSkip on CUDA: zeros, one kernel (flags and decision)
+            kernel([([loss], 0), (grads, 1)], torch.zeros(n + 1, device=dev), n)
+
+        uses_kernel = kernel([([loss], 0), (grads, 1)], torch.zeros(n + 1, device=dev), n)
         norm_ms = _time_ms(lambda: torch._foreach_norm(grads, float("inf")), reps)
+        torch_ms = _time_ms(torch_check, reps)
+        triton_ms = _time_ms(triton_check, reps) if uses_kernel else None
+        check_ms = triton_ms if uses_kernel else torch_ms
         out["main_gradient_check"] = {
+            "device": str(dev),
             "tensors": len(grads),
             "gradient_bytes": nbytes,
             "foreach_norm_inf_ms": norm_ms,
-            "read_GB_per_s": nbytes / (norm_ms * 1e-3) / 1e9,
-            "nan_skip_check_ms": _time_ms(check, reps),
+            "foreach_norm_read_GB_per_s": nbytes / (norm_ms * 1e-3) / 1e9,
+            "torch_check_ms": torch_ms,
+            "triton_check_ms": triton_ms,
+            "triton_read_GB_per_s": None if triton_ms is None else nbytes / (triton_ms * 1e-3) / 1e9,
+            "nan_skip_check_path": "triton" if uses_kernel else "foreach_norm",
+            "nan_skip_check_ms": check_ms,
         }
         del grads
     if speedrun is not None:
-        hidden = [p.detach() for p in speedrun.model.hidden_matrices()]
+        hidden = [p.detach().to(dev) for p in speedrun.model.hidden_matrices()]
         live = [*hidden, *[torch.zeros_like(p) for p in hidden]]  # parameters + Muon momentum
         snap = [torch.empty_like(t) for t in live]
         copy = FlaggedCopy()
         good, bad = torch.zeros((), device=dev), torch.ones((), device=dev)
         nbytes = sum(t.numel() * t.element_size() for t in live)
         out["speedrun_muon_flagged_copy"] = {
+            "device": str(dev),
             "tensors": len(live),
             "bytes": nbytes,
             "good_step_ms": _time_ms(lambda: copy(good, snap, live), reps),
             "uses_kernel": copy.uses_kernel,
-            "bad_step_ms": _time_ms(lambda: copy(bad, snap, live), 3),
+            "bad_step_ms": _time_ms(lambda: copy(bad, snap, live), 3, inner=3),
         }
+        del hidden, live, snap
     return out
 
 
@@ -694,6 +725,10 @@ def speedrun_section(args: argparse.Namespace, cuda: bool, tmpdir: str, t_start:
     if args.speedrun_batch_size and not args.smoke:
         settings["batch_size"] = args.speedrun_batch_size
     sr = speedrun_module(settings)
+    if args.speedrun_rounds <= 0:  # the flagged copy's cost only, no speedrun training
+        sections["speedrun"] = {"device_costs_only": True}
+        costs.update(_guarded(lambda: check_costs(None, sr, 20 if cuda else 2)))
+        return
 
     def sr_data(n: int) -> RandomTokens:
         return RandomTokens(n, settings["batch_size"], settings["seq_len"], settings["vocab_size"])
@@ -731,7 +766,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset of {', '.join(VARIANTS)} ('none' is always run: the baseline)")
     p.add_argument("--no-speedrun", action="store_true", help="leave out the speedrun-recipe workload")
-    p.add_argument("--speedrun-rounds", type=int, default=3)
+    p.add_argument("--speedrun-rounds", type=int, default=3,
+                   help="0: only the flagged copy's device cost on the speedrun's Muon tensors (no speedrun runs)")
     p.add_argument("--speedrun-steps", type=int, default=10)
     p.add_argument("--speedrun-warmup", type=int, default=3)
     p.add_argument("--speedrun-batch-size", type=int, default=None, help="default: the recipe's (data.batch_size)")
@@ -747,7 +783,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cuda = torch.cuda.is_available()  # --smoke on a GPU machine runs its tiny models there
     if args.smoke:
         args.steps, args.warmup, args.batch_size, args.rounds, args.prewarm_s = 3, 1, 2, 1, 0.0
-        args.speedrun_rounds, args.speedrun_steps, args.speedrun_warmup = 1, 2, 1
+        args.speedrun_rounds, args.speedrun_steps, args.speedrun_warmup = min(args.speedrun_rounds, 1), 2, 1
     elif not torch.cuda.is_available():
         sys.exit("callbacks_overhead: needs a CUDA GPU (or pass --smoke)")
     if args.out is None:
@@ -853,8 +889,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "error" in r:
             print(f"no-sync check, {name}: FAILED {r['error'][:200]}")
         else:
+            ns = r.get("nan_skip") or {}
             print(f"no-sync check, {name}: {'ok' if r['ok'] else 'FAILED'} ({r['steps_checked']} non-log steps, "
-                  f"{r['n_bubbles']} waits before backward was queued, {r['waits_after_backward_queued']} after)")
+                  f"{r['n_bubbles']} waits before backward was queued, {r['waits_after_backward_queued']} after)"
+                  + (f"; NaNSkip host waits {ns['host_waits']} of {ns['steps']} steps, paths {ns.get('paths')}"
+                     if ns else ""))
     print(f"wrote {args.out} ({wall:.0f} s)")
     return report
 

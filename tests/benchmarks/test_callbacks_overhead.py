@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.benchmarks._load import load_benchmark
 
@@ -68,3 +69,20 @@ def test_a_failing_speedrun_workload_keeps_the_main_results(tmp_path, monkeypatc
     assert "overhead_vs_none" in report["attribution"]["nanskip"]
     assert "no such model" in report["speedrun"]["error"]
     assert report["speedrun_attribution"] is None
+
+
+def test_costs_only_speedrun_and_the_paths_nan_skip_took(tmp_path):
+    """``--speedrun-rounds 0`` keeps the flagged copy's device cost without speedrun runs; the costs are measured on
+    the device the runs train on (the modules are back on the host after a fit), and each NaNSkip run says which
+    check and which way of applying the skip it took."""
+    report = _bench().main(["--smoke", "--variants", "none,nanskip", "--speedrun-rounds", "0",
+                            "--out", str(tmp_path / "o.json")])
+    assert report["speedrun"] == {"device_costs_only": True}
+    costs = report["device_costs"]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    assert costs["main_gradient_check"]["device"] == costs["speedrun_muon_flagged_copy"]["device"] == dev
+    assert costs["main_gradient_check"]["torch_check_ms"] > 0
+    assert costs["speedrun_muon_flagged_copy"]["good_step_ms"] > 0
+    paths = report["results"]["nanskip"]["runs"][0]["nan_skip"]["paths"]
+    assert paths["check"] == costs["main_gradient_check"]["nan_skip_check_path"]
+    assert paths["0:AdamW"] == ("found_inf" if dev == "cuda" else "flagged_copy_torch")
