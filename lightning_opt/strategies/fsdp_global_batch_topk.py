@@ -40,8 +40,8 @@ def consolidate_checkpoint(path: str | Path, output: str | Path | None = None) -
     """Write the distributed checkpoint directory ``path`` (this strategy's default format) as one ordinary
     Lightning checkpoint file and return its path (default: ``<path>.consolidated``), in one process.
 
-    The file loads with ``CLTModule.load_from_checkpoint(file)`` (or ``torch.load(file, weights_only=True)``) and
-    resumes a run under any strategy. Holds the whole model and optimizer state in CPU memory once. (Lightning's
+    The file loads with ``CLTModule.load_from_checkpoint(file)`` (or ``torch.load(file, weights_only=True)``); its
+    optimizer state is keyed by parameter name (torch's distributed-checkpoint format). Holds the whole model and optimizer state in CPU memory once. (Lightning's
     ``consolidate_checkpoint`` command reads FSDPStrategy checkpoints, whose weights sit under another key.)
     """
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
