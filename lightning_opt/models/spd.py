@@ -302,10 +302,13 @@ def kl_sum(pred: Tensor, target: Tensor, target_lse: Tensor) -> Tensor:
 
 
 def compile_region(fn: Callable[..., Any], backend: str = "inductor", fullgraph: bool = False,
-                   recompile_limit: int = 64) -> Callable[..., Any]:
+                   recompile_limit: int = 64, options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
     """``torch.compile(fn)`` for one region: static shapes (each shape compiles once, none turns dynamic), and
-    room for ``recompile_limit`` variants (shapes, grad modes) of it, above dynamo's default of 8."""
+    room for ``recompile_limit`` variants (shapes, grad modes) of it, above dynamo's default of 8. ``options``
+    are the backend's (inductor's) options."""
     kw: dict[str, Any] = {"dynamic": False, "backend": backend, "fullgraph": fullgraph}
+    if options:
+        kw["options"] = dict(options)
     if "recompile_limit" in inspect.signature(torch.compile).parameters:
         return torch.compile(fn, recompile_limit=recompile_limit, **kw)
     import torch._dynamo.config as dynamo_config
@@ -355,12 +358,15 @@ class SPDRunState:
     A layer whose name is not in ``masks`` runs the frozen target weights. ``routes[name]`` (bool,
     leading dims of the input) picks components where True and the target elsewhere. ``masked_linear`` and
     ``kl`` are the functions the layers and the KL loss run (compiled ones under regional compilation).
+    ``frozen_components`` runs the layers on ``V``, ``U`` and the weight deltas detached (a pass whose gradient
+    is wanted only in its masks).
     """
 
     masks: dict[str, Tensor] = field(default_factory=dict)
     delta_masks: dict[str, Tensor] = field(default_factory=dict)
     delta_weights: dict[str, Tensor] = field(default_factory=dict)
     routes: dict[str, Tensor] = field(default_factory=dict)
+    frozen_components: bool = False
     inputs: dict[str, Tensor] | None = None
     replay: PrefixReplay | None = None
     masked_linear: Callable[..., Tensor] = masked_linear
@@ -458,12 +464,16 @@ class ComponentLayer(nn.Module):
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def masked_forward(self, x: Tensor, mask: Tensor | None, delta_mask: Tensor | None, delta_w: Tensor | None) -> Tensor:
+        V, U = self.V, self.U
+        if self._state.frozen_components:
+            V, U = V.detach(), U.detach()
+            delta_w = None if delta_w is None else delta_w.detach()
         if self.kind == "linear":
-            return self._state.masked_linear(x, self.V, self.U, mask, delta_mask, delta_w, self.bias)
-        acts = self.component_acts(x)
+            return self._state.masked_linear(x, V, U, mask, delta_mask, delta_w, self.bias)
+        acts = F.embedding(x, V)
         if mask is not None:
             acts = acts * mask
-        out = acts @ self.U
+        out = acts @ U
         if delta_mask is not None and delta_w is not None:
             out = out + delta_mask.unsqueeze(-1) * F.embedding(x, delta_w)
         if self.bias is not None:
@@ -647,13 +657,17 @@ class SPDModel(nn.Module):
         masks: Mapping[str, Tensor],
         delta_masks: Mapping[str, Tensor] | None = None,
         routes: Mapping[str, Tensor] | None = None,
+        frozen_components: bool = False,
         **kwargs: Any,
     ) -> Tensor:
         """Output with the layers in ``masks`` on their (masked) components, the rest on the target.
 
         ``delta_masks`` needs :meth:`refresh_delta_weights` called first (once per optimizer step).
+        ``frozen_components``: the components (``V``, ``U``, the weight deltas) enter detached, so a backward
+        pass of this output computes no gradient for them (the same values; PGD's ascent wants only the masks').
         """
         st = self.state
+        st.frozen_components = frozen_components
         st.masks = dict(masks)
         st.delta_masks = dict(delta_masks) if delta_masks else {}
         st.routes = dict(routes) if routes else {}
@@ -665,6 +679,7 @@ class SPDModel(nn.Module):
             return self._output(self.target(*args, **kwargs))
         finally:
             st.masks, st.delta_masks, st.routes = {}, {}, {}
+            st.frozen_components = False
             if rp is not None:
                 rp.mode = "off"
 
@@ -713,7 +728,7 @@ class SPDModel(nn.Module):
         s, n = recon_loss_sum(pred, target, kl=self.state.kl)
         return s / n
 
-    def compile_regions(self, backend: str = "inductor") -> list[str]:
+    def compile_regions(self, backend: str = "inductor", options: Mapping[str, Any] | None = None) -> list[str]:
         """Regional compilation: compile the repeated pieces of a step once and reuse them.
 
         * each repeated block class of the target without a decomposed layer (the transformer blocks around a
@@ -723,7 +738,8 @@ class SPDModel(nn.Module):
 
         The rest (the block holding the decomposed layers, causal importances, masks, the importance loss) runs
         eagerly between them. Compiling a handful of small graphs takes a fraction of the time of the whole step
-        as one graph. Returns what was compiled, by name; calling it again changes nothing.
+        as one graph. ``options`` go to the backend (inductor's options). Returns what was compiled, by name;
+        calling it again changes nothing.
         """
         if self.compiled_regions:
             return self.compiled_regions
@@ -733,13 +749,13 @@ class SPDModel(nn.Module):
                 continue
             cls = type(runner.block)
             if cls not in done:
-                done[cls] = compile_region(cls.forward, backend)
+                done[cls] = compile_region(cls.forward, backend, options=options)
             runner.fn = done[cls]
             self.compiled_regions.append(name)
         if any(layer.kind == "linear" for layer in self._layers.values()):
-            self.state.masked_linear = compile_region(masked_linear, backend, fullgraph=True)
+            self.state.masked_linear = compile_region(masked_linear, backend, fullgraph=True, options=options)
             self.compiled_regions.append("masked_linear")
-        self.state.kl = compile_region(kl_sum, backend, fullgraph=True)
+        self.state.kl = compile_region(kl_sum, backend, fullgraph=True, options=options)
         self.compiled_regions.append("kl")
         return self.compiled_regions
 

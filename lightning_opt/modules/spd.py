@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -287,6 +288,11 @@ class SPDTrainConfig:
             ``full``). ``True`` / ``False`` mean ``full`` / ``none``.
         compile_backend: the ``torch.compile`` backend (``inductor``; ``eager`` traces with dynamo only, for
             checking graph breaks without code generation).
+        compile_options: inductor options for ``torch.compile`` (its ``options``; ``full`` and ``regional``
+            alike), e.g. ``{"triton.autotune_pointwise": false}`` (pointwise kernels take their heuristic launch
+            configuration instead of benchmarking several on their first call: a shorter cold compile) or
+            ``{"triton.cudagraphs": true}`` (the compiled graphs replay as CUDA graphs: fewer launches). Empty:
+            inductor's defaults.
         ci_threshold: importance above which a subcomponent counts as active for CI-L0.
         identity_patterns: layers whose single-feature importances should be an identity (toy
             models), for ``identity_ci_error``.
@@ -305,6 +311,7 @@ class SPDTrainConfig:
     autocast_bf16: bool = False
     compile: bool | S.CompileMode = "none"
     compile_backend: str = "inductor"
+    compile_options: dict[str, bool | int | float | str] = field(default_factory=dict)
     ci_threshold: float = 0.1
     identity_patterns: list[str] = field(default_factory=list)
     eval_batches: int = 4
@@ -476,56 +483,85 @@ class SPDModule(L.LightningModule):
 
     def compute_losses(self, batch: Any, frac: Tensor | float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
         """Total loss and the raw terms for one batch (the whole forward; compiled when asked)."""
+        return self._compose_losses(batch, frac, self._main_terms, self._pgd_terms, self._final_terms)
+
+    def _compose_losses(self, batch: Any, frac: Tensor | float, main: Callable[..., Any], pgd: Callable[..., Any],
+                        final: Callable[..., Any]) -> tuple[Tensor, dict[str, Tensor]]:
+        """:meth:`compute_losses` from its three parts: ``main`` (target pass, causal importances, every term but
+        PGD's), ``pgd`` (the PGD terms) and ``final`` (the weighted total and CI-L0). Under ``compile="full"``
+        each part is compiled on its own (:meth:`apply_compile`): PGD's ``torch.autograd.grad`` breaks the graph
+        anyway, and a break inside one traced function makes dynamo trace that function again from its start
+        up to the break, the whole forward before PGD a second time."""
         x = self.batch_inputs(batch)
         lc, spd = self.loss_cfg, self.spd
-        dev_type = x.device.type
-        with torch.autocast(dev_type, dtype=torch.bfloat16, enabled=self.train_cfg.autocast_bf16):
-            deltas = spd.weight_deltas()
-            spd.refresh_delta_weights(deltas)
-            # the masked passes below reuse the outputs of the blocks before the first decomposed layer
-            target_out, inputs = spd.target_forward(x, keep_prefix=True)
-            tgt = S.recon_target(target_out, lc.output)
-            ci = spd.causal_importances(inputs)
-            terms: dict[str, Tensor] = {}
-            if lc.faithfulness > 0:
-                terms["faithfulness"] = S.faithfulness_loss(deltas)
-            if lc.importance_minimality > 0:
-                p = S.annealed_p(lc.p, frac, lc.p_anneal_start, lc.p_final, lc.p_anneal_end)
-                terms["importance_minimality"] = S.importance_minimality_loss(ci.upper, p, lc.beta, lc.eps, self._reduce_sums)
-            use_delta = self.spd_cfg.use_delta
-
-
-            def run(masks: dict[str, Tensor], delta: bool = use_delta, routes: dict[str, Tensor] | None = None) -> Tensor:
-                dm = self._uniform_delta_masks(spd.delta_masks({k: ci.lower[k] for k in masks})) if delta else None
-                return spd.recon_loss(spd.masked_forward(x, masks=masks, delta_masks=dm, routes=routes), tgt)
-
-            if lc.stochastic_recon > 0:
-                terms["stochastic_recon"] = sum(run(spd.stochastic_masks(ci.lower)) for _ in range(lc.n_mask_samples)) / lc.n_mask_samples
-            if lc.stochastic_recon_layerwise > 0:
-                acc = []
-                for _ in range(lc.n_mask_samples):
-                    masks = spd.stochastic_masks(ci.lower)
-                    acc.extend(run({n: masks[n]}) for n in spd.layer_names)
-                terms["stochastic_recon_layerwise"] = sum(acc) / len(acc)
-            lead_shape = next(iter(ci.lower.values())).shape[:-1]
-            if lc.stochastic_recon_subset > 0:
-                acc = []
-                for _ in range(lc.n_mask_samples):
-                    routes = S.uniform_k_subset_routes(spd.layer_names, lead_shape, x.device)
-                    acc.append(run(spd.stochastic_masks(ci.lower), routes=routes))
-                terms["stochastic_recon_subset"] = sum(acc) / len(acc)
-            if lc.ci_masked_recon > 0:
-                terms["ci_masked_recon"] = run(dict(ci.lower), delta=False)
-            if lc.pgd_recon > 0:
-                terms["pgd_recon"] = self.pgd_recon(x, tgt, ci.lower, lead_shape, routes=None)
-            if lc.pgd_recon_subset > 0:
-                routes = S.uniform_k_subset_routes(spd.layer_names, lead_shape, x.device)
-                terms["pgd_recon_subset"] = self.pgd_recon(x, tgt, ci.lower, lead_shape, routes=routes)
-            total = sum(getattr(lc, k) * v for k, v in terms.items())
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.train_cfg.autocast_bf16):
+            terms, tgt, ci_lower, lead_shape = main(x, frac)
+            if lc.pgd_recon > 0 or lc.pgd_recon_subset > 0:
+                terms = pgd(x, tgt, ci_lower, lead_shape, terms)
         spd.state.delta_weights = {}
         spd.forget_prefix()
-        terms["ci_l0"] = sum(S.ci_l0(g, self.train_cfg.ci_threshold) for g in ci.lower.values())
-        for n, g in ci.lower.items():
+        return final(terms, ci_lower)
+
+    def _main_terms(self, x: Tensor, frac: Tensor | float) -> tuple[dict[str, Tensor], S.ReconTarget, dict[str, Tensor],
+                                                                   torch.Size]:
+        """Target pass, causal importances and every loss term but PGD's (under the caller's autocast)."""
+        lc, spd = self.loss_cfg, self.spd
+        deltas = spd.weight_deltas()
+        spd.refresh_delta_weights(deltas)
+        # the masked passes below reuse the outputs of the blocks before the first decomposed layer
+        target_out, inputs = spd.target_forward(x, keep_prefix=True)
+        tgt = S.recon_target(target_out, lc.output)
+        ci = spd.causal_importances(inputs)
+        terms: dict[str, Tensor] = {}
+        if lc.faithfulness > 0:
+            terms["faithfulness"] = S.faithfulness_loss(deltas)
+        if lc.importance_minimality > 0:
+            p = S.annealed_p(lc.p, frac, lc.p_anneal_start, lc.p_final, lc.p_anneal_end)
+            terms["importance_minimality"] = S.importance_minimality_loss(ci.upper, p, lc.beta, lc.eps, self._reduce_sums)
+        use_delta = self.spd_cfg.use_delta
+
+        def run(masks: dict[str, Tensor], delta: bool = use_delta, routes: dict[str, Tensor] | None = None) -> Tensor:
+            dm = self._uniform_delta_masks(spd.delta_masks({k: ci.lower[k] for k in masks})) if delta else None
+            return spd.recon_loss(spd.masked_forward(x, masks=masks, delta_masks=dm, routes=routes), tgt)
+
+        if lc.stochastic_recon > 0:
+            terms["stochastic_recon"] = sum(run(spd.stochastic_masks(ci.lower)) for _ in range(lc.n_mask_samples)) / lc.n_mask_samples
+        if lc.stochastic_recon_layerwise > 0:
+            acc = []
+            for _ in range(lc.n_mask_samples):
+                masks = spd.stochastic_masks(ci.lower)
+                acc.extend(run({n: masks[n]}) for n in spd.layer_names)
+            terms["stochastic_recon_layerwise"] = sum(acc) / len(acc)
+        lead_shape = next(iter(ci.lower.values())).shape[:-1]
+        if lc.stochastic_recon_subset > 0:
+            acc = []
+            for _ in range(lc.n_mask_samples):
+                routes = S.uniform_k_subset_routes(spd.layer_names, lead_shape, x.device)
+                acc.append(run(spd.stochastic_masks(ci.lower), routes=routes))
+            terms["stochastic_recon_subset"] = sum(acc) / len(acc)
+        if lc.ci_masked_recon > 0:
+            terms["ci_masked_recon"] = run(dict(ci.lower), delta=False)
+        return terms, tgt, ci.lower, lead_shape
+
+    def _pgd_terms(self, x: Tensor, tgt: S.ReconTarget, ci_lower: dict[str, Tensor], lead_shape: torch.Size,
+                   terms: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``terms`` with the PGD reconstruction terms added (under the caller's autocast)."""
+        lc = self.loss_cfg
+        terms = dict(terms)
+        if lc.pgd_recon > 0:
+            terms["pgd_recon"] = self.pgd_recon(x, tgt, ci_lower, lead_shape, routes=None)
+        if lc.pgd_recon_subset > 0:
+            routes = S.uniform_k_subset_routes(self.spd.layer_names, lead_shape, x.device)
+            terms["pgd_recon_subset"] = self.pgd_recon(x, tgt, ci_lower, lead_shape, routes=routes)
+        return terms
+
+    def _final_terms(self, terms: dict[str, Tensor], ci_lower: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """The weighted total of ``terms`` and the CI-L0 terms beside them."""
+        lc = self.loss_cfg
+        total = sum(getattr(lc, k) * v for k, v in terms.items())
+        terms = dict(terms)
+        terms["ci_l0"] = sum(S.ci_l0(g, self.train_cfg.ci_threshold) for g in ci_lower.values())
+        for n, g in ci_lower.items():
             terms[f"ci_l0/{n}"] = S.ci_l0(g.detach(), self.train_cfg.ci_threshold)
         return total, terms
 
@@ -561,7 +597,12 @@ class SPDModule(L.LightningModule):
                 dist.broadcast(s, 0)  # one adversary for the global batch
             srcs[n] = s.requires_grad_(True)
 
-        def loss_with(g: dict[str, Tensor]) -> Tensor:
+        # the ascent's passes take the components detached: the gradient wanted there is the sources' alone, and a
+        # compiled backward (``full``) computes one for every input that requires one. Not under ``regional``:
+        # there the masked layers would compile one more variant per layer shape
+        frozen = self.train_cfg.compile != "regional"
+
+        def loss_with(g: dict[str, Tensor], ascent: bool = False) -> Tensor:
             masks, dms = {}, {} if use_delta else None
             for n in spd.layer_names:
                 C = spd.module_to_c[n]
@@ -570,11 +611,12 @@ class SPDModule(L.LightningModule):
                 if use_delta:
                     dms[n] = src[..., C]
             dms = self._uniform_delta_masks(dms)
-            return spd.recon_loss(spd.masked_forward(x, masks=masks, delta_masks=dms, routes=routes), tgt)
+            out = spd.masked_forward(x, masks=masks, delta_masks=dms, routes=routes, frozen_components=ascent and frozen)
+            return spd.recon_loss(out, tgt)
 
         ci_detached = {k: v.detach() for k, v in ci.items()}  # the adversary needs no grad through g
         n_steps = pc.n_steps if self.pgd_steps_now is None else self.pgd_steps_now
-        self.pgd_ascent(lambda: loss_with(ci_detached), srcs, n_steps, all_reduce=shared and dist_on)
+        self.pgd_ascent(lambda: loss_with(ci_detached, ascent=True), srcs, n_steps, all_reduce=shared and dist_on)
         return loss_with(ci)
 
     def pgd_ascent(self, loss: Callable[[], Tensor], srcs: dict[str, Tensor], n_steps: int, all_reduce: bool = False) -> None:
@@ -605,9 +647,12 @@ class SPDModule(L.LightningModule):
         (:meth:`~lightning_opt.models.spd.SPDModel.compile_regions`). Returns what was compiled."""
         tc = self.train_cfg
         if tc.compile == "full" and self._loss_fn == self.compute_losses:
-            self._loss_fn = torch.compile(self.compute_losses, backend=tc.compile_backend)
+            opts = {"options": dict(tc.compile_options)} if tc.compile_options else {}
+            main, pgd, final = (torch.compile(f, backend=tc.compile_backend, **opts)
+                                for f in (self._main_terms, self._pgd_terms, self._final_terms))
+            self._loss_fn = functools.partial(self._compose_losses, main=main, pgd=pgd, final=final)
         elif tc.compile == "regional":
-            return self.spd.compile_regions(tc.compile_backend)
+            return self.spd.compile_regions(tc.compile_backend, options=tc.compile_options)
         return ["compute_losses"] if tc.compile == "full" else []
 
     def losses(self, batch: Any, frac: Tensor | float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
