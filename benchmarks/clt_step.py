@@ -46,9 +46,26 @@ Step time: median of CUDA-event intervals over ``--steps`` steps after ``--warmu
 ``torch.cuda.max_memory_allocated`` over the measured steps (process-wide peak incl. parameters, grads,
 AdamW state).
 
+Selection times (``select_*``, ``phase_*`` and the sweeps; :func:`time_interleaved`): every variant and every
+sweep shape runs on the same bf16 tensor, after ``--select-warmup`` untimed calls each, in ``--select-rounds``
+interleaved rounds of ``--select-steps`` calls (each round runs every variant in turn, so clock, thermal and
+allocator drift hit all alike). Each variant reports ``device`` (the GPU's own time per call: the launch queue
+is filled behind a ``torch.cuda._sleep`` kernel first, so host launch work is hidden; only for variants without a
+host sync), ``e2e`` (back-to-back calls after a sync, host work included where it is the slower side) and
+``host`` (the host's enqueue time per call), each as median, p10, p90, min, max and n over all calls;
+``median_ms`` is the device median where there is one, else the e2e median (``timing`` says which), and
+``allocator_mallocs`` counts cudaMalloc calls during the timed calls (0: the allocator's state played no part).
+``select_rare_paths``: device counters (``select_16bit_1pass(stats=...)``) over ``--select-steps`` one-pass
+calls per stash shape on the same input and with the bound ``batch_topk_rows`` computes: how often the exact
+fallback answered and how many blocks had more hits than slots (read again from ``x``), per call.
+``stash_sweep`` times the one-pass selection's read alone per stash shape, with its bandwidth (2 bytes per entry).
+
     python benchmarks/clt_step.py                   # CUDA, about 3 min on an H100; writes
                                                     # benchmarks/results/clt_step_<device>.json
     python benchmarks/clt_step.py --features 8192 --variants ours_dense module select peer   # the goals only
+    python benchmarks/clt_step.py --features 8192 16384 --variants select --select-variants select_ours \
+        select_ours_2pass phase_sample phase_stash phase_compact phase_keep phase_fallback_gated
+                                                    # the selection, its phases and sweeps only, about a minute
     python benchmarks/clt_step.py --smoke           # CPU, seconds (tiny shapes; checks the script runs and
                                                     # prints the module step's op profile)
 """
@@ -65,6 +82,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -118,6 +136,105 @@ def time_fn(fn: Callable[[], Any], dev: torch.device, warmup: int, steps: int) -
             ms.append((time.perf_counter() - t) * 1e3)
         peak = 0
     return {"median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms), "peak_memory_gb": peak / 1e9}
+
+
+def _quantiles(ms: list[float]) -> dict[str, float]:
+    q = sorted(ms)
+    at = lambda f: q[min(len(q) - 1, int(f * len(q)))]  # noqa: E731
+    return {"median_ms": statistics.median(q), "p10_ms": at(0.1), "p90_ms": at(0.9), "min_ms": q[0],
+            "max_ms": q[-1], "n": len(q)}
+
+
+def _mallocs(dev: torch.device) -> int:
+    """cudaMalloc calls of the caching allocator so far (0 on CPU)."""
+    return torch.cuda.memory_stats(dev).get("segment.all.allocated", 0) if dev.type == "cuda" else 0
+
+
+def _sleep_cycles_per_ms(dev: torch.device) -> float:
+    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond (measured, so the queue-filling sleep is long
+    enough whatever the clock)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1 << 20)  # warm
+    a.record()
+    torch.cuda._sleep(10 << 20)
+    b.record()
+    torch.cuda.synchronize(dev)
+    return (10 << 20) / max(a.elapsed_time(b), 1e-3)
+
+
+def _event_calls(fn: Callable[[], Any], ev: list) -> float:
+    """``len(ev) - 1`` calls of ``fn`` between the CUDA events ``ev``; returns the host's wall seconds."""
+    ev[0].record()
+    t = time.perf_counter()
+    for e in ev[1:]:
+        fn()
+        e.record()
+    return time.perf_counter() - t
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], dev: torch.device, warmup: int, rounds: int,
+                     per_round: int) -> dict[str, dict[str, Any]]:
+    """Time every function of ``fns`` on the same inputs, interleaved: ``rounds`` rounds, each running every
+    function in turn (so clock, thermal or allocator drift hits all alike), ``per_round`` calls per function
+    and round; ``warmup`` calls of each first (compilation, self-checks, the allocator's blocks).
+
+    Per function, over all ``rounds * per_round`` calls (median, p10, p90, min, max, n):
+
+    * ``e2e``: CUDA-event intervals between back-to-back calls after a sync: what a loop of calls costs when
+      nothing else runs (the host's launch work included when it is the slower side).
+    * ``device``: the same intervals with the launch queue filled first (a ``torch.cuda._sleep`` kernel holds
+      the GPU while the host enqueues the round), so each interval is the GPU's own time for one call. Only for
+      functions that never wait for the GPU (no host sync); ``None`` for the others (the sleep had ended before
+      the host finished enqueueing).
+    * ``host``: the host's wall time to enqueue one call (from the device rounds; from the e2e rounds where the
+      function syncs).
+
+    ``median_ms`` is the device median where measured, else the e2e median (``timing`` says which);
+    ``allocator_mallocs`` counts the allocator's cudaMalloc calls during the timed calls (0: the allocator's
+    state played no part). On CPU: wall clock per call only.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    _sync(dev)
+    cuda = dev.type == "cuda"
+    rate = _sleep_cycles_per_ms(dev) if cuda else 0.0
+    acc = {name: {"e2e": [], "device": [], "host": [], "held": 0, "mallocs": 0} for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            a = acc[name]
+            m0 = _mallocs(dev)
+            if not cuda:
+                for _ in range(per_round):
+                    t = time.perf_counter()
+                    fn()
+                    a["e2e"].append((time.perf_counter() - t) * 1e3)
+                continue
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(per_round + 1)]
+            wall = _event_calls(fn, ev)
+            _sync(dev)
+            a["e2e"] += [ev[i].elapsed_time(ev[i + 1]) for i in range(per_round)]
+            # device time: hold the GPU with a sleep long enough for the host to enqueue the whole round
+            sleep_done = torch.cuda.Event()
+            torch.cuda._sleep(int(rate * (2 * wall * 1e3 + 2.0)))
+            sleep_done.record()
+            enqueue = _event_calls(fn, ev)
+            held = not sleep_done.query()  # the GPU was still asleep: every call was queued before it ran
+            _sync(dev)
+            a["host"].append(enqueue * 1e3 / per_round if held else wall * 1e3 / per_round)
+            if held:
+                a["held"] += 1
+                a["device"] += [ev[i].elapsed_time(ev[i + 1]) for i in range(per_round)]
+            a["mallocs"] += _mallocs(dev) - m0
+    out: dict[str, dict[str, Any]] = {}
+    for name, a in acc.items():
+        e2e = _quantiles(a["e2e"])
+        device = _quantiles(a["device"]) if cuda and a["held"] == rounds else None
+        host = _quantiles(a["host"]) if a["host"] else None
+        out[name] = {"median_ms": (device or e2e)["median_ms"], "timing": "device" if device else "end_to_end",
+                     "device": device, "e2e": e2e, "host": host, "allocator_mallocs": a["mallocs"],
+                     "device_rounds_held": a["held"]}
+    return out
 
 
 def synthetic(n: int, layers: int, d: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,7 +452,8 @@ def _host_syncs(fn: Callable[[], Any], dev: torch.device) -> int | str:
 
 # the selection's timings, printed side by side
 SELECT_KEYS = ("select_ours", "select_ours_2pass", "select_ours_candidates", "select_ours_torch_candidates",
-               "select_ours_topk_threshold", "select_ours_per_layer", "select_ours_per_layer_2pass", "phase_stash",
+               "select_ours_topk_threshold", "select_ours_per_layer", "select_ours_per_layer_2pass", "phase_sample",
+               "phase_stash", "phase_compact", "phase_keep", "phase_fallback_gated",
                "phase_candidates", "phase_candidates_torch", "select_ours_fallback", "select_torch_topk",
                "select_global_topk", "peer_select")
 SELECT_PATHS = {"triton": "triton_1pass", "triton_2pass": "triton_2pass", "candidates": "candidates"}
@@ -392,39 +510,101 @@ def selection(nf: int, args: argparse.Namespace, dev: torch.device) -> dict[str,
         variants["phase_stash"] = lambda: kt.stash_pass(pre, lo, pre.numel(), cap)
         never = torch.full((1,), float("inf"), device=dev).to(pre.dtype)
         variants["select_ours_fallback"] = lambda: kt.select_16bit_1pass(pre.view(1, -1), n_keep, never, expect)
+        # the one-pass selection's other phases alone, on the intermediate results of this input (their device
+        # times add up to select_ours' less the value gather): the sampled bound, the compaction of the stash,
+        # the cut-off and keep step (sort of the candidate keys, running counts, scatter), and the exact
+        # fallback's five launches when the fast path held (they return at once)
+        n_cand = kt.candidate_capacity(expect, 1, pre.numel())
+        stash = kt.stash_pass(pre, lo, pre.numel(), cap)
+        variants["phase_sample"] = lambda: topk_mod._row_lower_bounds(pre.view(1, -1), n_keep)
+        variants["phase_compact"] = partial(kt.compact_stash, pre, lo, 1, pre.numel(), *stash, cap, n_cand,
+                                            kt.STASH_BLOCK)
+        cand = kt.compact_stash(pre, lo, 1, pre.numel(), *stash, cap, n_cand, kt.STASH_BLOCK)
+        variants["phase_keep"] = partial(kt._keep_by_keys, cand[0], cand[1], 1, n_keep)
+        held = torch.ones((), dtype=torch.bool, device=dev)
+        fb_out = torch.empty(n_keep, dtype=torch.int64, device=dev)
+        fb_hist = torch.zeros(2 * 256, dtype=torch.int64, device=dev)
+        variants["phase_fallback_gated"] = partial(kt._fallback, pre, 1, pre.numel(), n_keep, held, fb_hist, fb_out)
     try:
         from lightning_opt.ops.global_topk import global_batch_topk
 
         variants["select_global_topk"] = lambda: global_batch_topk(pre.view(args.tokens, -1), args.k, group="local")
     except ImportError as err:
         out["select_global_topk"] = {"error": repr(err)}
-    for name, fn in variants.items():
-        try:
-            out[name] = time_fn(fn, dev, 2, args.select_steps)
-        except Exception as err:  # one failing variant must not kill the others
-            out[name] = {"error": repr(err)}
+    wanted = set(args.select_variants or variants)
+    fns = {name: fn for name, fn in variants.items() if name in wanted}
+    timed_names = list(fns)
+    # the Triton passes' launch shapes, timed in the same interleaved rounds as the variants (same input, same
+    # GPU state): the whole one-pass selection per stash shape (select_sweep), its stash pass alone per shape
+    # (stash_sweep, with the read's bandwidth) and the two-pass selection per shape (select_sweep_2pass)
+    sweeps: dict[str, dict[str, Any]] = {}
+    if _triton_ok(pre) and args.sweep:
+        from lightning_opt.ops import _topk_triton as kt
+
+        specs = [("select_sweep_2pass", "triton_2pass", TWO_PASS_SWEEP, (kt.BLOCK, kt.NUM_WARPS))]
+        if one_pass:
+            specs = [("select_sweep", "triton", STASH_SWEEP, (kt.STASH_BLOCK, kt.STASH_WARPS)),
+                     ("stash_sweep", "stash", STASH_SWEEP, (kt.STASH_BLOCK, kt.STASH_WARPS)), *specs]
+        for key, path, shapes, default in specs:
+            sweeps[key] = {"path": SELECT_PATHS.get(path, "triton_1pass"), "default": f"{default[0]}x{default[1]}",
+                           "shapes": {}}
+            for block, warps in shapes:
+                name = f"{key}:{block}x{warps}"
+                sweeps[key]["shapes"][f"{block}x{warps}"] = name
+                if path == "stash":
+                    fns[name] = partial(kt.stash_pass, pre, lo, pre.numel(), kt.stash_capacity(expect, block),
+                                        block=block, num_warps=warps)
+                else:
+                    fns[name] = select(select_backend=path, triton_block=block, triton_num_warps=warps)
+    timed: dict[str, Any] = {}
+    try:
+        timed = time_interleaved(fns, dev, args.select_warmup, args.select_rounds, args.select_steps)
+    except Exception as err:  # one failing variant fails the round: say which by timing them alone
+        for name, fn in fns.items():
+            try:
+                timed[name] = time_interleaved({name: fn}, dev, args.select_warmup, args.select_rounds,
+                                               args.select_steps)[name]
+            except Exception as err2:
+                timed[name] = {"error": repr(err2), "round_error": repr(err)}
+    for name in timed_names:
+        out[name] = timed[name]
+    for key, spec in sweeps.items():
+        ms_ = {shape: (round(timed[name]["median_ms"], 4) if "median_ms" in timed[name] else timed[name]["error"])
+               for shape, name in spec["shapes"].items()}
+        detail = {shape: {k: timed[name].get(k) for k in ("timing", "device", "e2e", "host")}
+                  for shape, name in spec["shapes"].items() if "median_ms" in timed[name]}
+        out[key] = {"path": spec["path"], "default": spec["default"], "ms": ms_, "detail": detail}
+        if key == "stash_sweep":  # the read's bandwidth: 2 bytes per entry in median_ms
+            out[key]["read_tb_per_s"] = {shape: round(2 * pre.numel() / (t * 1e-3) / 1e12, 3)
+                                         for shape, t in ms_.items() if isinstance(t, float)}
+    phases = ("phase_sample", "phase_stash", "phase_compact", "phase_keep", "phase_fallback_gated")
+    if all("median_ms" in out.get(k, {}) for k in phases):
+        out["one_pass_phases_sum_ms"] = sum(out[k]["median_ms"] for k in phases)
+    if "phase_stash" in out and "median_ms" in out["phase_stash"]:
+        out["phase_stash"]["read_tb_per_s"] = 2 * pre.numel() / (out["phase_stash"]["median_ms"] * 1e-3) / 1e12
+    if one_pass:  # how often the rare paths ran: device counters over calls on the same input as the timing
+        from lightning_opt.ops import _topk_triton as kt
+
+        counts = {}
+        for shape in dict.fromkeys([(kt.STASH_BLOCK, kt.STASH_WARPS), *(STASH_SWEEP if args.sweep else ())]):
+            stats = torch.zeros(3, dtype=torch.int64, device=dev)
+            lo_b, expect_b = topk_mod._row_lower_bounds(pre.view(1, -1), n_keep)  # what batch_topk_rows computes
+            for _ in range(args.select_steps):
+                kt.select_16bit_1pass(pre.view(1, -1), n_keep, lo_b.to(pre.dtype), expect_b, block=shape[0],
+                                      num_warps=shape[1], stats=stats)
+            calls, fallbacks, over = stats.tolist()
+            counts[f"{shape[0]}x{shape[1]}"] = {"calls": calls, "fallback_per_call": fallbacks / calls,
+                                                "overflow_blocks_per_call": over / calls}
+        out["select_rare_paths"] = counts
     try:
         out["select_host_syncs"] = {name: _host_syncs(variants[name], dev)
                                     for name in ("select_ours", "select_ours_2pass", "select_ours_candidates")
-                                    if name in variants}
+                                    if name in timed_names}
     except Exception as err:
         out["select_host_syncs"] = repr(err)
-    if _triton_ok(pre):  # the Triton passes' launch shapes (defaults marked)
-        from lightning_opt.ops import _topk_triton as kt
-
-        for key, path, shapes, default in (
-                ("select_sweep", "triton", STASH_SWEEP, (kt.STASH_BLOCK, kt.STASH_WARPS)),
-                ("select_sweep_2pass", "triton_2pass", TWO_PASS_SWEEP, (kt.BLOCK, kt.NUM_WARPS))):
-            if path == "triton" and not one_pass:
-                continue
-            sweep = {}
-            for block, warps in shapes:
-                fn = select(select_backend=path, triton_block=block, triton_num_warps=warps)
-                try:
-                    sweep[f"{block}x{warps}"] = round(time_fn(fn, dev, 2, args.select_steps)["median_ms"], 4)
-                except Exception as err:
-                    sweep[f"{block}x{warps}"] = repr(err)[:120]
-            out[key] = {"path": SELECT_PATHS[path], "default": f"{default[0]}x{default[1]}", "ms": sweep}
+    if dev.type == "cuda":
+        out["select_timing"] = {"rounds": args.select_rounds, "calls_per_round": args.select_steps,
+                                "warmup": args.select_warmup, "interleaved": True}
     # exactness: same kept multiset as torch.topk
     try:
         idx, vals = batch_topk_rows(pre.view(1, -1), n_keep)
@@ -549,7 +729,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p.add_argument("--k", type=int, default=200)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--select-steps", type=int, default=10)
+    p.add_argument("--select-steps", type=int, default=10,
+                   help="calls per round of each selection variant (see time_interleaved)")
+    p.add_argument("--select-rounds", type=int, default=10,
+                   help="interleaved rounds of the selection variants and sweeps (every variant once per round)")
+    p.add_argument("--select-warmup", type=int, default=3, help="untimed calls of each selection variant first")
+    p.add_argument("--select-variants", nargs="+", default=None,
+                   help="time only these selection variants (default: all; e.g. select_ours select_ours_2pass "
+                        "phase_stash); the exactness checks run either way")
+    p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the Triton launch-shape sweeps with the selection variants")
     p.add_argument("--variants", nargs="+",
                    default=list(VARIANTS), help=f"what to measure (default: all of {VARIANTS})")
     p.add_argument("--module-decode", default="auto", help="CLTModule decode of the module variants (auto|dense|sparse)")
@@ -574,7 +763,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         return None
     if args.smoke:
         args.features, args.layers, args.d_model, args.tokens, args.k = [64, 128], 3, 16, 64, 4
-        args.steps, args.warmup, args.select_steps = 2, 1, 2
+        args.steps, args.warmup, args.select_steps, args.select_rounds, args.select_warmup = 2, 1, 2, 2, 1
         args.profile_features, args.aux_max_dead = 128, 32
     if args.out is None:
         args.out = default_out(args.smoke)
@@ -602,7 +791,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
         results[str(nf)] = row
-        print(f"features {nf}: " + json.dumps({k: v.get("median_ms", v) if isinstance(v, dict) else v
+        print(f"features {nf}: " + json.dumps({k: v.get("median_ms", v.get("ms", v)) if isinstance(v, dict) else v
                                                for k, v in row.items()}), flush=True)
 
     def ms(row: dict, key: str) -> float | None:
@@ -664,9 +853,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             print(f"  host syncs per call: {row.get('select_host_syncs')}; exact: {row.get('select_exact')}, "
                   f"paths agree: {row.get('select_backends_agree')}, ties: {row.get('select_ties_exact')}, "
                   f"fallback: {row.get('select_fallback_exact')}, sample's bound held: {row.get('select_fast_path')}")
-            for key in ("select_sweep", "select_sweep_2pass"):
+            for key in ("select_ours", "select_ours_2pass", "phase_stash"):
+                v = row.get(key)
+                if isinstance(v, dict) and "e2e" in v:
+                    part = {k: (round(v[k]["median_ms"], 3), round(v[k]["p10_ms"], 3), round(v[k]["p90_ms"], 3))
+                            for k in ("device", "e2e", "host") if v.get(k)}
+                    print(f"  {key} (median, p10, p90 ms): {part}; allocator mallocs: {v['allocator_mallocs']}")
+            if row.get("one_pass_phases_sum_ms") is not None:
+                print(f"  one-pass phases sum (sample + stash + compact + keep + gated fallback): "
+                      f"{row['one_pass_phases_sum_ms']:.3f} ms")
+            if row.get("select_rare_paths"):
+                print(f"  one-pass rare paths per call: {row['select_rare_paths']}")
+            for key in ("select_sweep", "stash_sweep", "select_sweep_2pass"):
                 if isinstance(row.get(key), dict):
                     print(f"  {key} ({row[key]['path']}, default {row[key]['default']}): {row[key]['ms']}")
+                    if "read_tb_per_s" in row[key]:
+                        print(f"    read TB/s: {row[key]['read_tb_per_s']}")
     for nf, row in results.items():
         comp = row.get("module_compile")
         if isinstance(comp, dict) and "median_ms" in comp:

@@ -51,7 +51,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     tl = None
 
 __all__ = ["available", "check_launch", "count_ge", "compact_counted", "compact_ge", "select_16bit",
-           "select_16bit_1pass", "stash_pass", "stash_capacity", "candidate_capacity", "grad_kept"]
+           "select_16bit_1pass", "stash_pass", "compact_stash", "stash_capacity", "candidate_capacity", "grad_kept"]
 
 # default launch shape of the two-pass selection's passes and the candidate step, entries per program x warps
 # (the ``block`` / ``num_warps`` arguments; an H200 sweep of the whole selection: 2048 x 4 fastest)
@@ -59,9 +59,13 @@ BLOCK = 2048
 NUM_WARPS = 4
 _BINS = 1 << 16
 # the one-pass selection: entries per program x warps of the stash pass (its ``block`` / ``num_warps``). Chosen
-# from the compiled code, not yet from a GPU timing (benchmarks/clt_step.py's select_sweep times the others):
-# 54 registers per thread (ptxas, sm_90), so four programs of 8 KiB of scores each are in flight per SM
-STASH_BLOCK = 4096
+# from the compiled code (ptxas, sm_90, registers per thread -> resident programs per SM of 64K registers and 64
+# warps): 2048 x 8 uses 30 registers, so 8 programs (64 warps, the most an SM holds) with 32 KiB of scores in
+# flight; 4096 x 8 (54 registers) holds 4 programs (32 warps) with the same 32 KiB, so a program's scan and stores
+# overlap fewer other programs' loads; 4096 x 4 (96) holds 5 programs, 20 KiB; 8192 x 8 (106) and 16384 x 16 (115)
+# hold 2 and 1; 1024 x 4 (31) holds 16 programs of 2 KiB (twice the per-program work per byte).
+# benchmarks/clt_step.py's select_sweep / stash_sweep time every shape in interleaved rounds to confirm it.
+STASH_BLOCK = 2048
 STASH_WARPS = 8
 _VEC = 8  # entries per thread chunk of the stash pass (one 16-byte load of 16-bit scores)
 _COMPACT_SLOTS = 1024  # stash slots read per program of the compaction
@@ -149,11 +153,12 @@ if triton is not None:
         pid = tl.program_id(0)
         start = pid.to(tl.int64) * BLOCK  # int64: x may exceed 2**31 entries
         r = tl.arange(0, BLOCK // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+        # x streams through once: evict_first keeps L2 for the slots and counts the later kernels read
         if EVEN:  # n is a multiple of BLOCK: no bounds mask
-            x = tl.load(x_ptr + start + r)
+            x = tl.load(x_ptr + start + r, eviction_policy="evict_first")
         else:
             inb = r < tl.minimum(n - start, BLOCK).to(tl.int32)
-            x = tl.load(x_ptr + start + r, mask=inb, other=0.0)
+            x = tl.load(x_ptr + start + r, mask=inb, other=0.0, eviction_policy="evict_first")
         if BLOCK_IN_ONE_ROW:
             lo = tl.load(lo_ptr + start // row_len)
         elif EVEN:
@@ -543,7 +548,8 @@ def candidate_capacity(expect: float, rows: int, m: int) -> int:
 
 def select_16bit_1pass(x2d: torch.Tensor, n_keep: int, lo_rows: torch.Tensor, expect: float, *,
                        block: int = STASH_BLOCK, num_warps: int = STASH_WARPS, slot_cap: int | None = None,
-                       cand_cap: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       cand_cap: int | None = None, stats: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted flat indices of the ``n_keep`` largest entries of every row of a bf16/fp16 ``x2d`` (ties: the
     smallest flat indices), in one read of ``x`` and without a host sync (see the module docstring).
 
@@ -559,6 +565,9 @@ def select_16bit_1pass(x2d: torch.Tensor, n_keep: int, lo_rows: torch.Tensor, ex
         slot_cap: stash slots per block (a power of two; default :func:`stash_capacity`); a block with more hits
             is read again from ``x`` by the compaction.
         cand_cap: candidate buffer (default :func:`candidate_capacity`).
+        stats: optional int64 ``[3]`` device counters, incremented without a host sync: calls, calls whose answer
+            the exact fallback wrote, and blocks with more hits than slots (read again from ``x``). Three more
+            small launches per call when given.
 
     Returns:
         ``(indices, fast)``: int64 ``[rows * n_keep]`` flat indices, ascending, and a device bool: True when the
@@ -583,24 +592,36 @@ def select_16bit_1pass(x2d: torch.Tensor, n_keep: int, lo_rows: torch.Tensor, ex
     if n_cand < 1:
         raise ValueError(f"cand_cap must be positive, got {n_cand}")
     flat = x2d.contiguous().view(-1)
-    n = flat.numel()
     dev = flat.device
     lo_rows = lo_rows.to(flat.dtype).contiguous()
-    nb = triton.cdiv(n, block)
     cnt, slots = stash_pass(flat, lo_rows, m, cap, block=block, num_warps=num_warps)
-    incl = torch.cumsum(cnt, 0)  # int64
-    keys = torch.full((n_cand,), -1, dtype=torch.int32, device=dev)
-    idx = torch.empty(n_cand, dtype=torch.int64, device=dev)
-    group = max(1, _COMPACT_SLOTS // cap)
-    _compact_stash_kernel[(triton.cdiv(nb, group),)](flat, lo_rows, cnt, incl, slots, idx, keys, n, nb, m, n_cand,
-                                                     BLOCK=block, CAP=cap, GROUP=group, SUB=min(block, 256),
-                                                     ROWS=rows > 1)
+    keys, idx, incl = compact_stash(flat, lo_rows, rows, m, cnt, slots, cap, n_cand, block)
     out, short = _keep_by_keys(keys, idx, rows, n_keep)
     # the candidates hold the answer when all fit and every row has n_keep of them
     fast = ~short & (incl[-1] <= n_cand)
     hist = torch.zeros(2 * rows * 256, dtype=torch.int64, device=dev)
     _fallback(flat, rows, m, n_keep, fast, hist, out)
+    if stats is not None:
+        stats += torch.stack((torch.ones_like(incl[-1]), (~fast).long(), (cnt > cap).sum()))
     return out, fast
+
+
+def compact_stash(flat: torch.Tensor, lo_rows: torch.Tensor, rows: int, m: int, cnt: torch.Tensor,
+                  slots: torch.Tensor, cap: int, n_cand: int, block: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one-pass selection's compaction of :func:`stash_pass`'s output (``cnt``, ``slots`` for the same
+    ``block`` and ``cap``): int32 sort keys (``row << 16 | order key`` for several rows, ``-1`` past the count),
+    int64 flat indices (``n_cand`` slots, flat order) and the inclusive prefix sums of the block counts."""
+    n = flat.numel()
+    nb = triton.cdiv(n, block)
+    incl = torch.cumsum(cnt, 0)  # int64
+    keys = torch.full((n_cand,), -1, dtype=torch.int32, device=flat.device)
+    idx = torch.empty(n_cand, dtype=torch.int64, device=flat.device)
+    group = max(1, _COMPACT_SLOTS // cap)
+    _compact_stash_kernel[(triton.cdiv(nb, group),)](flat, lo_rows, cnt, incl, slots, idx, keys, n, nb, m, n_cand,
+                                                     BLOCK=block, CAP=cap, GROUP=group, SUB=min(block, 256),
+                                                     ROWS=rows > 1)
+    return keys, idx, incl
 
 
 def stash_pass(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int, cap: int, *, block: int = STASH_BLOCK,

@@ -87,7 +87,7 @@ def check_topk_options(select_backend: str = "auto", candidates_backend: str = "
 # (tests/ops/test_topk.py checks that they agree)
 _TRITON_BLOCK = 2048
 _TRITON_NUM_WARPS = 4
-_STASH_BLOCK = 4096
+_STASH_BLOCK = 2048
 _STASH_WARPS = 8
 _KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 _BINS = 1 << 16
@@ -123,7 +123,7 @@ def _row_lower_bounds(x2d: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, flo
         # The whole row is the sample: the n-th largest is exact.
         return torch.topk(x2d.float(), n_keep, dim=1, sorted=False).values.amin(dim=1), n_keep / m
     cols = _sample_columns(m, x2d.device)
-    sample = x2d[:, cols].float()
+    sample = x2d.index_select(1, cols).float()  # index_select: less host work than advanced indexing
     # (2**18 columns: at 4096 x 12 x 8192 with k=200 about 1.3x the kept count is expected to pass, by the
     # margin of _sample_rank; ~2x with 2**15.)
     j = _sample_rank(_SAMPLE_COLS, n_keep / m)
@@ -426,8 +426,8 @@ def batch_topk_rows(
             ``topk``), ``histogram`` (a 2**16-bin histogram of order keys) or ``topk`` (a top-k of each row's
             candidates).
         triton_block: entries per program of the Triton passes of the path taken, a power of two; ``None``:
-            that path's default (one-pass stash pass 4096; two-pass selection and candidate step 2048, the
-            fastest of those in an H200 sweep, docs/clt.md).
+            that path's default (one-pass stash pass 2048, see ``ops._topk_triton.STASH_BLOCK``; two-pass
+            selection and candidate step 2048, the fastest of those in an H200 sweep, docs/clt.md).
         triton_num_warps: warps per program of those passes, a power of two; ``None``: the path's default
             (8 and 4).
 

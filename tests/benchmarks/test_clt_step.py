@@ -52,9 +52,28 @@ def test_smoke_one_pass_selection_beside_the_two_pass(tmp_path) -> None:
         assert row[key]["median_ms"] > 0, key
     assert row["select_fast_path"] is True and row["select_fallback_exact"] is True
     assert row["select_backends_agree"] is True and row["select_ties_exact"] is True
-    assert row["select_sweep"]["path"] == "triton_1pass" and row["select_sweep"]["default"] == "4096x8"
-    assert all(isinstance(v, float) for v in row["select_sweep"]["ms"].values())
+    assert row["select_sweep"]["path"] == "triton_1pass" and row["select_sweep"]["default"] == "2048x8"
+    for key in ("select_sweep", "stash_sweep", "select_sweep_2pass"):
+        assert all(isinstance(v, float) for v in row[key]["ms"].values()), key
+    assert set(row["stash_sweep"]["ms"]) == set(row["select_sweep"]["ms"]) and "read_tb_per_s" in row["stash_sweep"]
     assert row["select_sweep_2pass"]["path"] == "triton_2pass"
+    # the rare paths, counted on the device: none on this input for any stash shape
+    rare = row["select_rare_paths"]
+    assert set(rare) == set(row["select_sweep"]["ms"])
+    assert all(r["calls"] > 0 and r["fallback_per_call"] == 0 for r in rare.values())
+    # CPU: wall clock per call (the device / host split needs CUDA), every call of every round counted
+    assert row["select_ours"]["timing"] == "end_to_end" and row["select_ours"]["device"] is None
+    assert row["select_ours"]["e2e"]["n"] == 2 * 2 and row["select_ours"]["allocator_mallocs"] == 0
+
+
+def test_smoke_select_variants_subset(tmp_path) -> None:
+    # --select-variants times only the named variants; --no-sweep drops the launch-shape sweeps
+    report = _bench().main(["--smoke", "--features", "64", "--variants", "select", "--select-variants",
+                            "select_ours", "select_torch_topk", "--no-sweep", "--out", str(tmp_path / "x.json")])
+    row = report["results"]["64"]
+    assert row["select_ours"]["median_ms"] > 0 and row["select_torch_topk"]["median_ms"] > 0
+    assert "select_ours_candidates" not in row and "select_sweep" not in row
+    assert row["select_exact"] is True
 
 
 def test_default_result_path_names_the_device() -> None:

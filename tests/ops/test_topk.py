@@ -111,14 +111,14 @@ def test_launch_shape_defaults_agree() -> None:
     params = inspect.signature(batch_topk_rows).parameters
     assert (params["triton_block"].default, params["triton_num_warps"].default) == (None, None)  # the path's
     assert (topk_mod._TRITON_BLOCK, topk_mod._TRITON_NUM_WARPS) == (kt.BLOCK, kt.NUM_WARPS) == (2048, 4)
-    assert (topk_mod._STASH_BLOCK, topk_mod._STASH_WARPS) == (kt.STASH_BLOCK, kt.STASH_WARPS) == (4096, 8)
-    assert topk_mod._launch_shape("triton", None, None) == (4096, 8)
+    assert (topk_mod._STASH_BLOCK, topk_mod._STASH_WARPS) == (kt.STASH_BLOCK, kt.STASH_WARPS) == (2048, 8)
+    assert topk_mod._launch_shape("triton", None, None) == (2048, 8)
     assert topk_mod._launch_shape("triton_2pass", None, 8) == (2048, 8)
     for fn in (kt.count_ge, kt.compact_counted, kt.compact_ge, kt.select_16bit, topk_mod.candidates_ge):
         p = inspect.signature(fn).parameters
         assert (p["block"].default, p["num_warps"].default) == (2048, 4), fn.__name__
     p = inspect.signature(kt.select_16bit_1pass).parameters
-    assert (p["block"].default, p["num_warps"].default) == (4096, 8)
+    assert (p["block"].default, p["num_warps"].default) == (2048, 8)
 
 
 def test_token_topk_and_scatter() -> None:
@@ -271,6 +271,13 @@ def test_triton_one_pass_selection_matches_stable_sort(dtype: torch.dtype, rows:
     hits = torch.nn.functional.pad((x >= lo[:, None]).reshape(-1).int(), (0, -(rows * m) % block))
     assert int(hits.view(-1, block).sum(1).max()) > 16
     assert run(lo, slot_cap=16, cand_cap=rows * m)
+    # the device counters: calls, calls the fallback answered, blocks read again from x
+    stats = torch.zeros(3, dtype=torch.int64, device=dev)
+    kt.select_16bit_1pass(x, n, lo, expect, block=block, slot_cap=16, cand_cap=rows * m, stats=stats)
+    over = int((hits.view(-1, block).sum(1) > 16).sum())
+    assert stats.tolist() == [1, 0, over]
+    kt.select_16bit_1pass(x, n, torch.full((rows,), 100.0, device=dev).to(dtype), expect, block=block, stats=stats)
+    assert stats.tolist() == [2, 1, over]
     assert not run(lo, cand_cap=rows * n + 1) or int((x >= lo[:, None]).sum()) <= rows * n + 1  # ties overflow
     # every entry a candidate: more than the buffer holds
     assert not run(torch.full((rows,), -1e4, device=dev).to(dtype), cand_cap=rows * n)
