@@ -89,6 +89,7 @@ class NonFiniteCheck:
         self._max_tables = max_tables
         self._failed = False
         self.uses_kernel = False
+        self.tables_built = 0  # tables built and uploaded so far (one per dtype while the addresses stay put)
 
     def __call__(self, parts: list[tuple[list[torch.Tensor], int]], flags: torch.Tensor, any_slot: int) -> bool:
         self.uses_kernel = False
@@ -146,6 +147,7 @@ class NonFiniteCheck:
         ]
         host = torch.tensor(chunks, dtype=torch.int64)
         table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+        self.tables_built += 1
         vec = 16 // size if all(ptr % 16 == 0 for ptr, _, _ in rows) else 1
         found = self._tables[key] = (table, vec)
         while len(self._tables) > self._max_tables:

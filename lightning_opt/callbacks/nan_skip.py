@@ -574,9 +574,11 @@ class NaNSkip(KeyedStateCallback):
     @property
     def paths(self) -> dict[str, str]:
         """How the last device-mode step was checked and applied (host-side record, no sync): ``"check"`` is
-        ``"triton"`` (one kernel per dtype) or ``"foreach_norm"``; one entry per optimizer names its way of
-        applying the skip: ``"found_inf"`` (fused), ``"flagged_copy_triton"`` or ``"flagged_copy_torch"``."""
-        out = {"check": "triton" if self._check.uses_kernel else "foreach_norm"}
+        ``"triton"`` (one kernel per dtype) or ``"foreach_norm"``, ``"check_tables_built"`` how many chunk tables
+        the Triton check built and uploaded (again only when gradient or loss addresses change); one entry per
+        optimizer names its way of applying the skip: ``"found_inf"`` (fused), ``"flagged_copy_triton"`` or ``"flagged_copy_torch"``."""
+        out = {"check": "triton" if self._check.uses_kernel else "foreach_norm",
+               "check_tables_built": str(self._check.tables_built)}
         for i, leaf in enumerate(self._leaves):
             way = "found_inf" if leaf.fused else (
                 "flagged_copy_triton" if leaf.copy.uses_kernel else "flagged_copy_torch")
