@@ -6,7 +6,7 @@ import functools
 import math
 from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -41,6 +41,8 @@ _DECODES = ("auto", "dense", "sparse")
 # activation gradient (the model's default) is the faster one at 8192 and 16384 features; sparse from 32768
 # (less memory; the crossover above 16384 is not measured).
 SPARSE_DECODE_MIN_FEATURES = 24576
+# resample_dead_features: how a token's chance of being drawn follows its loss
+RESAMPLE_WEIGHTINGS = ("loss", "loss_squared", "uniform")
 
 
 class FVUMetric(Metric):
@@ -169,6 +171,9 @@ class CLTModule(TrainingModule):
             value), 1.0 for the top-k activations (a resampled feature has to win one of the k slots; at 0.2 the
             forced-dead features of the BatchTopK test stayed dead).
         resample_seed: seed of the resampling's token draws (its generator state is saved in checkpoints).
+        resample_weighting: a token's chance of being drawn for a dead feature, proportional to its loss
+            (``"loss"``), its squared loss (``"loss_squared"``, Anthropic's) or uniform (``"uniform"``); each
+            layer's dead features get distinct tokens while the batch has enough (see :meth:`resample_dead_features`).
     """
 
     def __init__(
@@ -190,6 +195,7 @@ class CLTModule(TrainingModule):
         resample_dead_every: int | None = None,
         resample_encoder_scale: float | None = None,
         resample_seed: int = 0,
+        resample_weighting: Literal["loss", "loss_squared", "uniform"] = "loss",
     ) -> None:
         super().__init__(optim or OptimConfig(lr=2e-4, betas=(0.9, 0.999), weight_decay=0.0),
                          schedule or ScheduleConfig(name="constant"))
@@ -213,6 +219,8 @@ class CLTModule(TrainingModule):
             raise ValueError(f"resample_dead_every={resample_dead_every!r} must be a positive int (steps) or None")
         if resample_encoder_scale is not None and not resample_encoder_scale > 0:
             raise ValueError(f"resample_encoder_scale={resample_encoder_scale} must be > 0 (or None)")
+        if resample_weighting not in RESAMPLE_WEIGHTINGS:
+            raise ValueError(f"resample_weighting={resample_weighting!r} is unknown; choose one of {RESAMPLE_WEIGHTINGS}")
         self.save_hyperparameters()
         clt = as_config(CLTConfig, clt)  # load_from_checkpoint hands a checkpoint's saved dict back as it is
         if resample_dead_every is not None and clt.decoder_tying == "per_target":
@@ -227,6 +235,7 @@ class CLTModule(TrainingModule):
         if resample_encoder_scale is None:
             resample_encoder_scale = 0.2 if clt.activation in ("relu", "jumprelu") else 1.0
         self.resample_every, self.resample_encoder_scale = resample_dead_every, resample_encoder_scale
+        self.resample_weighting = resample_weighting
         # the resampling's token draws: a CPU generator's state (portable, saved in checkpoints), a running count
         self._resample_rng_state = torch.Generator().manual_seed(resample_seed).get_state()
         self.resampled_total = 0
@@ -423,21 +432,30 @@ class CLTModule(TrainingModule):
     @torch.no_grad()
     def resample_dead_features(self, x: torch.Tensor, residual: torch.Tensor,
                                optimizers: list[torch.optim.Optimizer] | tuple = ()) -> int:
-        """Re-initialise every feature dead over the ``dead_tokens`` window (Anthropic, "Towards Monosemanticity",
-        2023): returns how many.
+        """Re-initialise every feature dead over the ``dead_tokens`` window (after Anthropic, "Towards
+        Monosemanticity", 2023): returns how many.
 
-        Tokens of this batch are drawn (with replacement, one per dead feature) with probability proportional to
-        the square of their reconstruction loss (squared error summed over layers and dimensions). A dead
-        feature ``f`` of layer ``l`` drawn token ``n`` gets: encoder column = the normalised input ``x_l[n]`` as
-        a unit vector times ``resample_encoder_scale`` x the mean encoder column norm of layer ``l``'s live
-        features; encoder bias 0 (JumpReLU: its initial threshold); decoder row = the residual
-        ``(target - recon)[n]`` of its targets ``l..L-1`` (``per_source``: their sum) as a unit vector times the
-        mean decoder row norm of layer ``l``'s live features. Every optimizer state tensor shaped like a
-        parameter (Adam's moments) is zeroed at those rows, other rows untouched; the features' dead counters
-        restart. With ``resample_dead_every`` set, :meth:`optimizer_step` calls it right after the update of every
+        Draws, per source layer ``l`` with ``D_l`` dead features: ``min(D_l, P)`` *distinct* tokens of this batch,
+        without replacement, among the ``P`` tokens with a positive finite loss at the feature's targets
+        ``l..L-1`` (squared error summed over those layers and dimensions), with probability proportional to
+        ``resample_weighting``: that loss (``"loss"``), its square (``"loss_squared"``, Anthropic's choice; on
+        heavy-tailed errors it puts most draws on a few tokens) or uniform (``"uniform"``). With more dead
+        features than candidate tokens, the drawn tokens are spread evenly (each used ``D_l // P`` or one more
+        times); otherwise no two features of a layer get the same token. A dead feature ``f`` of layer ``l`` drawn
+        token ``n`` gets: encoder column = the normalised input ``x_l[n]`` as a unit vector times
+        ``resample_encoder_scale`` x the mean encoder column norm of layer ``l``'s live features; encoder bias 0
+        (JumpReLU: its initial threshold); decoder row = the residual ``(target - recon)[n]`` of its targets
+        ``l..L-1`` (``per_source``: their sum) as a unit vector times the mean decoder row norm of layer ``l``'s
+        live features.
+
+        Every optimizer state tensor shaped like a parameter (Adam's ``exp_avg`` and ``exp_avg_sq``) is zeroed at
+        those rows, other rows untouched: no moment of the dead feature's old direction steers its new one (Adam's
+        step count is shared by the whole tensor, so a zeroed row's first updates are larger than a live row's,
+        about ``(1 - b1) / sqrt(1 - b2)`` x the learning rate at first). The features' dead counters restart. With
+        ``resample_dead_every`` set, :meth:`optimizer_step` calls it right after the update of every
         ``resample_dead_every``-th step, on that step's batch (logged as ``train/resampled``).
 
-        Host syncs: a few (the dead set's size and layout, the token draw on the CPU generator), on the
+        Host syncs: a few (the dead set's size and layout, the token draws on the CPU generator), on the
         resampling steps only.
 
         Args:
@@ -453,14 +471,15 @@ class CLTModule(TrainingModule):
         if count == 0:
             return 0
         per_layer = dead.sum(1).tolist()
-        err = residual.float().pow(2).sum(dim=(1, 2))  # [N]
-        weights = err.double().pow(2).cpu()
-        if not bool(weights.sum() > 0) or not bool(torch.isfinite(weights).all()):
-            weights = torch.ones_like(weights)  # an exact fit (or a non-finite loss): uniform draws
+        res = residual.float()
+        # loss of each token at the targets of a feature of layer l: squared error over layers l..L-1
+        tail = res.pow(2).sum(-1).flip(1).cumsum(1).flip(1).double().cpu()  # [N, L]
         gen = torch.Generator().manual_seed(0)
         gen.set_state(self._resample_rng_state)
-        tok = torch.multinomial(weights, count, replacement=True, generator=gen).to(x.device)
+        draws = [_draw_distinct(tail[:, source], c, self.resample_weighting, gen)
+                 for source, c in enumerate(per_layer) if c > 0]
         self._resample_rng_state = gen.get_state()
+        tok = torch.cat(draws).to(x.device)  # [D], in the order of `where`
         layer, feat = where[:, 0], where[:, 1]
         alive = ~dead
 
@@ -483,7 +502,6 @@ class CLTModule(TrainingModule):
             clt.log_threshold[layer, feat] = math.log(self.clt_config.jumprelu_threshold)
             reset.append((clt.log_threshold, (layer, feat)))
         # decoder: unit residuals of the drawn tokens over the feature's targets, scaled to the layer's live norm
-        res = residual.float()
         start = 0
         for source, c in enumerate(per_layer):
             if c == 0:
@@ -642,6 +660,25 @@ class CLTModule(TrainingModule):
             self.log("val/fvu_pb", total, prog_bar=True, logger=False)
         for m in (self.val_fvu, self.val_l0, self.val_kl, self.val_agree):
             m.reset()
+
+
+def _draw_distinct(loss: torch.Tensor, count: int, weighting: str, gen: torch.Generator) -> torch.Tensor:
+    """``count`` token indices for the dead features of one layer (CPU, ``gen``): distinct while the tokens with a
+    positive finite ``loss`` suffice, drawn without replacement with probability following ``weighting``; else
+    every such token, in a drawn order, repeated in turn (each used ``count // P`` or one more times)."""
+    valid = torch.isfinite(loss) & (loss > 0)
+    if not bool(valid.any()):  # an exact fit (or a non-finite loss everywhere): every token, uniform
+        valid, weighting = torch.ones_like(valid), "uniform"
+    if weighting == "uniform":
+        w = valid.double()
+    else:
+        w = torch.where(valid, loss, 0.0).double()
+        w = w / w.max()  # scaled to at most 1: squares overflow nothing
+        w = w.pow(2) if weighting == "loss_squared" else w
+        w = torch.where(valid, w.clamp_min(torch.finfo(torch.float64).tiny), 0.0)  # an underflow stays a candidate
+    take = min(count, int(valid.sum()))
+    order = torch.multinomial(w, take, replacement=False, generator=gen)
+    return order.repeat(-(-count // take))[:count]
 
 
 def _loss_terms(clt: CLT, out: CLTOutput, y: torch.Tensor, n_tokens: int, sparsity_c: float, sparsity: bool,

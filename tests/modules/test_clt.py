@@ -282,3 +282,112 @@ def test_training_step_makes_no_host_sync_on_gpu(tmp_path) -> None:
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
     syncs = [str(w.message) for w in caught["w"] if "synchroniz" in str(w.message)]
     assert syncs == []
+
+
+# ------------------------------------------------------------------ dead-feature resampling
+def _resample_setup(n_dead: int, n_tokens: int = 32, weighting: str = "loss", heavy: bool = True):
+    """A module whose first ``n_dead`` features of each layer are dead, and a batch whose first token's error is
+    1000x the others' (a heavy tail: the case where draws with replacement give many features one token)."""
+    torch.manual_seed(0)
+    cfg = CLTConfig(n_layers=2, d_model=8, n_features=64, activation="batchtopk_global", k=4)
+    module = CLTModule(cfg, dead_tokens=n_tokens, resample_weighting=weighting)
+    module.tokens_since_fired[:, :n_dead] = n_tokens
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n_tokens, 2, 8, generator=g)
+    residual = torch.randn(n_tokens, 2, 8, generator=g)
+    if heavy:
+        residual[0] *= 1000.0
+    return module, x, residual
+
+
+def _drawn_tokens(module: CLTModule, x: torch.Tensor, layer: int) -> torch.Tensor:
+    """The token each resampled feature of ``layer`` got: the input its encoder column points along."""
+    cols = torch.nn.functional.normalize(module.model.W_enc[layer][:, module.last_resampled[layer]].t(), dim=1)
+    cos = cols @ torch.nn.functional.normalize(x[:, layer], dim=1).t()  # [D, N]
+    torch.testing.assert_close(cos.max(1).values, torch.ones(cols.shape[0]))
+    return cos.argmax(1)
+
+
+@pytest.mark.parametrize("weighting", ["loss", "loss_squared", "uniform"])
+def test_resampled_features_get_distinct_directions(weighting: str) -> None:
+    module, x, residual = _resample_setup(n_dead=20, weighting=weighting)
+    assert module.resample_dead_features(x, residual) == 40
+    for layer in range(2):
+        tokens = _drawn_tokens(module, x, layer)
+        assert tokens.unique().numel() == 20  # one token per feature, even with one token 1000x the others
+        dec = module.model.W_dec[layer][module.last_resampled[layer]].flatten(1)
+        assert torch.unique(dec, dim=0).shape[0] == 20
+        torch.testing.assert_close(torch.nn.functional.normalize(dec, dim=1),
+                                   torch.nn.functional.normalize(residual[tokens, layer:].flatten(1), dim=1))
+
+
+def test_resampling_spreads_tokens_when_dead_features_outnumber_them() -> None:
+    # 40 dead features per layer, 16 tokens with an error (the others reconstructed exactly): every token with an
+    # error is used 2 or 3 times, no feature gets an error-free token (its residual has no direction)
+    module, x, residual = _resample_setup(n_dead=40, heavy=False)
+    residual[16:] = 0
+    module.resample_dead_features(x, residual)
+    for layer in range(2):
+        counts = torch.bincount(_drawn_tokens(module, x, layer), minlength=32)
+        assert bool((counts[:16] >= 2).all() and (counts[:16] <= 3).all()) and int(counts[16:].sum()) == 0
+
+
+def test_loss_weighting_prefers_high_loss_tokens() -> None:
+    # 4 of 32 tokens carry almost all the loss: drawn for 4 dead features, they are the ones chosen
+    module, x, residual = _resample_setup(n_dead=4, heavy=False)
+    residual[4:] *= 1e-3
+    module.resample_dead_features(x, residual)
+    for layer in range(2):
+        assert sorted(_drawn_tokens(module, x, layer).tolist()) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="resample_weighting"):
+        CLTModule(module.clt_config, resample_weighting="cubic")
+
+
+def test_resampling_in_fit_resets_optimizer_state_and_resumes(tmp_path) -> None:
+    # a real Trainer: features forced dead are resampled after step 3's update; the Adam moments of their rows
+    # are zero right after it (every other row keeps nonzero ones); a run resumed from that step's checkpoint
+    # ends where the uninterrupted one does and keeps the weighting
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def make() -> CLTModule:
+        torch.manual_seed(0)
+        cfg = CLTConfig(n_layers=2, d_model=8, n_features=16, activation="batchtopk_global", k=4)
+        m = CLTModule(cfg, optim=OptimConfig(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0), dead_tokens=64,
+                      eval_replacement=False, resample_dead_every=3, resample_weighting="loss_squared")
+        with torch.no_grad():
+            m.model.b_enc[:, :4] = -100.0  # these never fire
+        return m
+
+    seen: dict[str, torch.Tensor] = {}
+
+    class AfterResample(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if trainer.global_step == 3:
+                state = trainer.optimizers[0].state
+                m = pl_module.model
+                seen["dead"] = pl_module.last_resampled.clone()
+                seen["enc"] = torch.stack([state[m.W_enc][k].transpose(1, 2) for k in ("exp_avg", "exp_avg_sq")])
+                seen["b"] = torch.stack([state[m.b_enc][k] for k in ("exp_avg", "exp_avg_sq")])
+                seen["dec0"] = torch.stack([state[m.W_dec[0]][k] for k in ("exp_avg", "exp_avg_sq")])
+
+    ckpts = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=3, save_top_k=-1)
+    full = make()
+    L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path / "full",
+              callbacks=[AfterResample(), ckpts]).fit(full, train_dataloaders=_xy_loader(3))
+    dead = seen["dead"]
+    assert bool(dead[:, :4].all()) and full.resampled_total >= 8
+    assert bool((seen["enc"][:, dead] == 0).all()) and bool((seen["enc"][:, ~dead] != 0).any(-1).all())
+    assert bool((seen["b"][:, dead] == 0).all()) and bool((seen["b"][:, ~dead] != 0).all())
+    assert bool((seen["dec0"][:, dead[0]] == 0).all())
+    assert bool((full.tokens_since_fired[:, :4] < 3 * 32).all())  # the revived features fired since
+
+    resumed = make()
+    _trainer(tmp_path / "resumed", 6, limit_val_batches=0).fit(
+        resumed, train_dataloaders=_xy_loader(3), ckpt_path=str(tmp_path / "ckpt" / "step=3.ckpt"),
+        weights_only=False)  # written by this test
+    assert resumed.resampled_total == full.resampled_total
+    for (name, p), q in zip(full.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+    loaded = CLTModule.load_from_checkpoint(str(tmp_path / "ckpt" / "step=6.ckpt"), weights_only=False)
+    assert loaded.resample_weighting == "loss_squared"
