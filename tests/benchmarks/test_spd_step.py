@@ -77,6 +77,20 @@ def test_smoke_gpt2_layer_reports_pgd_cost_compile_time_and_regions(tmp_path):
     assert "best_vs_best" not in w["summary"]  # no peer, no ratio
 
 
+def test_variants_runs_only_the_named_ones_in_order_and_rejects_unknown_names(tmp_path):
+    out = tmp_path / "v.json"
+    res = _bench().main(["--smoke", "--no-peer", "--variants", "ours_full_bf16_lean,ours_eager_bf16", "--out", str(out)])
+    w = json.loads(out.read_text())["workloads"]["gpt2_layer"]
+    assert [r["variant"] for r in w["rows"]] == ["ours_full_bf16_lean", "ours_eager_bf16"]
+    full, eager = w["rows"]
+    assert "error" not in full and "error" not in eager, (full.get("error"), eager.get("error"))
+    assert full["compile_order"] == 1 and full["compile_options"] == {"triton.autotune_pointwise": False}
+    assert full["compile_s"] >= 0 and "compile_s" not in eager
+    assert res["workloads"]["gpt2_layer"]["summary"]["best_ours"]["variant"] in ("ours_full_bf16_lean", "ours_eager_bf16")
+    with pytest.raises(SystemExit, match="unknown variant"):
+        _bench().main(["--smoke", "--no-peer", "--variants", "ours_nonexistent", "--out", str(tmp_path / "x.json")])
+
+
 def test_peer_without_its_checkout_is_recorded_as_not_runnable(tmp_path, monkeypatch):
     bench = _bench()
     monkeypatch.setattr(bench.peer, "PEER_DIR", tmp_path / "no-checkout")

@@ -97,6 +97,48 @@ def test_regional_compile_traces_without_graph_breaks_and_compiles_each_region_o
     torch._dynamo.reset()
 
 
+def test_full_compile_with_pgd_gives_eager_loss_and_grads_and_traces_the_forward_once():
+    """compile='full' with AOTAutograd (backend 'aot_eager': compiled forward and backward, no code generation):
+    eager's loss and gradients with PGD on; the forward before PGD, the PGD terms and the total are three
+    compiled functions, so the only graph break is PGD's autograd.grad and no frame is traced twice."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, m = _module("none"), _module("full", backend="aot_eager")
+    assert m.apply_compile() == ["compute_losses"]
+    loss_e, grads_e = _loss_and_grads(eager)
+    loss_c, grads_c = _loss_and_grads(m)
+    assert grads_e.keys() == grads_c.keys() and len(grads_e) == 12
+    assert torch.allclose(loss_e, loss_c, rtol=1e-6), (loss_e, loss_c)
+    for n in grads_e:
+        assert torch.allclose(grads_e[n], grads_c[n], rtol=1e-5, atol=1e-8), n
+    breaks = counters["graph_break"]
+    assert breaks and all("autograd.grad" in reason for reason in breaks), dict(breaks)
+    graphs = counters["stats"]["unique_graphs"]
+    torch.manual_seed(6)
+    m.losses(_batch(), torch.tensor(0.7))[0].backward()  # a new training fraction compiles nothing new
+    assert counters["stats"]["unique_graphs"] == graphs
+    torch._dynamo.reset()
+
+
+def test_pgd_ascent_pass_with_frozen_components_gives_the_same_output_and_no_component_grads():
+    m = _module("none")
+    spd, x = m.spd, _batch()
+    spd.refresh_delta_weights()
+    _, inputs = spd.target_forward(x)
+    ci = spd.causal_importances(inputs)
+    masks = {k: v.detach().requires_grad_(True) for k, v in spd.stochastic_masks(ci.lower).items()}
+    dms = spd.delta_masks(ci.lower)
+    plain = spd.masked_forward(x, masks=masks, delta_masks=dms)
+    frozen = spd.masked_forward(x, masks=masks, delta_masks=dms, frozen_components=True)
+    assert torch.equal(plain, frozen) and not spd.state.frozen_components
+    params = spd.component_parameters()
+    assert all(g is not None for g in torch.autograd.grad(plain.sum(), params, retain_graph=True))
+    assert torch.autograd.grad(frozen.sum(), params, allow_unused=True) == (None,) * len(params)
+    spd.state.delta_weights = {}
+
+
 def test_whole_step_on_a_gpt_traces_as_one_graph_without_pgd():
     """compile='full' (the step as one graph): the block runners and the prefix replay trace through dynamo."""
     m = _module("none", pgd_recon=0.0)
