@@ -511,17 +511,18 @@ def _keep_by_keys(key: torch.Tensor, idx: torch.Tensor, rows: int, n_keep: int) 
     cut = sorted_keys[(end - n_keep).clamp(min=0)]  # the n_keep-th largest key of each row (row * 2**16 + key)
     above_from = torch.searchsorted(sorted_keys, cut, right=True)
     quota = n_keep - (end - above_from)  # ties kept: n_keep minus the keys above the cut-off
-    valid = key >= 0
+    # empty slots (key -1) need no mask: unless some row is short (then the result is discarded), every cut-off
+    # is a real key (>= 0), which -1 neither equals nor exceeds
     if rows > 1:
         row = (key >> 16).clamp_(min=0).long()
         ties = above_from - torch.searchsorted(sorted_keys, cut)
         ties_before = (torch.cumsum(ties, 0) - ties)[row]
         cut, quota = cut[row], quota[row]
-    else:
-        ties_before = 0
-    eq = (key == cut) & valid
-    rank = torch.cumsum(eq, 0) - ties_before  # 1-based rank of a tie inside its row, in flat order
-    keep = valid & ((key > cut) | (eq & (rank <= quota)))
+    eq = key == cut
+    rank = torch.cumsum(eq, 0)  # 1-based rank of a tie inside its row, in flat order
+    if rows > 1:
+        rank -= ties_before
+    keep = (key > cut) | (eq & (rank <= quota))
     total_out = rows * n_keep
     # every row keeps exactly n_keep and rows come in order: the running count is the output slot (clamped: a
     # short row's cut-off is meaningless and may keep too many; the caller discards that result)
