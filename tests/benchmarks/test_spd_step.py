@@ -86,6 +86,8 @@ def test_variants_runs_only_the_named_ones_in_order_and_rejects_unknown_names(tm
     assert "error" not in full and "error" not in eager, (full.get("error"), eager.get("error"))
     assert full["compile_order"] == 1 and full["compile_options"] == {"triton.autotune_pointwise": False}
     assert full["compile_s"] >= 0 and "compile_s" not in eager
+    # the PGD terms are a compiled part of their own: the full step is timed without them too
+    assert full["step_ms_nopgd"] > 0 and full["pgd_ms"] == pytest.approx(full["step_ms"] - full["step_ms_nopgd"])
     assert res["workloads"]["gpt2_layer"]["summary"]["best_ours"]["variant"] in ("ours_full_bf16_lean", "ours_eager_bf16")
     with pytest.raises(SystemExit, match="unknown variant"):
         _bench().main(["--smoke", "--no-peer", "--variants", "ours_nonexistent", "--out", str(tmp_path / "x.json")])
