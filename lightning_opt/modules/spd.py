@@ -282,7 +282,8 @@ class SPDTrainConfig:
         autocast_bf16: run the loss computation under bf16 autocast (the weight deltas ``W - V U`` stay in
             float32).
         compile: ``none`` (eager), ``full`` (``torch.compile`` of the whole loss computation, forward + all
-            terms, as one graph; backward compiled by AOTAutograd with it) or ``regional``
+            terms, in three compiled parts: before PGD, PGD, the total; backward compiled by AOTAutograd with
+            them) or ``regional``
             (:meth:`~lightning_opt.models.spd.SPDModel.compile_regions`: the target's repeated blocks, the masked
             linear layers and the KL loss compiled once each and reused: a fraction of the compile time of
             ``full``). ``True`` / ``False`` mean ``full`` / ``none``.
@@ -642,8 +643,8 @@ class SPDModule(L.LightningModule):
             self.apply_compile()
 
     def apply_compile(self) -> list[str]:
-        """Compile as ``train.compile`` says (once; later calls change nothing): ``full`` wraps
-        :meth:`compute_losses` in ``torch.compile``, ``regional`` compiles the repeated pieces in place
+        """Compile as ``train.compile`` says (once; later calls change nothing): ``full`` compiles the three
+        parts of :meth:`compute_losses` (see :meth:`_compose_losses`) each with ``torch.compile``, ``regional`` compiles the repeated pieces in place
         (:meth:`~lightning_opt.models.spd.SPDModel.compile_regions`). Returns what was compiled."""
         tc = self.train_cfg
         if tc.compile == "full" and self._loss_fn == self.compute_losses:
