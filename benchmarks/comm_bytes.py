@@ -6,7 +6,7 @@
 Each variant runs three training steps of a CLT (MSE loss, Adam) under a Lightning ``Trainer`` with the
 strategy, in ``world`` spawned CPU processes joined by gloo. This process (not the library) wraps
 ``torch.distributed``'s collective functions (``all_reduce``, ``all_gather_into_tensor``, ``all_gather``,
-``broadcast``, ``reduce_scatter_tensor`` and DDP's ``_broadcast_coalesced`` of module buffers) and registers a DDP
+``broadcast``, ``reduce_scatter_tensor``, ``all_gather_single``, ``reduce_scatter_single`` (FSDP2's) and DDP's ``_broadcast_coalesced`` of module buffers) and registers a DDP
 communication hook that counts every gradient bucket. The count covers the third step, from the end of the
 second step to the end of the third (the per-step SIGTERM flag included), on rank 0. Bytes are the payload
 a rank hands to a collective: the tensor for ``all_reduce``/``broadcast``, its own input for ``all_gather``;
@@ -43,6 +43,8 @@ VARIANTS: dict[str, tuple[int, str, dict[str, Any]]] = {
     "decoder_sharding_2d_m2_d2": (4, "DecoderShardingStrategy", {"model_parallel_size": 2}),
     "decoder_sharding_2d_m2_d2_shard_encoder": (4, "DecoderShardingStrategy",
                                                 {"model_parallel_size": 2, "shard_encoder": True}),
+    "fsdp_global_batchtopk_2": (2, "FSDPGlobalBatchTopKStrategy", {}),
+    "fsdp_global_batchtopk_reshard_4": (4, "FSDPGlobalBatchTopKStrategy", {"reshard_after_forward": True}),
 }
 
 
@@ -58,6 +60,21 @@ def clt_params(L: int, D: int, F: int) -> int:
     return L * D * F + L * F + F * D * L * (L + 1) // 2 + L * D
 
 
+def clt_param_shapes(L: int, D: int, F: int) -> list[tuple[int, ...]]:
+    """Shapes of an untied CLT's parameters (W_enc, b_enc, W_dec[0..L-1], b_dec)."""
+    return [(L, D, F), (L, F), *[(F, L - s, D) for s in range(L)], (L, D)]
+
+
+def fsdp_padded_params(L: int, D: int, F: int, N: int) -> int:
+    """Elements FSDP2 all-gathers and reduce-scatters for a CLT over N ranks: every parameter sharded on its largest
+    dimension (strategies.fsdp_global_batch_topk.largest_dim_placement), that dimension padded to a multiple of N."""
+    total = 0
+    for shape in clt_param_shapes(L, D, F):
+        big = max(shape)
+        total += -(-big // N) * N * (math.prod(shape) // big)
+    return total
+
+
 def _general_topk(n_local: int, frac: float) -> int:
     """Bytes of one exact selection over a group (ops.global_topk._select), one rank: the bound or the
     token/size/bound gather (counted by the caller), candidate counts (8), candidate values (4 x C_max, C_max
@@ -67,7 +84,8 @@ def _general_topk(n_local: int, frac: float) -> int:
 
 
 def predicted_bytes(strategy: str, *, F: int, T: int, L: int, D: int, k: int, N: int,
-                    M: int | None = None, shard_encoder: bool = False) -> dict[str, int]:
+                    M: int | None = None, shard_encoder: bool = False,
+                    reshard_after_forward: bool = False) -> dict[str, int]:
     """Bytes one rank hands to collectives per training step (float32 CLT, MSE loss), by term.
 
     F features per layer, T tokens per optimizer step (all ranks), L layers, D d_model, k active features per
@@ -82,6 +100,13 @@ def predicted_bytes(strategy: str, *, F: int, T: int, L: int, D: int, k: int, N:
         out["ddp_buffers"] = 4 * 4 * L * D  # DDP broadcasts the normalisation buffers every forward
         out["topk_head"] = 24  # tokens, entries, sampled bound (float64 x 3)
         out["topk_select"] = _general_topk(n, k / (L * F))
+        return out
+    if strategy == "FSDPGlobalBatchTopKStrategy":
+        padded = fsdp_padded_params(L, D, F, N)
+        out["fsdp_all_gather"] = (2 if reshard_after_forward else 1) * 4 * padded // N
+        out["fsdp_reduce_scatter"] = 4 * padded
+        out["topk_head"] = 24
+        out["topk_select"] = _general_topk((T // N) * L * F, k / (L * F))
         return out
     M = M or N
     Dd = N // M
@@ -141,7 +166,7 @@ def install_shim(counter: _Counter) -> None:
 
     payload = {  # op -> which argument is this rank's payload
         "all_reduce": 0, "broadcast": 0, "all_gather_into_tensor": 1, "all_gather": 1,
-        "reduce_scatter_tensor": 1, "all_gather_single": 1, "_broadcast_coalesced": 1,
+        "reduce_scatter_tensor": 1, "all_gather_single": 1, "reduce_scatter_single": 1, "_broadcast_coalesced": 1,
     }
     for op, pos in payload.items():
         fn = getattr(dist, op, None)
@@ -150,6 +175,8 @@ def install_shim(counter: _Counter) -> None:
 
         def wrapped(*args: Any, _fn: Any = fn, _op: str = op, _pos: int = pos, **kwargs: Any) -> Any:
             arg = args[_pos] if len(args) > _pos else kwargs.get({0: "tensor", 1: "input_tensor"}[min(_pos, 1)])
+            if arg is None and _pos == 1:
+                arg = kwargs.get("input")  # reduce_scatter_single(output=, input=) as FSDP2 calls it
             if _op == "all_gather" and len(args) > 1:
                 arg = args[1]
             counter.add(_op, _nbytes(arg))
@@ -260,7 +287,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         measured = sum(b for _, b in calls)
         terms = predicted_bytes(cls_name, F=shape["F"], T=shape["T"], L=shape["L"], D=shape["D"], k=shape["k"],
                                 N=world, M=kwargs.get("model_parallel_size"),
-                                shard_encoder=kwargs.get("shard_encoder", False))
+                                shard_encoder=kwargs.get("shard_encoder", False),
+                                reshard_after_forward=kwargs.get("reshard_after_forward", False))
         predicted = sum(terms.values())
         rows.append({"variant": name, "strategy": cls_name, "kwargs": kwargs, "world": world,
                      "predicted_bytes": predicted, "measured_bytes": measured, "ratio": measured / predicted,
