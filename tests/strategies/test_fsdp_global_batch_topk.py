@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from _clt_helpers import K, TinyCLTModule, free_port, loader, make_clt_module, trainer_kwargs
+from _clt_helpers import D_MODEL, N_FEATURES, N_LAYERS, K, TinyCLTModule, free_port, loader, trainer_kwargs
 
 WORLD = 2
 
@@ -106,12 +106,26 @@ def _scenarios(root: Path) -> dict[str, Any]:
     out["resume"] = {"state": _full_state(resumed), "step2": step2, "is_dir": path.is_dir(),
                      "files": sorted(p.name for p in path.iterdir())}
 
-    # the project's CLTModule: trained 2 steps, its directory checkpoint consolidated and loaded in one process
-    module = make_clt_module()
+    # the project's CLTModule with the terms that read the CLT's parameters outside its forward (sparsity penalty,
+    # AuxK): trained 2 steps like under DDP; its directory checkpoint consolidated and loaded in one process
+    def clt_module() -> Any:
+        from lightning_opt.models.clt import CLTConfig
+        from lightning_opt.modules.clt import CLTModule
+
+        torch.manual_seed(0)
+        cfg = CLTConfig(n_layers=N_LAYERS, d_model=D_MODEL, n_features=N_FEATURES, activation="batchtopk_global", k=K)
+        return CLTModule(clt=cfg, eval_replacement=False, sparsity_coef=0.1, aux_coef=0.1, aux_k=2, aux_max_dead=None,
+                         dead_tokens=4)
+
+    data = loader(4, WORLD, dist.get_rank())
+    reference = clt_module()
+    _fit(reference, GlobalBatchTopKStrategy(), root, max_steps=2, limit_val_batches=0, train_dataloaders=data)
+    module = clt_module()
     ckpt = ModelCheckpoint(dirpath=root / "clt_module", every_n_train_steps=2, save_top_k=-1)
     _fit(module, FSDPGlobalBatchTopKStrategy(), root, callbacks=[ckpt], enable_checkpointing=True, max_steps=2,
-         limit_val_batches=0, train_dataloaders=loader(8, WORLD, dist.get_rank()))
+         limit_val_batches=0, train_dataloaders=data)
     trained = {k: _full(v) for k, v in module.model.named_parameters()}
+    ddp_trained = {k: _full(v) for k, v in reference.model.named_parameters()}
     if dist.get_rank() == 0:
         from lightning_opt.modules.clt import CLTModule
 
@@ -119,7 +133,8 @@ def _scenarios(root: Path) -> dict[str, Any]:
         loaded = CLTModule.load_from_checkpoint(file, map_location="cpu")
         raw = torch.load(file, weights_only=True)
         out["clt_module"] = {
-            "trained": trained, "loaded": {k: v.detach().clone() for k, v in loaded.model.named_parameters()},
+            "trained": trained, "ddp": ddp_trained, "dead_after": int(module.tokens_since_fired.ge(4).sum()),
+            "loaded": {k: v.detach().clone() for k, v in loaded.model.named_parameters()},
             "global_step": raw["global_step"], "optimizer_states": len(raw["optimizer_states"]),
         }
     dist.barrier()
@@ -194,6 +209,14 @@ def test_distributed_checkpoint_is_a_directory_and_resumes(runs: dict) -> None:
     for name, value in uninterrupted.items():
         torch.testing.assert_close(res["state"][name], value, rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     assert not torch.allclose(res["step2"]["clt.W_enc"], uninterrupted["clt.W_enc"])
+
+
+def test_clt_module_with_sparsity_and_auxk_trains_like_ddp(runs: dict) -> None:
+    # the penalty and AuxK read the gathered parameters after forward (reshard_after_forward=False)
+    got = runs["clt_module"]
+    assert got["dead_after"] > 0  # AuxK had dead features to work on
+    for name, value in got["ddp"].items():
+        torch.testing.assert_close(got["trained"][name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_consolidated_checkpoint_loads_into_clt_module(runs: dict) -> None:
