@@ -95,6 +95,12 @@ def _scenarios(root: Path) -> dict[str, Any]:
             "topk_after": m.clt.topk_group,
         }
 
+    # pooled FVU through the strategies' loss_sum / data_sum (a ratio loss: the big-batch ratio on every rank)
+    for name, strategy in (("fvu_ddp", GlobalBatchTopKStrategy()), ("fvu_fsdp", FSDPGlobalBatchTopKStrategy())):
+        m = TinyCLTModule(loss="fvu", optimizer="adam", lr=0.01, batch_size=8)
+        _fit(m, strategy, root)
+        out[name] = {"state": _full_state(m)}
+
     # distributed checkpoint at step 2, resumed to step 3 (compared with the uninterrupted run above)
     ckpt = ModelCheckpoint(dirpath=root / "fsdp_ckpt", every_n_train_steps=2, save_top_k=-1)
     first = TinyCLTModule(loss="mse", optimizer="adam", lr=0.01, batch_size=8)
@@ -200,6 +206,12 @@ def test_parameters_and_optimizer_state_are_sharded_and_forward_sees_plain_tenso
         assert n == full[name] // WORLD, name  # every tiny-CLT dimension sharded on divides by 2
     params = sum(got["local_numel"].values())
     assert got["optim_state_numel"] == 2 * params  # Adam's two moments of this rank's shard only
+
+
+def test_fvu_through_loss_sum_matches_ddp(runs: dict) -> None:
+    for name, value in runs["fvu_ddp"]["state"].items():
+        torch.testing.assert_close(runs["fvu_fsdp"]["state"][name], value, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_distributed_checkpoint_is_a_directory_and_resumes(runs: dict) -> None:
