@@ -340,6 +340,7 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
                       f"{args.aux_coef}, aux_k {z['aux_k']}, aux_max_dead {z['aux_max_dead']}",
             "dead_tokens": dead_tokens, "resample_dead_every": z["resample_every"], "resample_steps": rsteps,
             "resample_encoder_scale": "module default (1.0 for batchtopk_global)",
+            "resample_weighting": "module default (loss): distinct tokens per layer, drawn in proportion to their loss",
             **{key: z[key] for key in ("tokens_per_batch", "steps", "eval_every", "val_tokens")},
             "torch_threads": args.threads,
         },

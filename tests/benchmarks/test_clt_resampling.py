@@ -40,6 +40,9 @@ def test_smoke_result_has_every_variant_and_seed_with_sane_metrics(tmp_path):
             assert {d["step"] for d in r["resamplings"]} <= set(w["resample_steps"])  # the ones with dead features
             assert sum(d["features"] for d in r["resamplings"]) == r["resampled_total"]
             assert all(1 <= d["distinct_columns"] <= d["features"] for d in r["resamplings"])
+            # distinct tokens per layer (fewer dead features than tokens): distinct columns but for tokens whose
+            # inputs coincide (a window's first token sees only its byte)
+            assert all(d["distinct_columns"] >= 0.9 * d["features"] for d in r["resamplings"]), r["resamplings"]
         else:
             assert r["resampled_total"] == 0 and r["resamplings"] == [] and r["resample_step_cpu_ms"] is None
     # training reduces the held-out error below the variance (FVU 1 = predicting the mean)
