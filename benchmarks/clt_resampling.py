@@ -3,6 +3,8 @@
     python benchmarks/clt_resampling.py          # -> benchmarks/results/clt_resampling_cpu.json
                                                  #    and docs/benchmarks/clt_resampling.png
     python benchmarks/clt_resampling.py --smoke  # tiny sizes, seconds: checks that every variant runs
+    python benchmarks/clt_resampling.py --variants none,resample --resample_weighting uniform \
+        --out benchmarks/results/clt_resampling_uniform_cpu.json --plot /tmp/p.png   # another weighting
 
 Activations: the MLP inputs and outputs of every layer of the repository's demo target
 (:func:`lightning_opt.data.activations.train_demo_target`: a 4-layer, 64-wide byte-level GPT trained on the
@@ -60,7 +62,7 @@ import torch  # noqa: E402
 
 from lightning_opt.data.activations import CLTDataModule, train_demo_target  # noqa: E402
 from lightning_opt.models.clt import CLTConfig  # noqa: E402
-from lightning_opt.modules.clt import CLTModule  # noqa: E402
+from lightning_opt.modules.clt import RESAMPLE_WEIGHTINGS, CLTModule  # noqa: E402
 from lightning_opt.optim.factory import OptimConfig  # noqa: E402
 from lightning_opt.optim.schedules import ScheduleConfig  # noqa: E402
 
@@ -219,12 +221,12 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
 
 
-def summarize(rows: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]], seeds: list[int], variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
     keys = ("final_val_fvu", "final_dead_fraction", "heldout_never_fired_fraction", "heldout_fvu_first_position",
             "heldout_fvu_other_positions", "final_val_l0", "resampled_total", "resample_extra_cpu_share", "step_cpu_ms", "steps_per_s_cpu", "step_wall_ms")
     by = {(r["variant"], r["seed"]): r for r in rows}
     out: dict[str, Any] = {}
-    for name in VARIANTS:
+    for name in variants:
         mine = [by[(name, s)] for s in seeds]
         entry = {k: spread([float(r[k]) for r in mine]) for k in keys}
         entry["steps_per_s_ratio_to_none"] = spread(
@@ -282,6 +284,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="AdamW learning rate (default 5e-4, smoke 3e-3; the demo recipe's 2e-3 spikes the loss on "
                          "this data's outlier tokens)")
     ap.add_argument("--aux_coef", type=float, default=0.03, help="AuxK weight of the auxk / both variants")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated subset of {','.join(VARIANTS)} (must include none, the baseline)")
+    ap.add_argument("--resample_weighting", default=None, choices=RESAMPLE_WEIGHTINGS,
+                    help="CLTModule resample_weighting of the resample / both variants (default: the module's)")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/clt_resampling_cpu.json (smoke: none)")
     ap.add_argument("--plot", default=None, help="default: docs/benchmarks/clt_resampling.png (smoke: none)")
     args = ap.parse_args(argv)
@@ -314,6 +320,9 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
     target = train_demo_target(steps=z["target_steps"])
     n_layers, d_model = len(target.blocks), target.config.n_embd
     seeds = list(range(args.seeds))
+    variants = tuple(v for v in VARIANTS if v in args.variants.split(","))
+    if "none" not in variants or set(args.variants.split(",")) - set(VARIANTS):
+        raise ValueError(f"--variants {args.variants!r}: a subset of {VARIANTS} that includes none")
     base: dict[str, Any] = {
         "clt": CLTConfig(n_layers=n_layers, d_model=d_model, n_features=z["n_features"],
                          activation="batchtopk_global", k=z["k"], normalization="mean_std"),
@@ -323,6 +332,7 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
         "schedule": ScheduleConfig(name="wsd", warmup_steps=10, decay_fraction=0.3, min_ratio=0.0),
         "sparsity_coef": 1e-4, "preact_coef": 1e-6, "dead_tokens": dead_tokens, "decode": "auto",
         "eval_replacement": False,
+        **({"resample_weighting": args.resample_weighting} if args.resample_weighting else {}),
     }
     results: dict[str, Any] = {
         **result_header(NAME, on_gpu=False),
@@ -340,7 +350,8 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
                       f"{args.aux_coef}, aux_k {z['aux_k']}, aux_max_dead {z['aux_max_dead']}",
             "dead_tokens": dead_tokens, "resample_dead_every": z["resample_every"], "resample_steps": rsteps,
             "resample_encoder_scale": "module default (1.0 for batchtopk_global)",
-            "resample_weighting": "module default (loss): distinct tokens per layer, drawn in proportion to their loss",
+            "resample_weighting": f"{base.get('resample_weighting', 'loss')}: distinct tokens per layer",
+            "variants": list(variants),
             **{key: z[key] for key in ("tokens_per_batch", "steps", "eval_every", "val_tokens")},
             "torch_threads": args.threads,
         },
@@ -352,13 +363,13 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
                            dtype="float32", shuffle=True)
         dm.setup("fit")  # writes the activation cache once; every run reads it
         for seed in seeds:
-            for name in VARIANTS:
+            for name in variants:
                 row = run(name, seed, z, dm, base, args.aux_coef)
                 results["rows"].append(row)
                 print(f"seed {seed} {name:9s} val FVU {row['final_val_fvu']:.4f}  dead {row['final_dead_fraction']:.3f}"
                       f"  never fired (held-out) {row['heldout_never_fired_fraction']:.3f}  resampled "
                       f"{row['resampled_total']:5d}  {row['steps_per_s_cpu']:6.1f} steps/s (CPU)", flush=True)
-    results["summary"] = summarize(results["rows"], seeds)
+    results["summary"] = summarize(results["rows"], seeds, variants)
     out = args.out or (None if args.smoke else str(ROOT / "benchmarks" / "results" / f"{NAME}_cpu.json"))
     plot_path = args.plot or (None if args.smoke else str(PLOT))
     results["plot"] = plot(results["rows"], z, Path(plot_path)) if plot_path else None

@@ -56,3 +56,12 @@ def test_smoke_result_has_every_variant_and_seed_with_sane_metrics(tmp_path):
         fvus = [rows[(name, s)]["final_val_fvu"] for s in (0, 1)]
         assert entry["final_val_fvu"]["min"] == min(fvus) and entry["final_val_fvu"]["max"] == max(fvus)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_smoke_subset_of_variants_with_another_weighting(tmp_path):
+    bench = load_benchmark("clt_resampling")
+    res = bench.main(["--smoke", "--seeds", "1", "--variants", "none,resample", "--resample_weighting", "uniform",
+                      "--out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "p.png")])
+    assert [r["variant"] for r in res["rows"]] == ["none", "resample"] and set(res["summary"]) == {"none", "resample"}
+    assert res["workload"]["resample_weighting"].startswith("uniform")
+    assert res["rows"][1]["resampled_total"] > 0
