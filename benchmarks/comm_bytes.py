@@ -261,13 +261,16 @@ def _worker(rank: int, world: int, port: int, name: str, shape: dict[str, int], 
     torch.distributed.destroy_process_group()
 
 
-def run_variant(name: str, shape: dict[str, int]) -> list[tuple[str, int]]:
+def run_variant(name: str, shape: dict[str, int], fork: bool = False) -> list[tuple[str, int]]:
+    """One variant in ``world`` processes; ``fork`` (CPU only: no CUDA in the parent) saves each process the
+    import of torch and Lightning."""
     import torch.multiprocessing as mp
     from dist_launch import free_port
 
     world = VARIANTS[name][0]
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, free_port(), name, shape, tmp), nprocs=world, join=True)
+        mp.start_processes(_worker, args=(world, free_port(), name, shape, tmp), nprocs=world, join=True,
+                           start_method="fork" if fork else "spawn")
         return [tuple(c) for c in json.loads(Path(tmp, f"{name}.json").read_text())]
 
 
@@ -283,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for name in args.variants:
         world, cls_name, kwargs = VARIANTS[name]
-        calls = run_variant(name, shape)
+        calls = run_variant(name, shape, fork=args.smoke and not torch.cuda.is_available())
         measured = sum(b for _, b in calls)
         terms = predicted_bytes(cls_name, F=shape["F"], T=shape["T"], L=shape["L"], D=shape["D"], k=shape["k"],
                                 N=world, M=kwargs.get("model_parallel_size"),

@@ -25,17 +25,22 @@ def test_smoke_records_a_compile_timeout_and_keeps_going(tmp_path):
     for key in ("device", "versions", "command", "budgets_s", "elapsed_s", "goal"):
         assert key in on_disk, key
     rows = {r["variant"]: r for r in on_disk["workloads"]["resid_mlp1"]["rows"]}
-    # the compiled variants ran out of their 0.05 s budget: recorded as timeouts
-    for name in ("ours_regional_bf16", "ours_regional_fp32", "ours_full_bf16"):
-        assert rows[name]["error"].startswith("timeout"), rows[name]
+    # the compiled variants ran out of their 0.05 s budget: recorded as timeouts (a variant whose graphs an
+    # earlier test in this process already compiled may finish inside it: then it has a step time)
+    compiled = ("ours_regional_bf16", "ours_regional_fp32", "ours_full_bf16")
+    timed_out = {n for n in compiled if str(rows[n].get("error", "")).startswith("timeout")}
+    assert timed_out, [rows[n] for n in compiled]
+    for name in set(compiled) - timed_out:
+        assert rows[name]["step_ms"] > 0, rows[name]
     # ... and the eager variants after them still ran
     for name in ("ours_eager_bf16", "ours_eager_fp32", "ours_eager_fp32_sync"):
         assert rows[name]["step_ms"] > 0 and rows[name]["timed_iters"] == 2, rows[name]
     speed = on_disk["workloads"]["resid_mlp1"]["speedup"]
     assert "fewer syncs (ours fp32 eager: loss read every step / never)" in speed
     summary = on_disk["workloads"]["resid_mlp1"]["summary"]
-    assert set(summary["timed_out"]) == {"ours_regional_bf16", "ours_regional_fp32", "ours_full_bf16"}
-    assert summary["ours_regional_compile_within_60_s"] is False
+    assert set(summary["timed_out"]) == timed_out
+    # within the limit only when no regional variant timed out (each that finished compiled well within 60 s)
+    assert summary["ours_regional_compile_within_60_s"] is not any(n.startswith("ours_regional") for n in timed_out)
     # a compile cut off by the alarm must leave torch.compile usable in this process (the alarm once
     # landed inside inductor's first import and broke every later compile in the test session)
     import torch
