@@ -730,7 +730,7 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
             original = strategy.checkpoint_io
             strategy.checkpoint_io = _Capture(self)
             try:
-                trainer.save_checkpoint(path)
+                trainer.save_checkpoint(path, weights_only=False)  # the whole training state: resumable
             finally:
                 strategy.checkpoint_io = original
         self._last_save_time = time.monotonic()
