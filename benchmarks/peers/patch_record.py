@@ -77,10 +77,6 @@ RECORDS: dict[str, Record] = {
         tokens_per_step=8 * 48 * 1024, warm_reset=0, train_passes_per_file=True, val_window_tokens=8 * 4 * 64 * 1024),
 }
 DEFAULT_RECORD = "2025-01-04"
-# kept for callers of the single-record API
-RECORD_TXT = RECORDS[DEFAULT_RECORD].log
-PATCHED = RECORDS[DEFAULT_RECORD].patched
-_EDITS = RECORDS[DEFAULT_RECORD].edits
 
 
 def record_code(text: str) -> str:
@@ -93,7 +89,7 @@ def record_code(text: str) -> str:
 
 
 def patch(code: str, train: str, val: str, iterations: int, val_tokens: int,
-          edits: tuple[tuple[str, str, str], ...] = _EDITS) -> str:
+          edits: tuple[tuple[str, str, str], ...] = RECORDS[DEFAULT_RECORD].edits) -> str:
     values = dict(train=str(train), val=str(val), train_q=_dq(train), val_q=_dq(val), iterations=int(iterations),
                   val_tokens=int(val_tokens))
     for what, pattern, template in edits:
