@@ -116,8 +116,9 @@ def run_record(train: Path, val: Path, steps: int, val_tokens: int, timeout_s: f
     rec = RECORDS[record]
     workdir = tempfile.mkdtemp(prefix="record_run_")  # it writes logs/<uuid>.txt into the working dir
     train_s, val_s = record_data(record, train, val, steps, val_tokens, Path(workdir) / "data")
-    kw = {"source": source, "dest": Path(tempfile.mkdtemp(prefix="record_src_")) / "train_gpt.py"} if source else {}
-    script = write_patched(train_s, val_s, steps, val_tokens, record=record, **kw)
+    # a fresh copy per run: concurrent runs (one per GPU, other corpora) never share the patched script
+    script = write_patched(train_s, val_s, steps, val_tokens, record=record, source=source,
+                           dest=Path(tempfile.mkdtemp(prefix="record_src_")) / "train_gpt.py")
     t_start = time.perf_counter()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script)]
     print("  $ " + " ".join(cmd), flush=True)
