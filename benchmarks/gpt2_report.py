@@ -3,6 +3,8 @@
 Reads ``benchmarks/results/gpt2_{speedrun,record,ablation}_<device>.json`` (one current result per device;
 the newest run heads its section; or the files given), writes the markdown page and ``docs/benchmarks/img/gpt2_val_vs_time.png`` (val loss against
 training seconds, ours and the peers). A missing result leaves a "GPU figures: pending" line in its section.
+The per-corpus record results (``gpt2_record_<corpus>_<record>_<device>.json``) get their own section and plot
+(``docs/benchmarks/img/gpt2_corpora_val_vs_time.png``) through ``benchmarks/gpt2_corpus_report.py``.
 
     python benchmarks/gpt2_report.py
     python benchmarks/gpt2_report.py --speedrun R1.json --record R2.json --ablation R3.json --doc /tmp/x.md
@@ -13,8 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpt2_corpus_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -22,8 +29,10 @@ DOC = ROOT / "docs" / "benchmarks" / "gpt2.md"
 
 
 def shown(kind: str) -> list[Path | None]:
-    """The ``gpt2_<kind>_<device>.json`` results (one per device), newest run first; ``[None]`` when there is none."""
-    files = [f for f in RESULTS.glob(f"gpt2_{kind}_*.json") if "_smoke" not in f.name]
+    """The ``gpt2_<kind>_<device>.json`` results (one per device), newest run first; ``[None]`` when there is none.
+    The per-corpus record results are left out (their own section)."""
+    files = [f for f in RESULTS.glob(f"gpt2_{kind}_*.json")
+             if "_smoke" not in f.name and not gpt2_corpus_report.is_corpus_file(f)]
     return sorted(files, key=lambda f: (json.loads(f.read_text()).get("env", {}).get("date_utc", ""), f.name),
                   reverse=True) or [None]
 
@@ -252,6 +261,9 @@ def main(argv: list[str] | None = None) -> Path:
                    help="speedrun result JSONs, newest first (the first one also feeds the plot)")
     p.add_argument("--record", nargs="*", default=None, help="record result JSONs, newest first")
     p.add_argument("--ablation", nargs="*", default=None, help="ablation result JSONs, newest first")
+    p.add_argument("--corpus-results", default=str(RESULTS),
+                   help="folder of the per-corpus record results (gpt2_record_<corpus>_<record>_<device>.json)")
+    p.add_argument("--manifest", default=str(gpt2_corpus_report.MANIFEST), help="the corpora manifest")
     p.add_argument("--doc", default=str(DOC))
     a = p.parse_args(argv)
     doc = Path(a.doc)
@@ -281,6 +293,11 @@ def main(argv: list[str] | None = None) -> Path:
     lines += record_section(rc, rc_path, doc)
     for older, older_path in records[1:]:
         lines += record_section(older, older_path, doc, f"### Time to target on {older['env']['device']}")
+    manifest = gpt2_corpus_report.load_manifest(Path(a.manifest))
+    corpus_files = gpt2_corpus_report.corpus_files(Path(a.corpus_results))
+    corpus_img = doc.parent / "img" / gpt2_corpus_report.IMG_NAME
+    drawn = gpt2_corpus_report.plot(corpus_files, manifest, corpus_img)
+    lines += gpt2_corpus_report.section(corpus_files, manifest, doc, corpus_img if drawn else None)
     lines += ["## Val loss vs training time", ""]
     lines += ([f"![val loss vs training seconds](img/{img.name})", ""] if has_plot
               else ["GPU figures: pending (the plot is drawn from the speedrun and record results).", ""])
