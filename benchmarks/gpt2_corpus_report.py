@@ -81,7 +81,7 @@ class Row:
     val_tokens: int | None
     target: float | None  # the record's final val loss
     record_s: float | None  # the record's training seconds, adjusted (every step counted)
-    record_error: str | None
+    record_note: str | None  # why the record has no time: "failed: ..." or "not run (...)"
     ours_s: float | None  # ours to the target, interpolated; None when not reached
     ours_final: float | None
     ours_error: str | None
@@ -111,7 +111,8 @@ def read_rows(path: Path, manifest: dict[str, Any]) -> list[Row]:
             file=path, key=key, corpus=corpus, kind=kind, held_out=held, tuned_on=tuned, record=record,
             device=env.get("device") or m.group("device"), command=env.get("command") or "-",
             variant=v.get("name") or key.removeprefix("ours-"), long=bool(v.get("long")), val_tokens=s.get("val_tokens"),
-            target=target, record_s=record_s, record_error=rec.get("error") or rec.get("skipped"), ours_s=ours_s,
+            target=target, record_s=record_s, record_note=(f"failed: {rec['error']}" if rec.get("error") else f"not run ({rec['skipped']})" if rec.get("skipped")
+                         else None), ours_s=ours_s,
             ours_final=r.get("final_val_loss"), ours_error=None if r.get("val_curve") else r.get("error") or r.get("skipped"),
             time_ratio=ours_s / record_s if ours_s is not None and record_s else None,
             tokens_per_s_ratio=tps[0] / tps[1] if all(tps) else None))
@@ -150,6 +151,8 @@ def corpus_cell(r: Row) -> str:
 def ours_cell(r: Row) -> str:
     if r.ours_error:
         return f"failed: {_cell(str(r.ours_error))[:120]}"
+    if r.target is None:
+        return "no target (the record has no final val loss)"
     if r.ours_s is not None:
         return _num(r.ours_s, ".1f")
     return f"not reached (final {_num(r.ours_final, '.4f')})"
@@ -167,8 +170,7 @@ def table(rows: list[Row], doc: Path) -> list[str]:
            "ours s to target (interpolated) | time ratio ours / record | tokens/s ratio ours / record | "
            "val protocol | device | command |", "|---|---|---:|---:|---|---:|---:|---:|---|---|---|"]
     for r in rows:
-        rec_s = (f"failed: {_cell(str(r.record_error))[:80]}" if r.record_s is None and r.record_error
-                 else _num(r.record_s, ".1f"))
+        rec_s = _cell(r.record_note)[:100] if r.record_s is None and r.record_note else _num(r.record_s, ".1f")
         variant = f"**{r.variant}**" + (" (shipped default)" if r.variant == SHIPPED else "") if r.marked else r.variant
         link = Path(os.path.relpath(r.file.resolve(), doc.parent.resolve())).as_posix()
         out.append(f"| {corpus_cell(r)} | {r.record} | {rec_s} | {_num(r.target, '.4f')} | {variant} | {ours_cell(r)} | "
@@ -207,7 +209,7 @@ def section(files: list[Path], manifest: dict[str, Any], doc: Path, img: Path | 
             title: str = "## Time to target per corpus: the record scripts vs ours") -> list[str]:
     out = [title, ""]
     command = ("`python benchmarks/gpt2_record.py --record <2025-01-04|2025-08-23> --data-dir .data/corpora/<corpus> "
-               "--ours recipe --out benchmarks/results/gpt2_record_<corpus>_<record>_<device>.json`")
+               "--ours <variant> [--ours <variant> ...] --out benchmarks/results/gpt2_record_<corpus>_<record>_<device>.json`")
     if not files:
         return out + ["No per-corpus results yet: no `benchmarks/results/gpt2_record_<corpus>_<record>_<device>.json` "
                       f"file. GPU figures: pending (one {command} per corpus and record, on an H100).", ""]

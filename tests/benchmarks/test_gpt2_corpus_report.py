@@ -125,6 +125,19 @@ def test_ratio_above_the_goal_and_plot_panels(report, tmp_path):
     assert report.gpt2_corpus_report.plot([a, b], manifest, img) and img.stat().st_size > 0
 
 
+def test_record_that_did_not_finish(report, tmp_path):
+    path = _result(tmp_path, "code", "2025-01-04", {"ours": _ours("recipe", [(50.0, 4.5)], 450_000.0)})
+    d = json.loads(path.read_text())
+    d["results"]["record"] = {"name": "record-2025-01-04", "error": "record script exited with 1"}
+    path.write_text(json.dumps(d))
+    mod = report.gpt2_corpus_report
+    manifest = mod.load_manifest(_manifest(tmp_path))
+    row = _row("\n".join(mod.table(mod.read_all([path], manifest), tmp_path / "gpt2.md")), "recipe")
+    assert "| failed: record script exited with 1 | - |" in row
+    assert "no target (the record has no final val loss) | - | - |" in row  # no time, no ratios
+    assert "no record time to compare with" in "\n".join(mod.goal_lines(mod.read_all([path], manifest), manifest))
+
+
 def test_no_per_corpus_results(report, tmp_path):
     res = tmp_path / "results"
     res.mkdir()
