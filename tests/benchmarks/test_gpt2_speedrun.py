@@ -1,0 +1,38 @@
+"""benchmarks/gpt2_speedrun.py --smoke: the classic rows run through the real Trainer, and the shipped classic config
+(fused loss) learns exactly what the same config with the torch loss learns."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from lightning_opt.data.shards import write_shard
+from tests.benchmarks._load import load_benchmark
+
+
+def test_smoke_classic_fused_and_torch_loss_rows(tmp_path):
+    bench = load_benchmark("gpt2_speedrun")
+    block = np.random.default_rng(0).integers(0, 512, 37)  # a repeated phrase: the loss falls in a few steps
+    data = tmp_path / "data"
+    write_shard(data / "tiny_train_000000.bin", np.tile(block, 200_000 // 37))
+    write_shard(data / "tiny_val_000000.bin", np.tile(block, 20_000 // 37))
+    out = tmp_path / "speedrun.json"
+    rows = ("ours-classic-lightning", "ours-classic-torchloss-lightning")
+    payload = bench.main(["--smoke", "--data-dir", str(data), "--only", ",".join(rows), "--out", str(out)])
+    assert json.loads(out.read_text())["results"].keys() == set(rows)
+    fused, torch_loss = (payload["results"][r] for r in rows)
+    for r in (fused, torch_loss):
+        assert "error" not in r, r.get("traceback")
+        assert r["tokens_per_s"] > 0 and r["runner"] == "lightning"
+    assert fused["spec"]["execution"]["loss_impl"] == "fused"
+    assert torch_loss["spec"]["execution"]["loss_impl"] == "torch"
+    # same model, data and maths: the same validation curve up to float32 rounding
+    a = [p["val_loss"] for p in fused["val_curve"]]
+    b = [p["val_loss"] for p in torch_loss["val_curve"]]
+    assert len(a) == len(b) >= 2 and a[-1] < a[0]
+    assert a == pytest.approx(b, rel=1e-4, abs=1e-4)
+    ratio = payload["summary"]["classic_fused_loss_over_torch_loss"]
+    assert ratio == pytest.approx(fused["tokens_per_s"] / torch_loss["tokens_per_s"], rel=1e-3)
+    assert payload["summary"]["goal_classic_ge_1p05x_nanogpt"] is None  # no nanoGPT row in this call
