@@ -19,13 +19,17 @@ def test_smoke_classic_fused_and_torch_loss_rows(tmp_path):
     write_shard(data / "tiny_train_000000.bin", np.tile(block, 200_000 // 37))
     write_shard(data / "tiny_val_000000.bin", np.tile(block, 20_000 // 37))
     out = tmp_path / "speedrun.json"
-    rows = ("ours-classic-lightning", "ours-classic-torchloss-lightning")
+    rows = ("ours-classic-lightning", "ours-classic-torchloss-lightning", "ours-classic-nobias-lightning",
+            "ours-classic-mb64-lightning")
     payload = bench.main(["--smoke", "--data-dir", str(data), "--only", ",".join(rows), "--out", str(out)])
     assert json.loads(out.read_text())["results"].keys() == set(rows)
-    fused, torch_loss = (payload["results"][r] for r in rows)
-    for r in (fused, torch_loss):
+    for r in payload["results"].values():
         assert "error" not in r, r.get("traceback")
         assert r["tokens_per_s"] > 0 and r["runner"] == "lightning"
+    fused, torch_loss, nobias, mb64 = (payload["results"][r] for r in rows)
+    assert nobias["spec"]["model"]["bias"] is False and fused["spec"]["model"]["bias"] is True
+    assert mb64["spec"]["micro_batch"] == 2 * fused["spec"]["micro_batch"]
+    assert mb64["spec"]["tokens_per_step"] == fused["spec"]["tokens_per_step"]
     assert fused["spec"]["execution"]["loss_impl"] == "fused"
     assert torch_loss["spec"]["execution"]["loss_impl"] == "torch"
     # same model, data and maths: the same validation curve up to float32 rounding
@@ -36,3 +40,16 @@ def test_smoke_classic_fused_and_torch_loss_rows(tmp_path):
     ratio = payload["summary"]["classic_fused_loss_over_torch_loss"]
     assert ratio == pytest.approx(fused["tokens_per_s"] / torch_loss["tokens_per_s"], rel=1e-3)
     assert payload["summary"]["goal_classic_ge_1p05x_nanogpt"] is None  # no nanoGPT row in this call
+
+
+def test_classic_goal_takes_the_faster_geometry_of_each():
+    summarize = load_benchmark("gpt2_speedrun").summarize
+    res = {"nanogpt": {"tokens_per_s": 100.0}, "nanogpt-mb64": {"tokens_per_s": 102.0},
+           "ours-classic-lightning": {"tokens_per_s": 104.0}, "ours-classic-mb64-lightning": {"tokens_per_s": 108.0},
+           "ours-classic-torchloss-lightning": {"tokens_per_s": 100.0},
+           "ours-classic-nobias-lightning": {"tokens_per_s": 120.0}}  # another architecture: not in the goal
+    s = summarize(res)
+    assert s["best_classic_lightning_over_best_nanogpt"] == pytest.approx(108 / 102, abs=1e-4)
+    assert s["goal_classic_ge_1p05x_nanogpt"] is True
+    assert s["classic_fused_loss_over_torch_loss"] == pytest.approx(1.04)
+    assert summarize({**res, "ours-classic-mb64-lightning": {"tokens_per_s": 99.0}})["goal_classic_ge_1p05x_nanogpt"] is False
