@@ -9,7 +9,8 @@ optimizer), real Trainer, no compile, bf16-mixed, ``log_every_n_steps=10``:
   and ``all6`` with ``NaNSkip(mode="host")``.
 * ``speedrun``: the GPT-2 speedrun recipe's model and optimizer as
   ``lightning_opt/recipes/configs/gpt2/gpt2-124m-speedrun.yaml`` builds them (``GPT2SpeedrunModule``, Muon +
-  AdamW in a ``CombinedOptimizer``, its schedule and batch, ``MatmulPrecision("high")``), compile off.
+  AdamW in a ``CombinedOptimizer``, its schedule and batch, ``MatmulPrecision("high")``) in the 1024-token
+  geometry (``gpt2_common.short_geometry``: 32 x 1024-token batches), compile off.
   Variants: ``speedrun_none`` and ``speedrun_all6``.
 
 Method. Step time is the interval between CUDA events recorded at consecutive batch starts (no sync of ours),
@@ -134,9 +135,12 @@ class RandomTokens:
 
 
 def speedrun_settings(smoke: bool) -> dict[str, Any]:
-    """The speedrun recipe's ``model`` section (compile off) and its batch, from the YAML; shrunk for --smoke."""
+    """The speedrun recipe's ``model`` section (compile off) and its batch, from the YAML in the 1024-token
+    geometry; shrunk for --smoke."""
+    from gpt2_common import short_geometry
+
     with open(SPEEDRUN_YAML) as f:
-        cfg = yaml.safe_load(f)
+        cfg = short_geometry(yaml.safe_load(f))
     model = dict(cfg["model"])
     model["compile"] = False
     data = cfg["data"]

@@ -1,7 +1,8 @@
 """GPT-2 ablation table: each row switches one library option against one baseline, for long enough that loss
 differences can be told from run-to-run noise.
 
-Baseline: the model and optimizer of the shipped ``gpt2-124m-speedrun`` recipe (its YAML: architecture, Muon +
+Baseline: the model and optimizer of the shipped ``gpt2-124m-speedrun`` recipe in the 1024-token geometry
+(``gpt2_common.short_geometry``; its YAML: architecture, Muon +
 Adam with their learning rates, WSD schedule, fused soft-capped loss) at a size one call can afford:
 ``--n-layer`` x ``--n-embd`` with heads of the recipe's width (the recipe's attention-free layer 7 of 12 maps to
 layer ``7 * n_layer // 12``, its Muon momentum warmup to the same fraction of the run), ``--micro-batch`` x
@@ -278,7 +279,7 @@ def scaled_recipe(n_layer: int, n_embd: int, seq_len: int, vocab_size: int | Non
                   micro_batch: int) -> tuple[AblationSpec, OptimConfig, dict[str, Any]]:
     """The recipe's model and optimizer at ``n_layer`` x ``n_embd`` (heads of the recipe's head width), its
     execution with FP8 off and SDPA attention, its schedule over ``steps``; and the classic recipe's AdamW."""
-    model, optim, sched, raw = load_yaml_config(RECIPE)
+    model, optim, sched, raw = load_yaml_config(RECIPE, geometry="short")
     classic = load_yaml_config(ADAMW_RECIPE)[1]
     head_dim = model.head_dim
     if n_embd % head_dim:

@@ -163,11 +163,46 @@ def autocast(dev: torch.device, amp: str):
     return contextlib.nullcontext()
 
 
-def load_yaml_config(name: str) -> tuple[GPTConfig, OptimConfig, ScheduleConfig, dict[str, Any]]:
-    """Model, optimizer and schedule of ``lightning_opt/recipes/configs/gpt2/<name>.yaml`` (the recipe's own config)."""
+# The 1024-token geometry the throughput benchmarks compare at (nanoGPT's): causal attention over each whole
+# 1024-token window (no document masking, no sliding window, attention backend "auto"), micro-batches of
+# 32 x 1024 tokens, no gradient accumulation, a 1000-step schedule (what gpt2_ablation scales the Muon
+# momentum warm-up by), validation every 125 steps. The shipped speedrun config trains on the record's
+# 65,536-token document-causal sequences instead; short_geometry gives its 1024-token form.
+SHORT_GEOMETRY: dict[str, dict[str, Any]] = {
+    "model_config": {"block_size": 1024, "doc_causal": False, "window_schedule": None},
+    "execution": {"attn_backend": "auto"},
+    "data": {"seq_len": 1024, "batch_size": 32},
+    "trainer": {"max_steps": 1000, "val_check_interval": 125, "accumulate_grad_batches": 1},
+}
+
+
+def short_geometry(raw: dict[str, Any]) -> dict[str, Any]:
+    """A recipe YAML (``raw``, as ``yaml.safe_load`` reads it) in :data:`SHORT_GEOMETRY`, the 1024-token
+    geometry; its architecture, optimizer, schedule shape and execution otherwise as given. The token budget
+    (``train_tokens``) is left out: the run's length is ``trainer.max_steps``."""
+    import copy
+
+    out = copy.deepcopy(raw)
+    out.pop("train_tokens", None)
+    model = out.setdefault("model", {})
+    for section in ("model_config", "execution"):
+        model[section] = {**(model.get(section) or {}), **SHORT_GEOMETRY[section]}
+    for section in ("data", "trainer"):
+        out[section] = {**(out.get(section) or {}), **SHORT_GEOMETRY[section]}
+    return out
+
+
+def load_yaml_config(name: str, geometry: str = "config") -> tuple[GPTConfig, OptimConfig, ScheduleConfig, dict[str, Any]]:
+    """Model, optimizer and schedule of ``lightning_opt/recipes/configs/gpt2/<name>.yaml`` (the recipe's own config),
+    and the YAML. ``geometry="short"``: the config in the 1024-token geometry (:func:`short_geometry`);
+    ``"config"``: as the file says."""
     import yaml
 
+    if geometry not in ("config", "short"):
+        raise ValueError(f"geometry={geometry!r}: expected 'config' (the file's) or 'short' (1024-token windows)")
     raw = yaml.safe_load((ROOT / "lightning_opt" / "recipes" / "configs" / "gpt2" / f"{name}.yaml").read_text())
+    if geometry == "short":
+        raw = short_geometry(raw)
     m = raw["model"]
     return (GPTConfig(**m["model_config"]), OptimConfig(**m.get("optim", {})),
             ScheduleConfig(**m.get("schedule", {})), raw)

@@ -2,7 +2,8 @@
 
 Each world size runs as its own process group (1 GPU first, then the largest sizes first) (``torch.multiprocessing`` spawns one process per GPU; each
 builds ``GPT2SpeedrunModule`` + ``TokenShardDataModule`` + ``Trainer(strategy="ddp", precision="bf16-mixed")``
-with the ``gpt2-124m-speedrun`` config and ``torch.compile``), on the novels shards:
+with the ``gpt2-124m-speedrun`` config in the 1024-token geometry of ``gpt2_common.short_geometry`` and
+``torch.compile``), on the novels shards:
 
 - the global batch is fixed at ``--global-tokens`` (524,288 = 32 x 1024 x 16) tokens per optimizer step;
   gradient accumulation is ``16 / N`` at N GPUs, so every size runs the same optimisation;
@@ -355,7 +356,7 @@ def _worker(
 
 def make_specs(args: argparse.Namespace, max_world: int) -> dict[str, RunSpec]:
     """The throughput and time-to-target runs; ``accum`` here is the 1-GPU value (divided by N per size)."""
-    model, optim, schedule, raw = load_yaml_config("gpt2-124m-speedrun")
+    model, optim, schedule, raw = load_yaml_config("gpt2-124m-speedrun", geometry="short")
     per_micro = args.micro_batch * args.seq_len
     if args.global_tokens % (per_micro * max_world):
         raise ValueError(

@@ -3,7 +3,8 @@
 In one process, on the novels shards, for a fixed number of optimizer steps (same data order, same
 tokens per step = 32 x 1024 x 16 = 524,288, like nanoGPT's train.py and the speedrun):
 
-- ``ours-speedrun-bare`` / ``ours-speedrun-lightning``: ``gpt2-124m-speedrun`` (the recipe's YAML: RoPE,
+- ``ours-speedrun-bare`` / ``ours-speedrun-lightning``: ``gpt2-124m-speedrun`` (the recipe's YAML in the 1024-token
+  geometry, ``gpt2_common.short_geometry``: RoPE,
   RMSNorm, QK-norm, ReLU^2, value embeddings, U-net, soft-cap, Muon + Adam) in a bare loop (our model and
   optimizer factory, ``torch.compile``, bf16 autocast) and through ``GPT2SpeedrunModule`` +
   ``TokenShardDataModule`` + ``Trainer(precision="bf16-mixed")`` with compile;
@@ -93,7 +94,7 @@ SMOKE_VOCAB = 512
 
 
 def make_specs(args: argparse.Namespace) -> dict[str, RunSpec]:
-    sp_model, sp_optim, sp_sched, sp_raw = load_yaml_config("gpt2-124m-speedrun")
+    sp_model, sp_optim, sp_sched, sp_raw = load_yaml_config("gpt2-124m-speedrun", geometry="short")
     cl_model, cl_optim, cl_sched, cl_raw = load_yaml_config("gpt2-124m-classic")
     common = dict(steps=args.steps, micro_batch=args.micro_batch, accum=args.accum, seq_len=args.seq_len,
                   compile=not args.no_compile, amp=args.amp, warm=args.warm, val_every=args.val_every,

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("gpt2_step_profile.py profiles CUDA kernels: run it on a GPU machine")
     torch.set_float32_matmul_precision("high")
     dev = torch.device("cuda")
-    m, o, s, raw = load_yaml_config("gpt2-124m-speedrun")
+    m, o, s, raw = load_yaml_config("gpt2-124m-speedrun", geometry="short")
     base = RunSpec(m, o, s, yaml_execution(raw), steps=20, micro_batch=32, accum=16)
     tr, va = find_shards(a.data_dir)
     data = Tokens(tr, va, dev, val_tokens=65536)

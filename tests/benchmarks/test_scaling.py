@@ -45,7 +45,7 @@ def _unused_in_smoke_model() -> list[str]:
     from benchmarks.gpt2_ddp_scaling import SMOKE_SHAPE, freeze_unused
     from lightning_opt.models.gpt2 import GPT
 
-    cfg = replace(load_yaml_config("gpt2-124m-speedrun")[0], block_size=64, **SMOKE_SHAPE)
+    cfg = replace(load_yaml_config("gpt2-124m-speedrun", geometry="short")[0], block_size=64, **SMOKE_SHAPE)
     model = GPT(cfg)
     unused = freeze_unused(model)
     assert all(p.grad is None for p in model.parameters())  # the probe leaves no gradient behind
