@@ -190,6 +190,21 @@ OURS_VARIANTS: dict[str, tuple] = {
 }
 
 
+def recipe_geometry(name: str = "gpt2-124m-speedrun") -> tuple[int, bool]:
+    """The shipped config's geometry as OURS_VARIANTS counts it: (its tokens per optimizer step, data.batch_size x
+    data.seq_len x trainer.accumulate_grad_batches, in micro-batches of 32 x 1024 tokens; long sequences?)."""
+    raw = load_yaml_config(name)[3]
+    data = raw["data"]
+    tokens = data["batch_size"] * data["seq_len"] * (raw["trainer"].get("accumulate_grad_batches") or 1)
+    if tokens % (32 * 1024):
+        raise ValueError(f"{name}.yaml: {tokens} tokens per step is not a whole number of 32 x 1024-token micro-batches")
+    return tokens // (32 * 1024), data["seq_len"] > 1024
+
+
+# the shipped config as it is (its geometry and tokens per step), its train_tokens scaled to 0.8 of the record's budget
+OURS_VARIANTS["recipe"] = (*recipe_geometry(), 0.8)
+
+
 def apply_overrides(spec: RunSpec, overrides: dict[str, Any]) -> RunSpec:
     """A variant's overrides: ``GPTConfig`` / ``GPTExecution`` fields, ``OptimConfig`` fields under the key ``"optim"``, and
     inductor settings (merged into the recipe's) under ``"compile_options"``."""
@@ -213,8 +228,9 @@ def parse_model_override(item: str) -> tuple[str, Any]:
 
 def ours_spec(args: argparse.Namespace, target: float | None, accum: int, long: bool, budget: float = 1.0) -> RunSpec:
     """Our run for ``budget`` times the record's token budget: ``accum`` micro-batches of 32 x 1024 per step
-    (or the same tokens in 65,536-token sequences with ``long``)."""
-    sp_model, sp_optim, sp_sched, sp_raw = load_yaml_config("gpt2-124m-speedrun")
+    (or the same tokens in the shipped config's own sequence geometry with ``long``: 65,536-token document-causal
+    sequences, FlexAttention with a growing window)."""
+    sp_model, sp_optim, sp_sched, sp_raw = load_yaml_config("gpt2-124m-speedrun", geometry="short")
     if 16 % accum:
         raise ValueError(f"accum={accum} must divide 16 (our 32 x 1024-token micro-batches per 524,288-token step)")
     if not 0.0 < budget <= 1.0:
@@ -235,17 +251,21 @@ def ours_spec(args: argparse.Namespace, target: float | None, accum: int, long: 
                           n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=512, vocab_multiple=1,
                           n_value_embeds=1, skip_attn_layers=(1,))
     if long:
-        # the same tokens per step in sequences of `long_t` tokens, one per micro-batch
-        long_t = 256 if args.smoke else 65536
+        # the same tokens per step in the config's sequence geometry: micro-batches of data.batch_size sequences
+        # of data.seq_len tokens, its attention (document-causal, growing window, backend)
+        lg_model, _, _, lg_raw = load_yaml_config("gpt2-124m-speedrun")
+        long_t = 256 if args.smoke else lg_raw["data"]["seq_len"]
+        long_b = lg_raw["data"]["batch_size"]
         tokens_per_step = spec.micro_batch * spec.seq_len * spec.accum
-        if tokens_per_step % long_t:
-            raise ValueError(f"{tokens_per_step} tokens per step is not a whole number of {long_t}-token sequences; "
-                             "use more micro-batches per step (--ours-accum) with --ours-long")
-        spec = with_model(replace(spec, seq_len=long_t, micro_batch=1, accum=tokens_per_step // long_t,
-                                  val_batch=1),
-                          block_size=long_t, attn_backend="flex", doc_causal=True,
-                          window_schedule=(32, 128) if args.smoke else (128, 1856),
-                          eot_token=50256 % spec.model.vocab_size)  # smoke vocabularies are tokens mod 512
+        if tokens_per_step % (long_b * long_t):
+            raise ValueError(f"{tokens_per_step} tokens per step is not a whole number of {long_b} x {long_t}-token "
+                             "micro-batches; use more micro-batches per step (--ours-accum) with --ours-long")
+        spec = with_model(replace(spec, seq_len=long_t, micro_batch=long_b, accum=tokens_per_step // (long_b * long_t),
+                                  val_batch=long_b),
+                          block_size=long_t, attn_backend=yaml_execution(lg_raw).attn_backend,
+                          doc_causal=lg_model.doc_causal,
+                          window_schedule=(32, 128) if args.smoke else lg_model.window_schedule,
+                          eot_token=lg_model.eot_token % spec.model.vocab_size)  # smoke vocabularies are tokens mod 512
     if args.ours_loss_impl:
         spec = with_model(spec, loss_impl=args.ours_loss_impl)
     for item in getattr(args, "ours_model", None) or []:
@@ -272,7 +292,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "steps for the same token budget (the schedule follows)")
     p.add_argument("--ours-long", action="store_true",
                    help="ours on the record's geometry: 65,536-token sequences, document-causal FlexAttention with "
-                        "a window growing 128 -> 1792 (lightning_opt/recipes/configs/gpt2/gpt2-124m-speedrun-long.yaml); "
+                        "a window growing 128 -> 1792 (the geometry of lightning_opt/recipes/configs/gpt2/"
+                        "gpt2-124m-speedrun.yaml); "
                         "tokens per step as --ours-accum says")
     p.add_argument("--ours-micro-batch", type=int, default=32,
                    help="1024-token sequences per micro-batch for ours (the same tokens per step in fewer, larger "

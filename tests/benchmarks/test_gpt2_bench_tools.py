@@ -283,3 +283,48 @@ def test_find_shards_takes_any_corpus_and_refuses_two(tmp_path):
         (tmp_path / f"code_{split}_000000.bin").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="several corpora"):
         find_shards(str(tmp_path))
+
+
+def test_short_geometry_is_the_1024_token_form_of_the_long_recipe():
+    """The throughput benchmarks compare at 1024 tokens: short_geometry turns the shipped (long, document-causal)
+    speedrun config into whole-window causal attention over 32 x 1024-token micro-batches, nothing else changed."""
+    from benchmarks.gpt2_common import load_yaml_config, yaml_execution
+
+    model, optim, sched, raw = load_yaml_config("gpt2-124m-speedrun")
+    s_model, s_optim, s_sched, s_raw = load_yaml_config("gpt2-124m-speedrun", geometry="short")
+    assert model.doc_causal and model.window_schedule is not None and model.block_size == raw["data"]["seq_len"] > 1024
+    assert yaml_execution(raw).attn_backend == "flex"
+    assert (s_model.block_size, s_model.doc_causal, s_model.window_schedule) == (1024, False, None)
+    assert yaml_execution(s_raw).attn_backend == "auto"
+    assert (s_raw["data"]["seq_len"], s_raw["data"]["batch_size"]) == (1024, 32) and "train_tokens" not in s_raw
+    assert s_raw["trainer"]["accumulate_grad_batches"] == 1 and s_raw["trainer"]["max_steps"] > 0
+    same = ("block_size", "doc_causal", "window_schedule")
+    assert {k: v for k, v in vars(s_model).items() if k not in same} == {k: v for k, v in vars(model).items() if k not in same}
+    assert (s_optim, s_sched) == (optim, sched)
+    with pytest.raises(ValueError, match="geometry"):
+        load_yaml_config("gpt2-124m-speedrun", geometry="long")
+
+
+def test_recipe_variant_is_the_shipped_config_at_0_8_of_the_record_budget():
+    """OURS_VARIANTS['recipe']: the shipped config's tokens per step and sequence geometry read from its YAML,
+    its schedule 0.8 of the record's token budget; long=False gives the 1024-token geometry."""
+    import math
+
+    from benchmarks.gpt2_common import load_yaml_config
+
+    model, _, _, raw = load_yaml_config("gpt2-124m-speedrun")
+    data = raw["data"]
+    per_step = data["batch_size"] * data["seq_len"] * raw["trainer"]["accumulate_grad_batches"]
+    args = argparse.Namespace(steps=127, ours_val_every=4, smoke=False, ours_loss_impl=None, ours_micro_batch=32)
+    spec = ours_spec(args, 4.3, *OURS_VARIANTS["recipe"])
+    assert (spec.micro_batch, spec.seq_len, spec.micro_batch * spec.seq_len * spec.accum) == (
+        data["batch_size"], data["seq_len"], per_step)
+    assert spec.steps == round(127 * 524_288 / per_step * 0.8)
+    # the shipped budget is the same number of steps: train_tokens / tokens per step, rounded up
+    assert math.ceil(raw["train_tokens"] / per_step) == spec.steps
+    assert (spec.model.block_size, spec.model.doc_causal, spec.model.window_schedule, spec.model.eot_token) == (
+        model.block_size, model.doc_causal, model.window_schedule, model.eot_token)
+    assert spec.execution.attn_backend == "flex" and spec.val_batch == data["batch_size"]
+    short = ours_spec(args, 4.3, OURS_VARIANTS["recipe"][0], False, 0.8)
+    assert (short.seq_len, short.model.block_size, short.model.doc_causal, short.execution.attn_backend) == (
+        1024, 1024, False, "auto")

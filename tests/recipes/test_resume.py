@@ -37,8 +37,10 @@ _GPT2_SMALL = ["--model.model_config.n_layer", "2", "--model.model_config.n_embd
                "--data.batch_size", "2", "--data.val_tokens", "512"]
 _GPT2_SHORT = [*_GPT2_SMALL, "--model.model_config.block_size", "64", "--data.seq_len", "64",
                "--trainer.val_check_interval", "2"]
-# the speedrun configs drop layer 7's attention and mix 3 value embeddings: a 2-layer model has neither
-_GPT2_SPEEDRUN = ["--model.model_config.skip_attn_layers", "[]", "--model.model_config.n_value_embeds", "1"]
+# the speedrun configs drop layer 7's attention and mix 3 value embeddings: a 2-layer model has neither; they set
+# the run's length as a token budget, which these runs replace with trainer.max_steps
+_GPT2_SPEEDRUN = ["--model.model_config.skip_attn_layers", "[]", "--model.model_config.n_value_embeds", "1",
+                  "--train_tokens", "null"]
 
 _CLT = ["--data.target", "{target}", "--data.seq_len", "32", "--data.tokens_per_batch", "128",
         "--data.val_tokens", "256", "--data.stats_tokens", "1024",
@@ -77,13 +79,11 @@ def _resid_mlp(n_layers: int, d_mlp: int, n_features: int = 100) -> list[str]:
 CASES: dict[str, tuple[str, str, list[str], list[str]]] = {
     "gpt2/demo.yaml": ("gpt2", "gpt2", [], _GPT2_SHORT),
     "gpt2/gpt2-124m-classic.yaml": ("gpt2", "gpt2", [], _GPT2_SHORT),
-    "gpt2/gpt2-124m-speedrun.yaml": ("gpt2", "gpt2", [], [*_GPT2_SHORT, *_GPT2_SPEEDRUN]),
-    "gpt2/gpt2-124m-speedrun-long.yaml": (  # an overlay on the speedrun config: FlexAttention's CPU fallback here
-        "gpt2", "gpt2", ["gpt2/gpt2-124m-speedrun.yaml"],
+    "gpt2/gpt2-124m-speedrun.yaml": (  # document-causal long sequences: FlexAttention's CPU fallback here
+        "gpt2", "gpt2", [],
         [*_GPT2_SMALL, *_GPT2_SPEEDRUN, "--model.model_config.block_size", "256", "--data.seq_len", "256",
-         "--model.model_config.window_schedule", "[128, 256]", "--trainer.accumulate_grad_batches", "2",
-         "--trainer.val_check_interval", "4"]),
-    "gpt2/gpt2-124m-speedrun-halfbatch.yaml": (  # an overlay: 4 micro-batches per step
+         "--model.model_config.window_schedule", "[128, 256]", "--trainer.val_check_interval", "8"]),
+    "gpt2/gpt2-124m-speedrun-halfbatch.yaml": (  # an overlay: 1024-token geometry (64 here), 4 micro-batches per step
         "gpt2", "gpt2", ["gpt2/gpt2-124m-speedrun.yaml"],
         [*_GPT2_SHORT, *_GPT2_SPEEDRUN, "--trainer.val_check_interval", "8"]),
     "gpt2/finetune-hf-gpt2.yaml": (  # init_from: a tiny Hugging Face GPT-2 written here (no download)
