@@ -14,8 +14,9 @@ Clocks: compile and validation excluded for both. The record script resets its c
 leaves 10 steps out; ``record_train_s_adjusted`` adds them back at its steady step time, as our clock counts
 every step. The two val losses are over the same first ``--val-tokens`` val tokens. The record evaluates
 with its own attention (64k-token sequences, document-causal sliding window); ours with 1024-token windows,
-or, in the ``*-long`` variants, the record's way (65,536-token document-causal sequences, the window where
-the schedule is), so equal numbers mean comparable, not identical, models.
+or, in the ``*-long`` variants and ``recipe`` (the shipped config as it is, at 0.8 of the record's budget),
+the record's way as the config sets it (65,536-token document-causal sequences, the window where the schedule
+is), so equal numbers mean comparable, not identical, models.
 
     python benchmarks/gpt2_record.py                  # GPU, about 8 minutes on an H100
     python benchmarks/gpt2_record.py --steps 64       # half the budget if the call must be shorter
