@@ -116,6 +116,9 @@ def run_record(train: Path, val: Path, steps: int, val_tokens: int, timeout_s: f
                source: Path | None = None, record: str = DEFAULT_RECORD) -> dict[str, Any]:
     rec = RECORDS[record]
     workdir = tempfile.mkdtemp(prefix="record_run_")  # it writes logs/<uuid>.txt into the working dir
+    # the 2025-08-23 script names its log logs/final/<uuid>.txt and creates only logs/ (its repository has
+    # logs/final checked in)
+    (Path(workdir) / "logs" / "final").mkdir(parents=True)
     train_s, val_s = record_data(record, train, val, steps, val_tokens, Path(workdir) / "data")
     # a fresh copy per run: concurrent runs (one per GPU, other corpora) never share the patched script
     script = write_patched(train_s, val_s, steps, val_tokens, record=record, source=source,
