@@ -37,8 +37,10 @@ def load_nanogpt(path: Path = PEER_MODEL):
 
 
 def train_nanogpt(spec: RunSpec, data: Tokens, shape: dict[str, int] | None = None,
-                  lr: float = 6e-4, weight_decay: float = 0.1, vocab_size: int = 50304) -> dict[str, Any]:
-    """``spec`` gives steps, micro-batch, seq_len, compile, amp, schedule and validation; ``shape`` the model."""
+                  lr: float = 6e-4, weight_decay: float = 0.1, vocab_size: int = 50304,
+                  bias: bool = False) -> dict[str, Any]:
+    """``spec`` gives steps, micro-batch, seq_len, compile, amp, schedule and validation; ``shape`` the model;
+    ``bias`` its linear and LayerNorm biases (bench.py: ``False``; GPT-2 itself and nanoGPT's default: ``True``)."""
     mod = load_nanogpt()
     dev = data.device
     if dev.type == "cuda":
@@ -47,7 +49,7 @@ def train_nanogpt(spec: RunSpec, data: Tokens, shape: dict[str, int] | None = No
         torch.cuda.reset_peak_memory_stats(dev)
     shape = shape or dict(n_layer=12, n_head=12, n_embd=768)
     torch.manual_seed(spec.seed)
-    cfg = mod.GPTConfig(block_size=spec.seq_len, vocab_size=vocab_size, dropout=0.0, bias=False, **shape)
+    cfg = mod.GPTConfig(block_size=spec.seq_len, vocab_size=vocab_size, dropout=0.0, bias=bias, **shape)
     with contextlib.redirect_stdout(io.StringIO()):  # it prints parameter counts
         model = mod.GPT(cfg).to(dev)
         opt = model.configure_optimizers(weight_decay=weight_decay, learning_rate=lr, betas=(0.9, 0.95),
@@ -68,5 +70,5 @@ def train_nanogpt(spec: RunSpec, data: Tokens, shape: dict[str, int] | None = No
     n_params = raw.get_num_params()  # their count: without position embeddings, tied head included
     fpt = 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * spec.seq_len  # their estimate_mfu formula
     return summarize(spec, raw, r["end"], r["t_warm"], r["steps"], r["tokens"], r["curve"], dev,
-                     {"runner": "nanoGPT", "fpt": fpt, "fused_adamw": fused, "stopped": r["stopped"],
+                     {"runner": "nanoGPT", "bias": bias, "fpt": fpt, "fused_adamw": fused, "stopped": r["stopped"],
                       "lr": lr, "weight_decay": weight_decay, "spec": spec.describe()})
