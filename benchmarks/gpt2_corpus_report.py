@@ -88,6 +88,7 @@ class Row:
     time_ratio: float | None
     tokens_per_s_ratio: float | None
     marked: bool = False  # the shipped variant, or every variant of a file without one
+    same_as_recipe: bool = False  # another name for the shipped recipe's spec
 
 
 def read_rows(path: Path, manifest: dict[str, Any]) -> list[Row]:
@@ -116,10 +117,34 @@ def read_rows(path: Path, manifest: dict[str, Any]) -> list[Row]:
             ours_final=r.get("final_val_loss"), ours_error=None if r.get("val_curve") else r.get("error") or r.get("skipped"),
             time_ratio=ours_s / record_s if ours_s is not None and record_s else None,
             tokens_per_s_ratio=tps[0] / tps[1] if all(tps) else None))
-    shipped = [r for r in rows if r.variant == SHIPPED]
+    if not rows:  # the record failed and nothing of ours ran after it: one row that says so
+        rows.append(Row(
+            file=path, key="-", corpus=corpus, kind=kind, held_out=held, tuned_on=tuned, record=record,
+            device=env.get("device") or m.group("device"), command=env.get("command") or "-", variant="-", long=False,
+            val_tokens=s.get("val_tokens"), target=target, record_s=record_s,
+            record_note=(f"failed: {rec['error']}" if rec.get("error") else None) if not d.get("record_diagnosis")
+            else f"failed: {rec.get('error') or 'no target'} ({d['record_diagnosis']})", ours_s=None, ours_final=None,
+            ours_error="no result (the call's deadline stopped it)", time_ratio=None, tokens_per_s_ratio=None))
+    recipe = recipe_spec()
+    for r, res in zip(rows, [v for k, v in results.items() if k.startswith("ours")]):
+        v = res.get("variant") or {}
+        r.same_as_recipe = r.variant != SHIPPED and recipe is not None and (
+            (v.get("accum"), bool(v.get("long")), v.get("budget"), v.get("model_overrides") or {}) == recipe)
+    shipped = [r for r in rows if r.variant == SHIPPED or r.same_as_recipe]
     for r in shipped or rows:
         r.marked = True
     return rows
+
+
+def recipe_spec() -> tuple[int, bool, float, dict] | None:
+    """The shipped recipe as ``gpt2_record.py`` runs it (``--ours recipe``): micro-batches of 32 x 1024 per step,
+    long sequences, budget, no overrides. A run of another name with the same values ran the same spec."""
+    try:
+        from gpt2_record import OURS_VARIANTS  # type: ignore  # noqa: PLC0415
+    except ImportError:
+        return None
+    accum, long, budget, *extra = OURS_VARIANTS[SHIPPED]
+    return accum, long, budget, (extra[0] if extra else {})
 
 
 def order(manifest: dict[str, Any]):
@@ -159,6 +184,8 @@ def ours_cell(r: Row) -> str:
 
 
 def protocol(r: Row) -> str:
+    if r.variant == "-":
+        return "-"
     tokens = f"the same first {r.val_tokens:,} val tokens" if r.val_tokens else "the same val tokens"
     if r.long:
         return f"{tokens}; both: the record's document-causal long-context evaluation"
@@ -171,7 +198,9 @@ def table(rows: list[Row], doc: Path) -> list[str]:
            "val protocol | device | command |", "|---|---|---:|---:|---|---:|---:|---:|---|---|---|"]
     for r in rows:
         rec_s = _cell(r.record_note)[:100] if r.record_s is None and r.record_note else _num(r.record_s, ".1f")
-        variant = f"**{r.variant}**" + (" (shipped default)" if r.variant == SHIPPED else "") if r.marked else r.variant
+        shipped = " (shipped default)" if r.variant == SHIPPED else " (= recipe, the shipped default's spec)" \
+            if r.same_as_recipe else ""
+        variant = f"**{r.variant}**{shipped}" if r.marked else r.variant
         link = Path(os.path.relpath(r.file.resolve(), doc.parent.resolve())).as_posix()
         out.append(f"| {corpus_cell(r)} | {r.record} | {rec_s} | {_num(r.target, '.4f')} | {variant} | {ours_cell(r)} | "
                    f"{_num(r.time_ratio, '.3f', 'x')} | {_num(r.tokens_per_s_ratio, '.2f', 'x')} | {protocol(r)} | "
@@ -181,10 +210,12 @@ def table(rows: list[Row], doc: Path) -> list[str]:
 
 def standing(r: Row, goal: float) -> str:
     where = f"`{r.variant}` on {r.device}"
+    if r.ours_error and r.record_note:
+        return f"record {_cell(r.record_note)}; ours {r.ours_error}"
     if r.ours_error:
         return f"{where}: failed"
     if r.record_s is None:
-        return f"{where}: no record time to compare with"
+        return f"{where}: no record time to compare with" + (f" (record {r.record_note})" if r.record_note else "")
     if r.time_ratio is None:
         return f"{where}: target not reached (final {_num(r.ours_final, '.4f')} vs {_num(r.target, '.4f')})"
     return f"{where}: {r.time_ratio:.3f}x, {'within' if r.time_ratio <= goal else 'above'} {goal:.2f}x"
@@ -240,9 +271,10 @@ def plot(files: list[Path], manifest: dict[str, Any], img: Path) -> bool:
     for f in files:
         results = json.loads(f.read_text())["results"]
         rows = read_rows(f, manifest)
-        if rows:
-            series = [(f"record {rows[0].record}", results.get("record") or {}, "--")]
-            panels.append((rows[0], series + [(f"ours {r.variant}", results[r.key], "-") for r in rows]))
+        ours = [(f"ours {r.variant}", results[r.key], "-") for r in rows if r.key in results]
+        rec = results.get("record") or {}
+        if rows and (ours or rec.get("val_curve")):  # a call with nothing measured draws no panel
+            panels.append((rows[0], [(f"record {rows[0].record}", rec, "--"), *ours]))
     if not panels:
         return False
     key = order(manifest)

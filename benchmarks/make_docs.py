@@ -75,6 +75,7 @@ _HEADLINE_FIRST = {
 }
 _LABEL_MAX = 3
 _TABLE_COLUMNS = 14
+_PLOTS_PER_FILE = 12  # charts per result file
 _TABLE_ROWS = 60
 
 
@@ -388,10 +389,13 @@ def result_section(r: Result, out: Path, level: str) -> list[str]:
         lines += [f"{level} Errors recorded in the run", ""]
         lines += [f"- `{fmt(where)}`: {fmt(msg)}" for where, msg in r.errors]
         lines.append("")
+    plotted = 0
     for i, table in enumerate(r.tables):
         lines += [f"{level} `{table.path}`", ""]
         img = out / "img" / f"{r.file.stem}-t{i}.png"
-        metric = plot_table(table, f"{r.file.stem}: {table.path}", img)
+        # the first few plottable tables of a file get a chart; deeper detail stays a table
+        metric = plot_table(table, f"{r.file.stem}: {table.path}", img) if plotted < _PLOTS_PER_FILE else None
+        plotted += metric is not None
         if metric:
             lines += [f"![{metric} per row of {table.path}]({rel(img, out)})", ""]
         lines += md_table(table) + [""]

@@ -153,3 +153,27 @@ def test_no_per_corpus_results(report, tmp_path):
     assert report.gpt2_corpus_report.is_corpus_file(Path(f"gpt2_record_docs_2025-08-23_{SLUG}.json"))
     assert not report.gpt2_corpus_report.is_corpus_file(Path(f"gpt2_record_{SLUG}.json"))
     assert all(p is None or not report.gpt2_corpus_report.is_corpus_file(p) for p in report.shown("record"))
+
+
+def test_a_run_of_the_recipe_spec_under_another_name_counts_and_a_failed_call_shows_why(report, tmp_path):
+    res = tmp_path / "results"
+    res.mkdir()
+    manifest = _manifest(res)
+    accum, long, budget, *_ = report.gpt2_corpus_report.recipe_spec()
+    same = _ours("spec-twin", [(30.0, 5.0), (50.0, 4.2), (70.0, 3.8)], 600_000.0, long=long)
+    same["variant"].update(accum=accum, budget=budget, model_overrides={})
+    other = _ours("other", [(40.0, 4.5), (90.0, 4.0)], 500_000.0, long=not long)
+    _result(res, "code", "2025-01-04", {"ours": same, "ours-other": other})
+    failed = _result(res, "novels", "2025-08-23", {})
+    d = json.loads(failed.read_text())
+    d["results"]["record"] = {"name": "record-2025-08-23", "error": "record script exited with 1"}
+    d["record_diagnosis"] = "its loader found no document start in its token window"
+    failed.write_text(json.dumps(d))
+    doc = report.main(["--corpus-results", str(res), "--manifest", str(manifest), "--doc", str(tmp_path / "gpt2.md")])
+    section = doc.read_text().split("## Time to target per corpus")[1].split("\n## ")[0]
+    twin = _row(section, "spec-twin")
+    assert "**spec-twin** (= recipe" in twin and "| 0.600x |" in twin
+    assert "| other |" in _row(section, "| other |")  # not the recipe's spec: not bold
+    assert "code, 2025-01-04 record (<= 0.70x): `spec-twin`" in section and "`other`" not in section.split("Goals:")[1]
+    line = [x for x in section.splitlines() if x.startswith("- novels, 2025-08-23")][0]
+    assert "record failed: record script exited with 1 (its loader found no document start" in line
