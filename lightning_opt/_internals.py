@@ -20,6 +20,8 @@ Why each stays private:
   ``TensorWise`` now), so the FP8 ops keep the stable private op.
 * ``torch.cuda.memory._record_memory_history`` / ``_dump_snapshot``: torch's documented memory-snapshot
   tools, public in all but name.
+* ``trainer.fit_loop.epoch_loop.max_steps``: ``Trainer.max_steps`` has no setter, and a run's length from a token
+  budget needs the world size Lightning resolves when it builds the Trainer (``devices: auto``).
 * A per-instance subclass for an LR scheduler's ``step``: no public hook sees a scheduler stepped by
   hand (manual optimization), and an instance attribute would end up in the scheduler's ``state_dict``.
 """
@@ -116,6 +118,16 @@ def replace_sigterm_broadcast(trainer: Any, broadcast: Callable[[], None]) -> No
     loop = trainer.fit_loop.epoch_loop
     _instance_attribute(loop, "_broadcast_sigterm_tensor")
     loop._broadcast_sigterm_tensor = broadcast
+
+
+def set_max_steps(trainer: Any, steps: int) -> None:
+    """Set ``trainer.max_steps`` on a Trainer that has not started fitting (Lightning reads it when fit starts)."""
+    loop = _instance_attribute(trainer.fit_loop, "epoch_loop")
+    _instance_attribute(loop, "max_steps")
+    loop.max_steps = steps
+    if trainer.max_steps != steps:
+        raise RuntimeError(f"{_versions()}: setting fit_loop.epoch_loop.max_steps={steps} left Trainer.max_steps at "
+                           f"{trainer.max_steps}; this Lightning release keeps max_steps elsewhere")
 
 
 # -- torch -------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_opt._internals import set_max_steps
 from lightning_opt.cli import RecipeCLI, build_recipe_cli, run_recipe
 from lightning_opt.data.datamodule import TokenShardDataModule
 from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
@@ -79,7 +80,7 @@ class GPT2RecipeCLI(RecipeCLI):
         # module's schedules (which span trainer.max_steps)
         world = trainer.num_nodes * trainer.num_devices
         steps = steps_for_tokens(tokens, batch_size, seq_len, trainer.accumulate_grad_batches, world)
-        trainer.fit_loop.epoch_loop.max_steps = steps
+        set_max_steps(trainer, steps)
         rank_zero_info(f"train_tokens={tokens:,}: max_steps={steps} of {batch_size} x {seq_len} x "
                        f"{trainer.accumulate_grad_batches} x {world} tokens (batch x seq_len x accumulation x processes)")
         return trainer
