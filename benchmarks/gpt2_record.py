@@ -1,9 +1,12 @@
-"""Time to target: the modded-nanogpt record script of 2025-01-04 vs our speedrun recipe, same GPU, same budget.
+"""Time to target: a modded-nanogpt record script (2025-01-04 by default; ``--record`` 2025-07-13 or 2025-08-23)
+vs our speedrun recipe, same GPU, same budget.
 
 1. The record script (the code at the top of its log, exported to the git-ignored ``.peers/modded-nanogpt/``
    and patched by ``benchmarks/peers/patch_record.py`` in only its data paths, iteration count and val
-   token count) runs on one GPU through ``torchrun`` for ``--steps`` iterations of 524,288 tokens (127 =
-   4 passes over the novels train shard). Its final val loss is the target.
+   token count; the 2025-07-13 one also in its training forward/backward, wrapped in the accumulation loop
+   of the later records) runs on one GPU through ``torchrun`` for ``--steps`` iterations of 524,288 tokens
+   (127 = 4 passes over the novels train shard; 169 of 393,216 for 2025-07-13 and 2025-08-23). Its final val
+   loss is the target.
 2. Ours (``gpt2-124m-speedrun`` through GPT2SpeedrunModule + TokenShardDataModule + Trainer, bf16-mixed,
    compile, 32 x 1024 x 16 = 524,288 tokens per step, the same schedule length) validates every
    ``--ours-val-every`` steps off the clock and stops at the target or when the call's time is up; the time
@@ -75,8 +78,8 @@ _PEAK = re.compile(r"peak memory (?:consumption|allocated): (\d+) MiB")
 
 def parse_record_log(text: str, warm_reset: int = 10, tokens_per_step: int = RECORD_TOKENS_PER_STEP) -> dict[str, Any]:
     """Numbers from the record script's console output (its ``print0(..., console=True)`` lines).
-    ``warm_reset``: the steps its clock leaves out (10 for 2025-01-04, 0 for 2025-08-23, which compiles in
-    warm-up steps before the clock and then restores the initial state)."""
+    ``warm_reset``: the steps its clock leaves out (10 for 2025-01-04, 0 for 2025-07-13 and 2025-08-23, which
+    compile in warm-up steps before the clock and then restore the initial state)."""
     found = _VAL.findall(text)
     vals = [(int(s), float(v), int(t) / 1000) for s, _, v, t in found]
     planned = int(found[-1][1]) if found else None
@@ -285,7 +288,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="which modded-nanogpt record script sets the target (benchmarks/peers/patch_record.py)")
     p.add_argument("--steps", type=int, default=None,
                    help="the record's iterations (default: 4 passes over the 16.6M-token train shard: 127 of "
-                        "524,288 tokens for 2025-01-04, 169 of 393,216 for 2025-08-23); ours gets the same tokens")
+                        "524,288 tokens for 2025-01-04, 169 of 393,216 for 2025-07-13 and 2025-08-23); ours gets "
+                        "the same tokens")
     p.add_argument("--val-tokens", type=int, default=1_048_576)
     p.add_argument("--ours-val-every", type=int, default=8)
     p.add_argument("--ours-runner", default="lightning", choices=["lightning", "bare"])

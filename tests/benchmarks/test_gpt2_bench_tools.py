@@ -248,11 +248,20 @@ def test_record_data_gives_the_newer_record_enough_passes_and_a_val_window(tmp_p
     docs = [[eot] + list(range(1, 300)) for _ in range(40)]  # 40 documents of 300 tokens
     train = _shard(tmp_path / "c_train_000000.bin", [t for d in docs for t in d])
     val = _shard(tmp_path / "c_val_000000.bin", np.arange(1000) % 7)
-    # 100 sequences of 256 tokens: each consumes one 300-token document, so 40 fit in one pass
-    assert _passes_needed(train, 100, 256) == 3
+    # steps of 8 sequences of 256 tokens, each from one 300-token document to the next: a step reads 2400 tokens
+    # and needs 2 x 8 x 256 + 1 ahead of it, so 4 steps fit in one pass of 12,000 tokens
+    assert _passes_needed(train, 12, 256, bos_window=True) == 3
+    assert _passes_needed(train, 13, 256, bos_window=True) == 4
     # the older record cycles over its shards and has no val window: the shards themselves
     assert record_data("2025-01-04", train, val, 5, 512, tmp_path / "a") == (str(train), str(val))
     rec = RECORDS["2025-08-23"]
+    # its 49,152-token sequences from 40 documents of 50,000 tokens: 4 steps of 8 a pass
+    long_docs = _shard(tmp_path / "l_train_000000.bin", ([eot] + [1] * 49_999) * 40)
+    assert _passes_needed(long_docs, 4, rec.tokens_per_step // 8, bos_window=True) == 1
+    assert _passes_needed(long_docs, 5, rec.tokens_per_step // 8, bos_window=True) == 2
+    with pytest.raises(ValueError, match="token_window"):  # 300-token documents never fill a sequence
+        record_data("2025-08-23", train, val, 2, 512, tmp_path / "d")
+    train = long_docs
     tr, va = record_data("2025-08-23", train, val, 2, 512, tmp_path / "b")
     links = sorted((tmp_path / "b" / "train").glob("train_*.bin"))
     assert tr == str(tmp_path / "b" / "train" / "train_*.bin") and len(links) >= 2
@@ -328,3 +337,114 @@ def test_recipe_variant_is_the_shipped_config_at_0_8_of_the_record_budget():
     short = ours_spec(args, 4.3, OURS_VARIANTS["recipe"][0], False, 0.8)
     assert (short.seq_len, short.model.block_size, short.model.doc_causal, short.execution.attn_backend) == (
         1024, 1024, False, "auto")
+
+
+CODE_0713 = """class Hyperparameters:
+    train_files = "data/fineweb10B/fineweb_train_*.bin" # input .bin to train on
+    val_files = "data/fineweb10B/fineweb_val_*.bin" # input .bin to eval validation loss on
+    val_tokens = 10485760 # how many tokens of validation data?
+    num_iterations = 1770 # number of iterations to run
+for _ in range(warmup_steps):
+    inputs, targets = next(train_loader)
+    model(inputs, targets, get_window_size_blocks(1)).backward()
+for step in range(train_steps + 1):
+    # --------------- TRAINING SECTION -----------------
+    inputs, targets = next(train_loader)
+    model(inputs, targets, get_window_size_blocks(step)).backward()
+    for opt in optimizers:
+        opt.step()
+"""
+
+
+def test_the_2025_07_13_record_gets_its_four_values_and_the_accumulation_loop():
+    from benchmarks.peers.patch_record import RECORDS
+
+    edits = RECORDS["2025-07-13"].edits
+    out = patch(CODE_0713, "/d/train_*.bin", "/d/val.bin", 169, 1048576, edits)
+    assert out.splitlines()[:5] == ["class Hyperparameters:",
+                                    '    train_files = "/d/train_*.bin" # input .bin to train on',
+                                    '    val_files = "/d/val.bin" # input .bin to eval validation loss on',
+                                    "    val_tokens = 1048576 # how many tokens of validation data?",
+                                    "    num_iterations = 169 # number of iterations to run"]
+    # the warm-up is left as it is; the training step takes 8 // world_size sequences
+    assert out.splitlines()[5:] == CODE_0713.splitlines()[5:10] + [
+        "    for _ in range(8 // world_size):",
+        "        inputs, targets = next(train_loader)",
+        "        model(inputs, targets, get_window_size_blocks(step)).backward()"] + CODE_0713.splitlines()[12:]
+    compile(out, "train_gpt.py", "exec")
+    # a script that accumulates already (the 2025-08-23 loop) or lacks the line is refused, not half-patched
+    accumulating = CODE_0713.replace("    inputs, targets = next(train_loader)\n    model(inputs, targets, "
+                                     "get_window_size_blocks(step))",
+                                     "    for _ in range(grad_accum_steps):\n        inputs, targets = "
+                                     "next(train_loader)\n        model(inputs, targets, get_window_size_blocks(step))")
+    assert accumulating != CODE_0713
+    for text in (accumulating, CODE_0823):
+        with pytest.raises(ValueError, match="accumulation"):
+            patch(text, "a", "b", 1, 1, edits)
+
+
+def test_record_data_for_the_2025_07_13_record_reads_in_order_and_fills_its_val_batches(tmp_path):
+    import numpy as np
+
+    from benchmarks.peers.patch_record import RECORDS, _passes_needed, _shard_tokens, record_data
+
+    eot = 50256
+    train = _shard(tmp_path / "n_train_000000.bin", [eot] + list(range(1, 12000)))  # one 12,000-token document
+    # in order, 256 tokens a sequence while 256 + 1 more are there: 46 sequences a pass, 8 a step
+    assert _passes_needed(train, 12, 256, bos_window=False) == 3
+    # the BOS-window loader cannot start a second sequence inside its 4096-token window: refused before a run
+    with pytest.raises(ValueError, match="token_window"):
+        _passes_needed(train, 1, 256, bos_window=True)
+    rec = RECORDS["2025-07-13"]
+    train = _shard(tmp_path / "m_train_000000.bin", np.arange(100_001) % 50_000)
+    per_pass = (_shard_tokens(train) - 2) // (rec.tokens_per_step // 8)
+    assert per_pass == 2
+    val_tokens = rec.val_window_tokens
+    short = _shard(tmp_path / "n_val_000000.bin", np.arange(val_tokens) % 5)
+    tr, va = record_data("2025-07-13", train, short, 1, val_tokens, tmp_path / "a")
+    links = sorted((tmp_path / "a" / "train").glob("train_*.bin"))
+    assert len(links) == -(-8 // per_pass) + 1 and all(link.resolve() == train.resolve() for link in links)
+    # its val loader reads a batch only while 1 + 1 tokens follow it: the shard is repeated, the first tokens kept
+    assert _shard_tokens(Path(va)) >= val_tokens + 2
+    assert np.array_equal(np.fromfile(va, dtype=np.uint16, offset=1024)[:val_tokens], np.arange(val_tokens) % 5)
+    enough = _shard(tmp_path / "e_val_000000.bin", np.arange(val_tokens + 2) % 5)
+    assert record_data("2025-07-13", train, enough, 1, val_tokens, tmp_path / "b")[1] == str(enough)
+
+
+def test_the_2025_07_13_log_lines_parse_with_no_steps_left_out():
+    lines = ["step:0/169 val_loss:10.8258 train_time:0ms step_avg:0.02ms"]
+    lines += [f"step:{s}/169 train_time:{s * 800}ms step_avg:800.00ms" for s in range(1, 170)]
+    lines += ["step:169/169 val_loss:3.9000 train_time:135200ms step_avg:800.00ms",
+              "peak memory allocated: 33278 MiB reserved: 48294 MiB"]
+    from benchmarks.peers.patch_record import RECORDS
+
+    rec = RECORDS["2025-07-13"]
+    out = parse_record_log("\n".join(lines), rec.warm_reset, rec.tokens_per_step)
+    assert out["final_val_loss"] == 3.9 and out["steps"] == 169
+    assert out["record_train_s"] == out["record_train_s_adjusted"] == 135.2  # nothing to add back
+    assert out["tokens_per_s"] == pytest.approx(rec.tokens_per_step / 0.8)
+    assert out["peak_mem_gb"] == round(33278 / 1024, 2) and "compile_s" not in out
+
+
+@pytest.mark.parametrize("record", ["2025-07-13", "2025-08-23", "2025-01-04"])
+def test_smoke_patches_the_exported_record_log(tmp_path, record):
+    """With the record's log exported to .peers/modded-nanogpt/ (git-ignored): gpt2_record's CPU smoke patches
+    the real script, which still compiles, and parses log lines in its format."""
+    import numpy as np
+
+    from benchmarks.gpt2_record import _smoke_record
+    from benchmarks.peers.patch_record import RECORDS
+
+    rec = RECORDS[record]
+    if not rec.log.exists():
+        pytest.skip(f"{rec.log} is not exported")
+    eot = 50256
+    train = _shard(tmp_path / "s_train_000000.bin", ([eot] + [1] * 99) * 10_000)  # 100-token documents
+    val = _shard(tmp_path / "s_val_000000.bin", np.arange(1_048_576 + 2) % 50000)
+    args = argparse.Namespace(record=record, steps=30, val_tokens=1_048_576)
+    out = _smoke_record(train, val, args)
+    text = Path(out["patched_script"]).read_text()
+    compile(text, "train_gpt.py", "exec")
+    assert out["patched_lines"] == 1 and out["val_data"] in text and out["train_data"] in text
+    assert ("for _ in range(8 // world_size):" in text) == (record == "2025-07-13")
+    assert out["final_val_loss"] == 4.5 and out["tokens_per_s"] == pytest.approx(rec.tokens_per_step / 1.1)
