@@ -29,12 +29,18 @@ DOC = ROOT / "docs" / "benchmarks" / "gpt2.md"
 
 
 def shown(kind: str) -> list[Path | None]:
-    """The ``gpt2_<kind>_<device>.json`` results (one per device), newest run first; ``[None]`` when there is none.
-    The per-corpus record results are left out (their own section)."""
+    """The ``gpt2_<kind>_<device>.json`` results, those with nanoGPT rows first, then newest first; ``[None]`` when
+    there is none. The per-corpus record results are left out (their own section)."""
     files = [f for f in RESULTS.glob(f"gpt2_{kind}_*.json")
              if "_smoke" not in f.name and not gpt2_corpus_report.is_corpus_file(f)]
-    return sorted(files, key=lambda f: (json.loads(f.read_text()).get("env", {}).get("date_utc", ""), f.name),
-                  reverse=True) or [None]
+
+    def key(f: Path) -> tuple[bool, str, str]:
+        # a throughput file with nanoGPT rows leads (the page's first section compares with it), then the newest
+        d = json.loads(f.read_text())
+        with_peer = any(k.startswith("nanogpt") for k in d.get("results") or {})
+        return with_peer, d.get("env", {}).get("date_utc", ""), f.name
+
+    return sorted(files, key=key, reverse=True) or [None]
 
 
 def load(path: str | Path | None) -> tuple[dict[str, Any] | None, Path | None]:
