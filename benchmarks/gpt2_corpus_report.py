@@ -101,35 +101,33 @@ def read_rows(path: Path, manifest: dict[str, Any]) -> list[Row]:
     rec = results.get("record") or {}
     target = rec.get("final_val_loss")
     record_s = rec.get("record_train_s_adjusted")
+    if rec.get("error"):
+        record_note = f"failed: {rec['error']}" + (f" ({d['record_diagnosis']})" if d.get("record_diagnosis") else "")
+    else:
+        record_note = f"not run ({rec['skipped']})" if rec.get("skipped") else None
+    common = dict(file=path, corpus=corpus, kind=kind, held_out=held, tuned_on=tuned, record=record,
+                  device=env.get("device") or m.group("device"), command=env.get("command") or "-",
+                  val_tokens=s.get("val_tokens"), target=target, record_s=record_s, record_note=record_note)
+    recipe = recipe_spec()
     rows = []
     for key, r in results.items():
         if not key.startswith("ours"):
             continue
         v = r.get("variant") or {}
+        variant = v.get("name") or key.removeprefix("ours-")
         ours_s = interpolated_time(r.get("val_curve") or [], target) if target is not None else None
         tps = r.get("tokens_per_s"), rec.get("tokens_per_s")
         rows.append(Row(
-            file=path, key=key, corpus=corpus, kind=kind, held_out=held, tuned_on=tuned, record=record,
-            device=env.get("device") or m.group("device"), command=env.get("command") or "-",
-            variant=v.get("name") or key.removeprefix("ours-"), long=bool(v.get("long")), val_tokens=s.get("val_tokens"),
-            target=target, record_s=record_s, record_note=(f"failed: {rec['error']}" if rec.get("error") else f"not run ({rec['skipped']})" if rec.get("skipped")
-                         else None), ours_s=ours_s,
+            **common, key=key, variant=variant, long=bool(v.get("long")), ours_s=ours_s,
             ours_final=r.get("final_val_loss"), ours_error=None if r.get("val_curve") else r.get("error") or r.get("skipped"),
             time_ratio=ours_s / record_s if ours_s is not None and record_s else None,
-            tokens_per_s_ratio=tps[0] / tps[1] if all(tps) else None))
+            tokens_per_s_ratio=tps[0] / tps[1] if all(tps) else None,
+            same_as_recipe=variant != SHIPPED and recipe is not None and (
+                (v.get("accum"), bool(v.get("long")), v.get("budget"), v.get("model_overrides") or {}) == recipe)))
     if not rows:  # the record failed and nothing of ours ran after it: one row that says so
-        rows.append(Row(
-            file=path, key="-", corpus=corpus, kind=kind, held_out=held, tuned_on=tuned, record=record,
-            device=env.get("device") or m.group("device"), command=env.get("command") or "-", variant="-", long=False,
-            val_tokens=s.get("val_tokens"), target=target, record_s=record_s,
-            record_note=(f"failed: {rec['error']}" if rec.get("error") else None) if not d.get("record_diagnosis")
-            else f"failed: {rec.get('error') or 'no target'} ({d['record_diagnosis']})", ours_s=None, ours_final=None,
-            ours_error="no result (the call's deadline stopped it)", time_ratio=None, tokens_per_s_ratio=None))
-    recipe = recipe_spec()
-    for r, res in zip(rows, [v for k, v in results.items() if k.startswith("ours")]):
-        v = res.get("variant") or {}
-        r.same_as_recipe = r.variant != SHIPPED and recipe is not None and (
-            (v.get("accum"), bool(v.get("long")), v.get("budget"), v.get("model_overrides") or {}) == recipe)
+        rows.append(Row(**common, key="-", variant="-", long=False, ours_s=None, ours_final=None,
+                        ours_error="no result (the call's deadline stopped it)", time_ratio=None,
+                        tokens_per_s_ratio=None))
     shipped = [r for r in rows if r.variant == SHIPPED or r.same_as_recipe]
     for r in shipped or rows:
         r.marked = True
