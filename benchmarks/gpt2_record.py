@@ -192,6 +192,9 @@ OURS_VARIANTS: dict[str, tuple] = {
     "half-batch-85-normuon": (8, False, 0.85, {"optim": {"muon_normuon_beta2": 0.95}}),
     "half-batch-long-80": (8, True, 0.8),
     "half-batch-long-70": (8, True, 0.7),
+    "half-batch-long-75": (8, True, 0.75),
+    # the window growing 128 -> 1024 instead of 128 -> 1856: cheaper attention on long documents
+    "half-batch-long-80-w1k": (8, True, 0.8, {"window_schedule": (128, 1024)}),
     "quarter-batch-long": (4, True, 1.0),
     "quarter-batch-long-80": (4, True, 0.8),
 }

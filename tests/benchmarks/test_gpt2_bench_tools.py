@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,12 @@ def test_record_variants_apply_model_and_optimizer_overrides():
     spec = apply_overrides(ours_spec(args, 4.3, accum, long, budget), OURS_VARIANTS["half-batch-85-cdt"][3])
     assert spec.compile_options["coordinate_descent_tuning"] is True and spec.model == ours_spec(
         args, 4.3, accum, long, budget).model
+    # a window override replaces the long geometry's window schedule and nothing else of the model
+    accum, long, budget, overrides = OURS_VARIANTS["half-batch-long-80-w1k"]
+    plain = ours_spec(args, 4.3, accum, long, budget)
+    spec = apply_overrides(plain, overrides)
+    assert plain.model.window_schedule[1] > 1024 and spec.model.window_schedule == (128, 1024)
+    assert spec.model.doc_causal and replace(spec.model, window_schedule=plain.model.window_schedule) == plain.model
 
 
 def test_find_shards_reads_the_data_dir_argument_then_the_environment(tmp_path, monkeypatch):
