@@ -11,9 +11,11 @@ factor applied to their small outputs instead of the big gradient.
 
 The kernel is bound by its special-function instructions (``exp``, ``tanh``, reciprocals), so it spends
 few: with a cap up to ``FIXED_MAX_CAP`` no capped logit exceeds the cap, which then serves as the row
-maximum (one ``exp`` per logit, no running maximum); and the training sweep takes ``tanh`` from the GPU's
-``tanh.approx.f32``: its relative error (about 2^-11) keeps a capped logit within about 1e-2 at cap 15,
-below the bfloat16 rounding of a logit that size, while the cap's derivative ``1 - tanh^2`` is off by up to
+maximum (one ``exp`` per logit in the first sweep, no running maximum); without a cap,
+``online_max="block"`` keeps one running maximum per row, updated from each block's maximum (one ``exp`` per
+logit in the first sweep instead of the two of a running maximum per lane, ``"lane"``, for a reduction across
+the program's lanes per block); and the training sweep takes ``tanh`` from the GPU's ``tanh.approx.f32``: its
+relative error (about 2^-11) keeps a capped logit within about 1e-2 at cap 15, below the bfloat16 rounding of a logit that size, while the cap's derivative ``1 - tanh^2`` is off by up to
 about 1e-3 absolute - a few percent of it only for logits beyond twice the cap, where the gradient through
 the cap is small anyway. Evaluation (no gradient) keeps the exact formula. With ``fp8=True`` the logits come
 from an FP8 matmul, and so do the head's input and weight gradients: the kernel then writes the gradient as
@@ -51,6 +53,11 @@ NUM_WARPS = 8
 # the transposing copy's tile: rows x vocabulary columns per step
 TILE_M = 32
 TILE_V = 256
+# the running maximum of the log-sum-exp without a fixed one (no cap, or a cap above FIXED_MAX_CAP),
+# softcap_ce_rows_'s ``online_max``: "lane" (one per lane, two exps per logit) or "block" (one per row, taken
+# block by block: one exp per logit and a reduction across the lanes per block)
+ONLINE_MAX = "lane"
+ONLINE_MAX_CHOICES = ("lane", "block")
 
 
 def kernel_available(x: torch.Tensor) -> bool:
@@ -76,16 +83,20 @@ if triton is not None:
     def _softcap_ce_kernel(logits_ptr, targets_ptr, loss_ptr, g8_ptr, V, stride, cap, ignore_index, g8_mult,
                            HAS_CAP: tl.constexpr, FIXED_MAX: tl.constexpr, FAST_TANH: tl.constexpr,
                            WRITE_GRAD: tl.constexpr, WRITE_G8: tl.constexpr, WRITE_DENSE: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           BLOCK_MAX: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
         target = tl.load(targets_ptr + row)
         offs = tl.arange(0, BLOCK)
         # sweep 1: the log-sum-exp of the capped logits. With FIXED_MAX (a cap small enough that
         # exp(-2 cap) stays a normal float) no logit exceeds `cap`, so `cap` serves as the maximum: one exp
-        # per logit and no rescaling. Otherwise a running max and sum per lane, combined at the end.
+        # per logit and no rescaling. Otherwise a running maximum: with BLOCK_MAX one for the whole row, taken
+        # over each block of logits (a reduction across the program's lanes per block, one scalar exp to rescale
+        # the per-lane sums, one exp per logit); else one per lane (two exps per logit, no reduction per
+        # block), combined at the end.
         m = tl.full([BLOCK], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK], tl.float32)
+        m_row = tl.max(m, axis=0)  # BLOCK_MAX's running maximum: a scalar
         for start in range(0, V, BLOCK):
             cols = start + offs
             x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
@@ -96,6 +107,13 @@ if triton is not None:
             z = tl.where(cols < V, z, float("-inf"))
             if FIXED_MAX:
                 s += tl.exp(z - cap)
+            elif BLOCK_MAX:
+                m_new = tl.maximum(m_row, tl.max(z, axis=0))
+                # while every logit so far is -inf (masked lanes; -inf logits) the sums stay 0: subtract 0, not
+                # -inf, so that no exp sees -inf - -inf
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                s = s * tl.exp(m_row - m_ref) + tl.exp(z - m_ref)
+                m_row = m_new
             else:
                 m_new = tl.maximum(m, z)
                 s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
@@ -103,6 +121,8 @@ if triton is not None:
                 m = m_new
         if FIXED_MAX:
             lse = cap + tl.log(tl.sum(s, axis=0))
+        elif BLOCK_MAX:
+            lse = m_row + tl.log(tl.sum(s, axis=0))
         else:
             m_all = tl.max(m, axis=0)
             s_all = tl.sum(s * tl.exp(m - m_all), axis=0)
@@ -180,7 +200,7 @@ def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | N
                      ignore_index: int = -100, write_grad: bool = True,
                      g8: torch.Tensor | None = None, g8t: torch.Tensor | None = None, *,
                      block_v: int = BLOCK_V, num_warps: int = NUM_WARPS, tile_m: int = TILE_M,
-                     tile_v: int = TILE_V) -> torch.Tensor:
+                     tile_v: int = TILE_V, online_max: str = ONLINE_MAX) -> torch.Tensor:
     """Per-row losses; with ``write_grad`` overwrites ``logits`` ``[N, V]`` with the per-row gradient (not
     divided by a count), and, given ``g8`` (a contiguous ``[N, V]`` ``float8_e5m2`` tensor), also writes that
     gradient times ``G8_MULT`` into it. Given ``g8t`` too (contiguous ``[V, N]`` ``float8_e5m2``), the scaled
@@ -190,7 +210,12 @@ def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | N
 
     The kernels' launch shape (powers of two; the result does not depend on them): ``block_v`` vocabulary
     entries per sweep step and ``num_warps`` warps per program; the transposing copy's tiles of ``tile_m``
-    rows x ``tile_v`` columns."""
+    rows x ``tile_v`` columns. ``online_max``: how the log-sum-exp keeps its running maximum when the cap
+    cannot serve as the row maximum (no cap, or one above ``FIXED_MAX_CAP``): ``"lane"``, per lane (two exps
+    per logit) or ``"block"``, per row, updated from each block's maximum (one exp per logit, a reduction
+    across the program's lanes per block); the result is the same up to float32 rounding."""
+    if online_max not in ONLINE_MAX_CHOICES:
+        raise ValueError(f"softcap_ce_rows_: online_max={online_max!r}, expected one of {ONLINE_MAX_CHOICES}")
     n, v = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("softcap_ce_rows_: logits must be contiguous along the vocabulary")
@@ -210,7 +235,8 @@ def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | N
                                  float(cap or 1.0), ignore_index, G8_MULT,
                                  HAS_CAP=cap is not None, FIXED_MAX=fixed_max,
                                  FAST_TANH=write_grad and fast_tanh_available(logits), WRITE_GRAD=write_grad,
-                                 WRITE_G8=g8 is not None, WRITE_DENSE=g8t is None, BLOCK=block_v,
+                                 WRITE_G8=g8 is not None, WRITE_DENSE=g8t is None,
+                                 BLOCK_MAX=online_max == "block" and not fixed_max, BLOCK=block_v,
                                  num_warps=num_warps)
         if g8t is not None:
             _transpose_bytes_kernel[(triton.cdiv(n, tile_m),)](g8.view(torch.uint8), g8t.view(torch.uint8), n, v,

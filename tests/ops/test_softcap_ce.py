@@ -90,6 +90,67 @@ def test_triton_kernel_matches_torch_path(cap, monkeypatch):
     assert os.environ["TRITON_INTERPRET"] == "1"
 
 
+@needs_interpreter
+@pytest.mark.parametrize("cap", [None, 50.0])  # no cap (the classic head) and a cap above FIXED_MAX_CAP
+def test_block_running_max_matches_torch(cap, monkeypatch):
+    """online_max="block" (one running maximum per row, one exp per logit): the per-row losses and gradient rows of
+    the float64 torch expression, for rows offset by +-1e4 (the first block's maximum far from later ones), a row
+    whose maximum sits in the masked last block, V not a multiple of the block, and an ignored row."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    n, v = 7, 150  # block_v=64: three sweep steps per row, the last one 22 entries of 64
+    logits = torch.randn(n, v) * 5
+    logits[1] += 1e4
+    logits[2] -= 1e4
+    logits[3, :64] -= 1e4  # the first block far below the rest: its sum is rescaled to ~0
+    logits[4, -3] = 60.0  # the row maximum in the last, partly masked block
+    logits[5, :128] += 1e4  # the first two blocks far above the last
+    y = torch.randint(0, v, (n,))
+    y[6] = -100
+    x = logits.double().requires_grad_()
+    z = cap * torch.tanh(x / cap) if cap is not None else x
+    ref = F.cross_entropy(z, y, reduction="none", ignore_index=-100)
+    ref.sum().backward()
+    # float32 holds a log-sum-exp near 1e4 to about 1e-3: the loss (lse - z_target) to that absolute error, and
+    # each softmax entry exp(z - lse) to that relative error
+    lse_err = 1e-5 + 4 * torch.finfo(torch.float32).eps * logits.abs().amax(1, keepdim=True).double()
+    for method in ("block", "lane"):
+        got_grad = logits.clone()
+        got = softcap_ce.softcap_ce_rows_(got_grad, y, cap, block_v=64, online_max=method)
+        assert ((got.double() - ref.detach()).abs() <= lse_err[:, 0]).all(), (method, got, ref)
+        assert ((got_grad.double() - x.grad).abs() <= lse_err * x.grad.abs() + 1e-6).all(), method
+        assert (got_grad[6] == 0).all() and got[6] == 0
+        evaluated = softcap_ce.softcap_ce_rows_(logits.clone(), y, cap, write_grad=False, block_v=64,
+                                                online_max=method)
+        torch.testing.assert_close(evaluated, got)
+
+
+@needs_interpreter
+def test_block_running_max_with_minus_inf_logits(monkeypatch):
+    """-inf logits (a masked vocabulary) in the block variant: a row whose first block is all -inf, and whole
+    blocks of -inf later; the loss and gradient match torch, with no NaN from -inf - -inf."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    logits = torch.randn(3, 100) * 3
+    logits[0, :32] = float("-inf")
+    logits[1, 32:64] = float("-inf")
+    logits[2, 40:] = float("-inf")
+    y = torch.tensor([50, 10, 5])
+    x = logits.double().requires_grad_()
+    ref = F.cross_entropy(x, y, reduction="none")
+    ref.sum().backward()
+    got_grad = logits.clone()
+    got = softcap_ce.softcap_ce_rows_(got_grad, y, None, block_v=32, online_max="block")
+    torch.testing.assert_close(got.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_grad.double(), x.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_online_max_choice_is_checked():
+    with pytest.raises(ValueError, match="online_max"):
+        softcap_ce.softcap_ce_rows_(torch.randn(2, 8), torch.zeros(2, dtype=torch.long), None, online_max="row")
+    assert softcap_ce.ONLINE_MAX in softcap_ce.ONLINE_MAX_CHOICES
+
+
 def _e5m2_copies(monkeypatch, device):
     torch.manual_seed(0)
     logits = (4 * torch.randn(8, 150)).to(torch.bfloat16).to(device)
@@ -209,3 +270,28 @@ def test_cuda_kernel_matches_torch_path(cap):
     torch.testing.assert_close(got.float(), xg.grad, atol=2e-3, rtol=2e-2)
     exact = softcap_ce.softcap_ce_rows_(logits.clone(), y, cap, write_grad=False)
     torch.testing.assert_close(exact, ref_loss, atol=1e-4, rtol=1e-5)
+
+
+def test_kernel_benchmark_smoke(tmp_path):
+    """benchmarks/softcap_ce_kernel.py --smoke: every case runs, each matches torch, and "block" matches "lane" on
+    every row; the JSON holds the fields the GPU run is read by."""
+    import json
+
+    from tests.benchmarks._load import load_benchmark
+
+    out = tmp_path / "softcap_ce_kernel.json"
+    load_benchmark("softcap_ce_kernel").main(["--smoke", "--out", str(out)])
+    res = json.loads(out.read_text())
+    for key in ("device", "command", "torch", "kernel", "default_online_max", "spec", "lane_time_over_block_time"):
+        assert key in res, key
+    assert res["kernel"] == ("triton-interpreted" if INTERPRETED else "torch")
+    rows = {r["case"]: r for r in res["rows"]}
+    assert list(rows) == ["no_cap_lane", "no_cap_block", "cap15", "cap50_lane", "cap50_block"]
+    for name, row in rows.items():
+        assert row["train_ms"] > 0 and row["eval_ms"] > 0, name
+        # float32 losses of logits ~ +-20; gradients stored in bfloat16 (entries up to 1: a step of 2^-8)
+        assert row["max_abs_loss_diff_vs_torch"] < 1e-4 and row["max_abs_eval_loss_diff_vs_torch"] < 1e-4, name
+        assert row["max_abs_grad_diff_vs_torch"] <= 2.0**-8, name
+    for name, diff in res["block_vs_lane_every_row"].items():
+        assert diff["max_abs_loss_diff"] < 1e-4 and diff["max_abs_grad_diff"] <= 2.0**-8, name
+    assert set(res["lane_time_over_block_time"]) == {"no_cap", "cap50"}
