@@ -96,7 +96,8 @@ if triton is not None:
         # block), combined at the end.
         m = tl.full([BLOCK], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK], tl.float32)
-        m_row = tl.max(m, axis=0)  # BLOCK_MAX's running maximum: a scalar
+        if BLOCK_MAX:
+            m_row = tl.max(m, axis=0)  # the running maximum of the row: a scalar
         for start in range(0, V, BLOCK):
             cols = start + offs
             x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
