@@ -78,9 +78,10 @@ class GPTConfig:
         skip_attn_layers: layers that have no attention, only the MLP (the speedrun drops layer 7's).
         window_size: sliding-window attention span in tokens (``None`` = full causal).
         window_schedule: ``(start, end)``: a sliding window that grows linearly with training progress from
-            ``start`` to ``end`` tokens in steps of 128 (the speedrun: 128 -> 1856, i.e. up to 1792); the
-            LightningModule (or a loop calling :meth:`GPT.set_train_progress`) moves it. Takes precedence over
-            ``window_size``; use it with ``attn_backend="flex"`` for long sequences.
+            ``start`` to ``end`` tokens in steps of 128 (the 2025-01-04 speedrun record: 128 -> 1856, i.e. up to
+            1792; the shipped recipe: 128 -> 1024); the LightningModule (or a loop calling
+            :meth:`GPT.set_train_progress`) moves it. Takes precedence over ``window_size``; use it with
+            ``attn_backend="flex"`` for long sequences.
         doc_causal: attend only within documents delimited by ``eot_token``.
         eot_token: the document separator for ``doc_causal``.
         init_std: standard deviation of the normal initialisation.

@@ -189,10 +189,10 @@ def test_record_variants_apply_model_and_optimizer_overrides():
     assert spec.compile_options["coordinate_descent_tuning"] is True and spec.model == ours_spec(
         args, 4.3, accum, long, budget).model
     # a window override replaces the long geometry's window schedule and nothing else of the model
-    accum, long, budget, overrides = OURS_VARIANTS["half-batch-long-80-w1k"]
+    accum, long, budget, overrides = OURS_VARIANTS["half-batch-long-80-w1856"]
     plain = ours_spec(args, 4.3, accum, long, budget)
     spec = apply_overrides(plain, overrides)
-    assert plain.model.window_schedule[1] > 1024 and spec.model.window_schedule == (128, 1024)
+    assert plain.model.window_schedule == (128, 1024) and spec.model.window_schedule == (128, 1856)
     assert spec.model.doc_causal and replace(spec.model, window_schedule=plain.model.window_schedule) == plain.model
 
 

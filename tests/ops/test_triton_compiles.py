@@ -35,8 +35,8 @@ _KERNELS = {
 }
 _HELPERS = {"_block", "_per_row", "_capped", "_order_key", "_key16", "_emit", "_fb_tile", "_pick", "_fb_cut"}
 _CONSTEXPRS = {"BLOCK", "BLOCK_IN_ONE_ROW", "CAPPED", "BLOCK_D", "BLOCK_E", "HAS_CAP", "FIXED_MAX", "FAST_TANH",
-               "WRITE_GRAD", "WRITE_G8", "WRITE_DENSE", "BLOCK_M", "VEC", "EVEN", "CAP", "GROUP", "SUB", "ROWS",
-               "STAGE", "TILE", "CHUNK", "W_MULT"}
+               "WRITE_GRAD", "WRITE_G8", "WRITE_DENSE", "BLOCK_MAX", "BLOCK_M", "VEC", "EVEN", "CAP", "GROUP", "SUB",
+               "ROWS", "STAGE", "TILE", "CHUNK", "W_MULT"}
 
 
 def _module_of(name: str):
@@ -121,18 +121,21 @@ def _decode_cases():
 def _softcap_cases():
     # training (gradient written, fast tanh on the GPU) and evaluation sweeps, the cap as the row maximum or a
     # running maximum, no cap; the FP8 head's e5m2 copy instead of (or, via softcap_ce_rows_, besides) the dense
-    # gradient; bf16 logits (autocast) and fp32; int64 targets (torch's default)
+    # gradient; the running maximum per lane or per row (BLOCK_MAX); bf16 logits (autocast) and fp32; int64
+    # targets (torch's default)
     for dt in ("bf16", "fp32"):
-        for has_cap, fixed, fast, grad, g8, dense in (
-            (True, True, True, True, True, False), (True, True, False, False, False, True),
-            (True, False, True, True, False, True), (False, False, False, True, False, True),
-            (True, True, True, True, True, True),
+        for has_cap, fixed, fast, grad, g8, dense, block_max in (
+            (True, True, True, True, True, False, False), (True, True, False, False, False, True, False),
+            (True, False, True, True, False, True, False), (False, False, False, True, False, True, False),
+            (True, True, True, True, True, True, False), (False, False, False, True, False, True, True),
+            (False, False, False, False, False, True, True), (True, False, True, True, False, True, True),
         ):
             yield ("_softcap_ce_kernel", {"logits_ptr": f"*{dt}", "targets_ptr": "*i64", "loss_ptr": "*fp32",
                                           "g8_ptr": "*fp8e5" if g8 else "*fp32", "V": "i32", "stride": "i32",
                                           "cap": "fp32", "ignore_index": "i32", "g8_mult": "fp32"},
                    {"HAS_CAP": has_cap, "FIXED_MAX": fixed, "FAST_TANH": fast, "WRITE_GRAD": grad,
-                    "WRITE_G8": g8, "WRITE_DENSE": dense, "BLOCK": S.BLOCK_V}, S.NUM_WARPS)
+                    "WRITE_G8": g8, "WRITE_DENSE": dense, "BLOCK_MAX": block_max, "BLOCK": S.BLOCK_V},
+                   S.NUM_WARPS)
     # the e5m2 gradient's [V, N] transpose (bytes), at sizes whose product exceeds 2**31
     yield ("_transpose_bytes_kernel", {"src_ptr": "*u8", "dst_ptr": "*u8", "N": "i32", "V": "i32"},
            {"BLOCK_M": S.TILE_M, "BLOCK": S.TILE_V}, S.NUM_WARPS)
