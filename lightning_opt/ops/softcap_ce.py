@@ -270,6 +270,19 @@ def softcap_ce_rows_(logits: torch.Tensor, targets: torch.Tensor, cap: float | N
     return loss
 
 
+def _times(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x.float() * scale`` (``scale`` a 0-dim float32 tensor) in one pass over ``x``: the same numbers.
+
+    A 0-dim tensor does not take part in type promotion (``bf16 * scale`` would round the products to
+    bfloat16); as a 1-element tensor it does, so the product is float32 and each element is cast exactly
+    on load and multiplied once, without a float32 copy of ``x`` in between. Other dtypes take the plain
+    expression (one pass already for float32).
+    """
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return torch.mul(x, scale.reshape(1))
+    return x.float() * scale
+
+
 class _LinearSoftcapCE(torch.autograd.Function):
     # With fp8, both head gradients come from FP8 operands: grad_h = g @ W from the kernel's e5m2 copy of g and
     # W's e4m3 copy; grad_w = g^T h from the e5m2 copy transposed by a tiled Triton copy (_scaled_mm contracts
@@ -318,14 +331,14 @@ class _LinearSoftcapCE(torch.autograd.Function):
                 gs, ws = _fp8._scale(g8, 1.0 / G8_MULT), _fp8._scale(g8, HEAD_W_SCALE)
                 hs = _fp8._scale(g8, norm_input_scale(h8.shape[-1]))
                 # grad_h = g [N, V] @ W [V, d]
-                grad_h = scaled_mm(g8, w8t.t(), scale_a=gs, scale_b=ws, out_dtype=dtype,
-                                   use_fast_accum=fast).float() * scale
+                grad_h = _times(scaled_mm(g8, w8t.t(), scale_a=gs, scale_b=ws, out_dtype=dtype,
+                                          use_fast_accum=fast), scale)
                 # grad_w [V, d] = g^T [V, N] @ h [N, d], contracted along the N tokens
                 grad_w = scaled_mm(g8t, h8.t().contiguous().t(), scale_a=gs, scale_b=hs,
                                    out_dtype=torch.float32, use_fast_accum=fast) * scale
             else:
-                grad_h = (grad_logits @ wc).float() * scale
-                grad_w = (grad_logits.t() @ hc).float() * scale
+                grad_h = _times(grad_logits @ wc, scale)
+                grad_w = _times(grad_logits.t() @ hc, scale)
         return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None, None, None
 
 

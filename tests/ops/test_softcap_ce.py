@@ -295,3 +295,37 @@ def test_kernel_benchmark_smoke(tmp_path):
     for name, diff in res["block_vs_lane_every_row"].items():
         assert diff["max_abs_loss_diff"] < 1e-4 and diff["max_abs_grad_diff"] <= 2.0**-8, name
     assert set(res["lane_time_over_block_time"]) == {"no_cap", "cap50"}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scaled_gradient_is_the_float32_product_bit_for_bit(dtype):
+    """The head gradients' ``x.float() * scale`` in one pass: the same bits, for a scale that is no power of two."""
+    torch.manual_seed(0)
+    x = (torch.randn(64, 48) * 7).to(dtype)
+    scale = torch.tensor(0.37, dtype=torch.float32) / torch.tensor(23.0)
+    out = softcap_ce._times(x, scale)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, x.float() * scale)
+
+
+@pytest.mark.parametrize("cap", [15.0, None])
+def test_bf16_head_gradients_are_the_float32_products_of_the_bf16_matmuls(cap):
+    """Under bfloat16 autocast, the loss and both gradients are exactly ``(g @ W).float() * scale`` and
+    ``(g^T @ h).float() * scale`` of the bfloat16 logit gradient ``g``, for an upstream gradient that is no power
+    of two."""
+    torch.manual_seed(1)
+    h = (torch.randn(40, 32) * 2).requires_grad_()
+    w = torch.randn(71, 32).requires_grad_()
+    y = torch.randint(0, 71, (40,))
+    y[5] = -100
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = softcap_ce.linear_softcap_cross_entropy(h, w, y, cap)
+    (loss * 0.37).backward()
+    hc, wc = h.detach().bfloat16(), w.detach().bfloat16()
+    g = hc @ wc.t()
+    rows = softcap_ce.softcap_ce_rows_(g, y, cap, -100, write_grad=True)
+    count = (y != -100).sum().to(torch.float32)
+    assert torch.equal(loss, rows.sum() / count)
+    scale = torch.tensor(0.37) / count
+    assert torch.equal(h.grad, (g @ wc).float() * scale)
+    assert torch.equal(w.grad, (g.t() @ hc).float() * scale)
