@@ -20,6 +20,8 @@ tokens per step = 32 x 1024 x 16 = 524,288, like nanoGPT's train.py and the spee
   ``F.cross_entropy`` in the compiled graph, as nanoGPT computes it): attributes the loss kernel;
   ``ours-classic-nobias-lightning``: the classic config without biases (``bias: false``), the architecture the
   ``nanogpt`` row trains (bench.py's ``bias=False``); ``ours-classic-mb64-lightning``: 64 x 1024 micro-batches;
+  the classic rows compile with the YAML's ``model.compile_options``; ``ours-classic-cdt-lightning``: the same
+  with inductor's ``coordinate_descent_tuning`` on;
 - ``nanogpt``: Karpathy's nanoGPT ``model.py`` trained as its ``bench.py`` does (see
   ``benchmarks/peers/nanogpt_runner.py``), imported from the git-ignored ``.peers/nanoGPT/``;
 - ``ours-speedrun-nofp8-lightning``: the recipe without its ``head_fp8: auto`` (the fused loss's head
@@ -54,12 +56,17 @@ ratio to nanoGPT. Every variant is fault-tolerant (errors and OOM are recorded, 
     python benchmarks/gpt2_speedrun.py                 # the GPU run (about 6 minutes on an H100)
     python benchmarks/gpt2_speedrun.py --smoke         # tiny models on CPU, under a minute
 
+``--repeats N`` runs the row list N times, every other time in reverse order (A B C, C B A, ...: drifts of the
+card cancel out of the comparison); each row then reports its median step time (tokens/s and MFU from it) and
+every repeat's values under ``repeats``.
+
 Writes ``benchmarks/results/gpt2_speedrun_<device>_<date>.json`` (or ``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 from dataclasses import replace
@@ -106,7 +113,8 @@ def make_specs(args: argparse.Namespace) -> dict[str, RunSpec]:
     cl_sched = replace(cl_sched, warmup_steps=max(1, args.steps // 10))
     speedrun = RunSpec(sp_model, sp_optim, sp_sched, yaml_execution(sp_raw), **common,
                        compile_options=sp_raw["model"].get("compile_options") if not args.no_compile else None)
-    classic = RunSpec(cl_model, cl_optim, cl_sched, yaml_execution(cl_raw), clip=1.0, **common)
+    classic = RunSpec(cl_model, cl_optim, cl_sched, yaml_execution(cl_raw), clip=1.0, **common,
+                      compile_options=cl_raw["model"].get("compile_options") if not args.no_compile else None)
     if args.smoke:
         small = dict(SMOKE_SHAPE, block_size=args.seq_len, vocab_size=SMOKE_VOCAB, vocab_multiple=1)
         speedrun = with_model(speedrun, **small, n_value_embeds=1,
@@ -148,9 +156,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--only", default=None, help="comma-separated variant names to run")
     p.add_argument("--lightning-logger", default="tensorboard", choices=["tensorboard", "none"])
     p.add_argument("--need-s", type=float, default=75.0, help="seconds one variant needs (for skipping)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the row list this many times, every other time in reverse order; rows report the "
+                        "median step time and each repeat's")
     p.add_argument("--sync-probe-steps", type=int, default=1,
                    help="Lightning variants: record host-device syncs during this many steps after warm-up")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
 
     if args.smoke:
         args.steps, args.warm, args.micro_batch, args.accum, args.seq_len = 4, 1, 4, 2, 64
@@ -167,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.smoke:  # the Lightning DataModule reads files: give it the same small-vocabulary tokens
         train_path = smoke_shard(data)
     sp, cl = specs["speedrun"], specs["classic"]
+    cl_peer = replace(cl, compile_options=None)  # nanoGPT compiles with inductor's defaults
     nano_shape = SMOKE_SHAPE if args.smoke else None
     nano_vocab = SMOKE_VOCAB if args.smoke else 50304
 
@@ -180,20 +194,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     variants = {
         "ours-speedrun-bare": lambda: oom_retry(lambda s: train_bare(s, data), sp),
         "ours-speedrun-lightning": lambda: oom_retry(lightning, sp),
-        "nanogpt": lambda: oom_retry(lambda s: train_nanogpt(s, data, nano_shape, vocab_size=nano_vocab), cl),
+        "nanogpt": lambda: oom_retry(lambda s: train_nanogpt(s, data, nano_shape, vocab_size=nano_vocab), cl_peer),
         "ours-speedrun-mb64-bare": lambda: oom_retry(lambda s: train_bare(s, data), mbx(sp, 2)),
         "ours-speedrun-mb64-lightning": lambda: oom_retry(lightning, mbx(sp, 2)),
         "nanogpt-mb64": lambda: oom_retry(
-            lambda s: train_nanogpt(s, data, nano_shape, vocab_size=nano_vocab), mbx(cl, 2)),
+            lambda s: train_nanogpt(s, data, nano_shape, vocab_size=nano_vocab), mbx(cl_peer, 2)),
         # nanoGPT's model with GPT-2's biases (its GPTConfig default): the architecture of our classic config
         "nanogpt-bias": lambda: oom_retry(
-            lambda s: train_nanogpt(s, data, nano_shape, vocab_size=nano_vocab, bias=True), cl),
+            lambda s: train_nanogpt(s, data, nano_shape, vocab_size=nano_vocab, bias=True), cl_peer),
         "nanogpt-bias-mb64": lambda: oom_retry(
-            lambda s: train_nanogpt(s, data, nano_shape, vocab_size=nano_vocab, bias=True), mbx(cl, 2)),
+            lambda s: train_nanogpt(s, data, nano_shape, vocab_size=nano_vocab, bias=True), mbx(cl_peer, 2)),
         # 4x: near an 80 GB card's memory; an OOM halves the micro-batch (the result's spec says what ran)
         "ours-speedrun-mb128-lightning": lambda: oom_retry(lightning, mbx(sp, 4)),
         "nanogpt-mb128": lambda: oom_retry(
-            lambda s: train_nanogpt(s, data, nano_shape, vocab_size=nano_vocab), mbx(cl, 4)),
+            lambda s: train_nanogpt(s, data, nano_shape, vocab_size=nano_vocab), mbx(cl_peer, 4)),
         "ours-speedrun-nofp8-lightning": lambda: oom_retry(lightning, with_model(sp, head_fp8=False)),
         "ours-speedrun-fp8mlp-lightning": lambda: oom_retry(lightning, with_model(sp, mlp_fp8="auto")),
         "ours-speedrun-fp8mlp-mb64-lightning": lambda: oom_retry(lightning, with_model(mbx(sp, 2), mlp_fp8="auto")),
@@ -215,6 +229,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             lambda s: train_bare(s, data), with_model(mbx(sp, 2), mlp_fp8=False, attn_fp8=False)),
         "ours-classic-bare": lambda: oom_retry(lambda s: train_bare(s, data), cl),
         "ours-classic-lightning": lambda: oom_retry(lightning, cl),
+        # the classic config with inductor's coordinate-descent tuning (the same maths, re-tuned kernels)
+        "ours-classic-cdt-lightning": lambda: oom_retry(lightning, with_cdt(cl, True)),
         "ours-classic-torchloss-lightning": lambda: oom_retry(lightning, with_model(cl, loss_impl="torch")),
         # nanoGPT's bench.py trains without biases in the linear layers and LayerNorms: the same here
         "ours-classic-nobias-lightning": lambda: oom_retry(lightning, with_model(cl, bias=False)),
@@ -247,13 +263,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "data": {"train": str(train_path), "val": str(val_path),
                                         "train_tokens": len(data.train), "val_tokens": data.val_tokens},
                                "settings": vars(args), "results": {}}
-    for name, fn in variants.items():
-        payload["results"][name] = guarded(name, fn, deadline, args.need_s)
-        payload["summary"] = summarize(payload["results"])
-        write_json(out_path, payload)  # after every variant: a later crash keeps what was measured
+    names = list(variants)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for rep in range(args.repeats):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            position = sum(map(len, runs.values()))  # the run's place in the call
+            runs[name].append({**guarded(name, variants[name], deadline, args.need_s), "position": position})
+            payload["results"][name] = runs[name][0] if args.repeats == 1 else median_row(runs[name])
+            payload["summary"] = summarize(payload["results"])
+            write_json(out_path, payload)  # after every variant: a later crash keeps what was measured
     print_table(payload)
     print(f"wrote {out_path}")
     return payload
+
+
+REPEAT_KEYS = ("position", "step_ms", "tokens_per_s", "mfu", "compile_s", "wall_s", "peak_mem_gb", "final_val_loss")
+
+
+def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from a variant's repeats: the first timed repeat's record with the median step time (tokens/s
+    and MFU follow from it: the tokens per step are the same), and each repeat's values under ``repeats``."""
+    per = [{k: r[k] for k in REPEAT_KEYS if k in r} if "step_ms" in r
+           else {"position": r["position"], "error": r.get("error") or r.get("skipped") or "no timing"}
+           for r in rows]
+    timed = [r for r in rows if "step_ms" in r]
+    if not timed:
+        return {**rows[-1], "repeats": per}
+    first, med = timed[0], statistics.median(r["step_ms"] for r in timed)
+    out = {**first, "step_ms": round(med, 2), "repeats": per,
+           "step_ms_spread_pct": round(100 * (max(r["step_ms"] for r in timed) / min(r["step_ms"] for r in timed)
+                                              - 1), 3)}
+    out["tokens_per_s"] = round(first["tokens_per_s"] * first["step_ms"] / med, 1)
+    if first.get("mfu") is not None:
+        out["mfu"] = round(first["mfu"] * first["step_ms"] / med, 4)
+    return out
 
 
 def fastest(rows: list[dict]) -> dict:
@@ -297,6 +340,11 @@ def summarize(results: dict[str, dict]) -> dict[str, Any]:
     same_arch = [r for r in (same, s["classic_nobias_lightning_over_nanogpt"]) if r is not None]
     s["goal_classic_ge_1p05x_nanogpt"] = (min(same_arch) >= 1.05 if same_arch
                                           else None if best is None else best >= 1.05)
+    cdt = g.get("ours-classic-cdt-lightning")
+    s["classic_cdt_lightning_over_classic_lightning"] = ratio(cdt, g["ours-classic-lightning"]) if (
+        cdt and "ours-classic-lightning" in g) else None
+    s["classic_cdt_lightning_over_nanogpt_bias"] = ratio(cdt, g["nanogpt-bias"]) if (
+        cdt and "nanogpt-bias" in g) else None
     s["classic_fused_loss_over_torch_loss"] = ratio(g.get("ours-classic-lightning", {}),
                                                      g.get("ours-classic-torchloss-lightning", {}))
     # the Lightning overhead at the 32 x 1024 geometry, or at 64 x 1024 where only that pair ran

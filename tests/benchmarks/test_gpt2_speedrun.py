@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from lightning_opt.data.shards import write_shard
 from tests.benchmarks._load import load_benchmark
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_smoke_classic_fused_and_torch_loss_rows(tmp_path):
@@ -40,6 +43,51 @@ def test_smoke_classic_fused_and_torch_loss_rows(tmp_path):
     ratio = payload["summary"]["classic_fused_loss_over_torch_loss"]
     assert ratio == pytest.approx(fused["tokens_per_s"] / torch_loss["tokens_per_s"], rel=1e-3)
     assert payload["summary"]["goal_classic_ge_1p05x_nanogpt"] is None  # no nanoGPT row in this call
+
+
+def test_smoke_repeats_alternate_the_order_and_report_the_median(tmp_path):
+    """--repeats 2: the row list forward then reversed (A B C C B A); each row's step time is the median of its
+    repeats; the coordinate-descent row is the classic config with that inductor option, nanoGPT compiles with
+    inductor's defaults."""
+    bench = load_benchmark("gpt2_speedrun")
+    data = tmp_path / "data"
+    block = np.random.default_rng(1).integers(0, 512, 41)
+    write_shard(data / "tiny_train_000000.bin", np.tile(block, 100_000 // 41))
+    write_shard(data / "tiny_val_000000.bin", np.tile(block, 10_000 // 41))
+    rows = ["ours-classic-lightning", "ours-classic-cdt-lightning"]
+    if (ROOT / ".peers" / "nanoGPT" / "model.py").exists():
+        rows.insert(0, "nanogpt-bias")
+    payload = bench.main(["--smoke", "--data-dir", str(data), "--only", ",".join(rows), "--repeats", "2",
+                          "--out", str(tmp_path / "speedrun.json")])
+    res = payload["results"]
+    n = len(rows)
+    for i, name in enumerate(rows):
+        r = res[name]
+        assert "error" not in r, r.get("traceback")
+        assert [p["position"] for p in r["repeats"]] == [i, 2 * n - 1 - i]
+        steps = [p["step_ms"] for p in r["repeats"]]
+        assert r["step_ms"] == pytest.approx(sum(steps) / 2, abs=0.01)
+        assert r["tokens_per_s"] == pytest.approx(r["spec"]["tokens_per_step"] / r["step_ms"] * 1000, rel=1e-3)
+    classic, cdt = res["ours-classic-lightning"]["spec"], res["ours-classic-cdt-lightning"]["spec"]
+    assert cdt["compile_options"] == {**(classic["compile_options"] or {}), "coordinate_descent_tuning": True}
+    assert {**cdt, "compile_options": None} == {**classic, "compile_options": None}
+    if "nanogpt-bias" in res:
+        assert res["nanogpt-bias"]["spec"]["compile_options"] is None
+    assert payload["summary"]["classic_cdt_lightning_over_classic_lightning"] == pytest.approx(
+        res["ours-classic-cdt-lightning"]["tokens_per_s"] / res["ours-classic-lightning"]["tokens_per_s"], rel=1e-3)
+
+
+def test_median_row_keeps_failed_repeats_and_the_median_of_the_timed_ones():
+    median_row = load_benchmark("gpt2_speedrun").median_row
+    rows = [{"position": 0, "step_ms": 100.0, "tokens_per_s": 1000.0, "mfu": 0.4, "spec": {}},
+            {"position": 3, "error": "OutOfMemoryError"},
+            {"position": 4, "step_ms": 104.0, "tokens_per_s": 961.5, "mfu": 0.3846},
+            {"position": 7, "step_ms": 101.0, "tokens_per_s": 990.1, "mfu": 0.396}]
+    r = median_row(rows)
+    assert r["step_ms"] == 101.0 and r["tokens_per_s"] == pytest.approx(990.1, abs=0.1)
+    assert r["mfu"] == pytest.approx(0.396, abs=1e-4) and r["step_ms_spread_pct"] == pytest.approx(4.0)
+    assert [p.get("error") for p in r["repeats"]] == [None, "OutOfMemoryError", None, None]
+    assert median_row([rows[1]])["error"] == "OutOfMemoryError"
 
 
 def test_classic_goal_takes_the_faster_geometry_of_each():
