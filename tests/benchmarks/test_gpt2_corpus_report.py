@@ -94,7 +94,8 @@ def test_table_ratios_marking_and_goals(report, tmp_path):
     assert section.index("novels: prose") < section.index("docs: technical")
 
     goals = section.split("Goals:")[1]
-    assert "<= 0.70x the 2025-01-04 record's time and <= 0.75x the 2025-08-23 record's time" in goals
+    assert ("<= 0.70x the 2025-01-04 record's time and <= 0.75x the 2025-07-13 record's time and <= 0.75x the "
+            "2025-08-23 record's time") in goals
     assert f"- novels, 2025-01-04 record (<= 0.70x): `recipe` on {DEVICE}: 0.600x, within 0.70x" in goals
     assert "- docs (held out), 2025-08-23 record (<= 0.75x): `half-batch-85` on " in goals
     assert "target not reached (final 4.1234 vs 4.0000)" in goals
@@ -163,7 +164,17 @@ def test_a_run_of_the_recipe_spec_under_another_name_counts_and_a_failed_call_sh
     same = _ours("spec-twin", [(30.0, 5.0), (50.0, 4.2), (70.0, 3.8)], 600_000.0, long=long)
     same["variant"].update(accum=accum, budget=budget, model_overrides={})
     other = _ours("other", [(40.0, 4.5), (90.0, 4.0)], 500_000.0, long=not long)
-    _result(res, "code", "2025-01-04", {"ours": same, "ours-other": other})
+    # the recipe's geometry and budget with another window (override and recorded spec): not the recipe
+    window = report.gpt2_corpus_report.recipe_spec()[3]["window_schedule"]
+    wider = [window[0], window[1] + 512]
+    widew = _ours("wide-window", [(35.0, 4.6), (80.0, 4.1)], 550_000.0, long=long)
+    widew["variant"].update(accum=accum, budget=budget, model_overrides={"window_schedule": wider})
+    widew.update(stopped="deadline", steps=80)  # cut by the call's time before the target
+    # a run named "recipe" whose recorded spec has another window is not the shipped spec either
+    old_recipe = _ours("recipe", [(36.0, 4.6), (85.0, 3.95)], 550_000.0, long=long)
+    old_recipe["spec"] = {"model": {"window_schedule": wider}}
+    _result(res, "code", "2025-01-04", {"ours": same, "ours-other": other, "ours-wide-window": widew})
+    _result(res, "docs", "2025-01-04", {"ours": old_recipe})
     failed = _result(res, "novels", "2025-08-23", {})
     d = json.loads(failed.read_text())
     d["results"]["record"] = {"name": "record-2025-08-23", "error": "record script exited with 1"}
@@ -175,5 +186,10 @@ def test_a_run_of_the_recipe_spec_under_another_name_counts_and_a_failed_call_sh
     assert "**spec-twin** (= recipe" in twin and "| 0.600x |" in twin
     assert "| other |" in _row(section, "| other |")  # not the recipe's spec: not bold
     assert "code, 2025-01-04 record (<= 0.70x): `spec-twin`" in section and "`other`" not in section.split("Goals:")[1]
+    wide = _row(section, "| wide-window |")
+    assert "not reached: the call's time stopped it at step 80 (val loss 4.1000)" in wide
+    assert "`wide-window`" not in section.split("Goals:")[1]
+    # the only run of its call, so bold, but not called the shipped default: it ran another window
+    assert "| **recipe** |" in _row(section, "| **recipe** |")
     line = [x for x in section.splitlines() if x.startswith("- novels, 2025-08-23")][0]
     assert "record failed: record script exited with 1 (its loader found no document start" in line
