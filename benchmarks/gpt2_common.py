@@ -282,7 +282,9 @@ class RunSpec:
     # (the library's BatchGeometry, over optimizer steps here)
     seq_schedule: list[tuple[int, int]] = field(default_factory=list)
     stop_at_loss: float | None = None  # stop once a validation reaches this loss (time to target)
-    deadline_s: float | None = None  # checked at validations: stop once the clock passed this
+    # checked at validations: stop once the wall time (time.time()) has passed this; wall time, not the training
+    # clock, which leaves validation and set-up out and would overrun a call's time limit
+    deadline_unix: float | None = None
 
     def geometry(self) -> BatchGeometry:
         """``(micro-batch, seq_len)`` per optimizer step: the curriculum keeps the tokens per micro-batch."""
@@ -439,7 +441,7 @@ def _validate(spec: RunSpec, model, val_fn, data: Tokens, clock: Clock, curve: l
         return "non-finite loss"
     if spec.stop_at_loss is not None and loss <= spec.stop_at_loss:
         return "target reached"
-    if spec.deadline_s and t > spec.deadline_s:
+    if spec.deadline_unix is not None and time.time() > spec.deadline_unix:
         return "deadline"
     return None
 

@@ -455,3 +455,32 @@ def test_smoke_patches_the_exported_record_log(tmp_path, record):
     assert out["patched_lines"] == 1 and out["val_data"] in text and out["train_data"] in text
     assert ("for _ in range(8 // world_size):" in text) == (record == "2025-07-13")
     assert out["final_val_loss"] == 4.5 and out["tokens_per_s"] == pytest.approx(rec.tokens_per_step / 1.1)
+
+
+def test_a_run_stops_at_the_wall_time_deadline_even_when_validation_kept_its_clock_still():
+    """The call's time limit is wall time: a run whose training clock (validation left out) is still early stops
+    once the wall time is past ``deadline_unix``, at its next validation."""
+    import sys
+    import time
+
+    import torch
+
+    class FixedLoss:  # the validation result; the point here is the stop rule
+        def evaluate(self, *args):
+            return 5.0
+
+    spec = ours_spec(argparse.Namespace(steps=127, ours_val_every=4, smoke=True, ours_loss_impl=None,
+                                        ours_micro_batch=32), None, 8, False)
+    common = sys.modules[type(spec).__module__]  # gpt2_common as gpt2_record imports it
+    Clock, _validate = common.Clock, common._validate
+    assert spec.deadline_unix is None
+    model, clock = torch.nn.Linear(2, 2), Clock(torch.device("cpu"))
+    assert _validate(spec, model, None, FixedLoss(), clock, [], 1, 10) is None
+    spec = replace(spec, deadline_unix=time.time() + 0.2)
+    assert _validate(spec, model, None, FixedLoss(), clock, [], 2, 20) is None
+    clock.pause()
+    time.sleep(0.3)  # wall time passes while the training clock stands still (as during validation)
+    clock.resume()
+    curve: list = []
+    assert clock.now() < 0.2 and _validate(spec, model, None, FixedLoss(), clock, curve, 3, 30) == "deadline"
+    assert curve[0]["step"] == 3 and curve[0]["val_loss"] == 5.0
