@@ -15,6 +15,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -131,9 +132,8 @@ def read_rows(path: Path, manifest: dict[str, Any]) -> list[Row]:
         rows.append(Row(**common, key="-", variant="-", long=False, ours_s=None, ours_final=None,
                         ours_error="no result (the call's deadline stopped it)", time_ratio=None,
                         tokens_per_s_ratio=None))
-    specs = {key: r.get("spec") for key, r in results.items()}
     shipped = [r for r in rows if r.same_as_recipe or (r.variant == SHIPPED and (
-        recipe is None or _model_matches(specs.get(r.key), recipe[3])))]
+        recipe is None or _model_matches(results[r.key].get("spec"), recipe[3])))]
     for r in shipped:
         r.shipped = True
     for r in shipped or rows:
@@ -141,6 +141,7 @@ def read_rows(path: Path, manifest: dict[str, Any]) -> list[Row]:
     return rows
 
 
+@lru_cache(maxsize=1)  # one read of the YAML for every result file of a report
 def recipe_spec() -> tuple[int, bool, float, dict] | None:
     """The shipped recipe as ``gpt2_record.py`` runs it (``--ours recipe``): micro-batches of 32 x 1024 per step,
     long sequences, budget, and the model values a variant may override (the config's ``window_schedule``)."""

@@ -9,19 +9,19 @@ logits twice: the first sweep sums ``exp`` for the log-sum-exp, the second write
 L2 for the second sweep. The backward pass is then the two head matmuls, with the ``grad_output / count``
 factor applied to their small outputs instead of the big gradient.
 
-The kernel is bound by its special-function instructions (``exp``, ``tanh``, reciprocals), so it spends
-few: with a cap up to ``FIXED_MAX_CAP`` no capped logit exceeds the cap, which then serves as the row
-maximum (one ``exp`` per logit in the first sweep, no running maximum); without a cap,
-``online_max="block"`` keeps one running maximum per row, updated from each block's maximum (one ``exp`` per
-logit in the first sweep instead of the two of a running maximum per lane, ``"lane"``, for a reduction across
-the program's lanes per block); and the training sweep takes ``tanh`` from the GPU's ``tanh.approx.f32``: its
-relative error (about 2^-11) keeps a capped logit within about 1e-2 at cap 15, below the bfloat16 rounding of a logit that size, while the cap's derivative ``1 - tanh^2`` is off by up to
-about 1e-3 absolute - a few percent of it only for logits beyond twice the cap, where the gradient through
-the cap is small anyway. Evaluation (no gradient) keeps the exact formula. With ``fp8=True`` the logits come
-from an FP8 matmul, and so do the head's input and weight gradients: the kernel then writes the gradient as
-an e5m2 copy (times ``G8_MULT``) instead of over the logits, and a tiled Triton copy transposes it for the
-weight gradient (each FP8 gradient matmul measured faster than its bfloat16 form on an H100: +1.1% and +2.7%
-tokens/s in the speedrun recipe, docs/gpt2.md).
+The kernel is bound by its special-function instructions (``exp``, ``tanh``, reciprocals), so it spends few:
+with a cap up to ``FIXED_MAX_CAP`` no capped logit exceeds the cap, which then serves as the row maximum (one
+``exp`` per logit in the first sweep, no running maximum); without a cap, ``online_max="block"`` keeps one
+running maximum per row, updated from each block's maximum (one ``exp`` per logit in the first sweep instead of
+the two of a running maximum per lane, ``"lane"``, for a reduction across the program's lanes per block); and
+the training sweep takes ``tanh`` from the GPU's ``tanh.approx.f32``: its relative error (about 2^-11) keeps a
+capped logit within about 1e-2 at cap 15, below the bfloat16 rounding of a logit that size, while the cap's
+derivative ``1 - tanh^2`` is off by up to about 1e-3 absolute - a few percent of it only for logits beyond twice
+the cap, where the gradient through the cap is small anyway. Evaluation (no gradient) keeps the exact formula.
+With ``fp8=True`` the logits come from an FP8 matmul, and so do the head's input and weight gradients: the
+kernel then writes the gradient as an e5m2 copy (times ``G8_MULT``) instead of over the logits, and a tiled
+Triton copy transposes it for the weight gradient (each FP8 gradient matmul measured faster than its bfloat16
+form on an H100: +1.1% and +2.7% tokens/s in the speedrun recipe, docs/gpt2.md).
 
 The kernel runs on CUDA (or anywhere under ``TRITON_INTERPRET=1``); elsewhere the same function computes
 the same thing with torch ops. The call is kept out of ``torch.compile`` graphs (a graph break at the
