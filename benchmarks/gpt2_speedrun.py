@@ -21,7 +21,9 @@ tokens per step = 32 x 1024 x 16 = 524,288, like nanoGPT's train.py and the spee
   ``ours-classic-nobias-lightning``: the classic config without biases (``bias: false``), the architecture the
   ``nanogpt`` row trains (bench.py's ``bias=False``); ``ours-classic-mb64-lightning``: 64 x 1024 micro-batches;
   the classic rows compile with the YAML's ``model.compile_options``; ``ours-classic-cdt-lightning``: the same
-  with inductor's ``coordinate_descent_tuning`` on;
+  with inductor's ``coordinate_descent_tuning`` on; ``ours-classic-cudnn-lightning`` (``-cudnn-cdt-``,
+  ``-cudnn-mb64-``): the classic config with ``attn_backend="cudnn"`` (SDPA with cuDNN's fused attention first;
+  the shipped config's backend when it already is ``cudnn``), alone, with coordinate-descent tuning, at 64 x 1024;
 - ``nanogpt``: Karpathy's nanoGPT ``model.py`` trained as its ``bench.py`` does (see
   ``benchmarks/peers/nanogpt_runner.py``), imported from the git-ignored ``.peers/nanoGPT/``;
 - ``ours-speedrun-nofp8-lightning``: the recipe without its ``head_fp8: auto`` (the fused loss's head
@@ -232,6 +234,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # the classic config with inductor's coordinate-descent tuning (the same maths, re-tuned kernels)
         "ours-classic-cdt-lightning": lambda: oom_retry(lightning, with_cdt(cl, True)),
         "ours-classic-torchloss-lightning": lambda: oom_retry(lightning, with_model(cl, loss_impl="torch")),
+        # attention through SDPA with cuDNN's fused kernel first (same maths; PyTorch's kernels behind it)
+        "ours-classic-cudnn-lightning": lambda: oom_retry(lightning, with_model(cl, attn_backend="cudnn")),
+        "ours-classic-cudnn-cdt-lightning": lambda: oom_retry(
+            lightning, with_cdt(with_model(cl, attn_backend="cudnn"), True)),
+        "ours-classic-cudnn-mb64-lightning": lambda: oom_retry(lightning, with_model(mbx(cl, 2), attn_backend="cudnn")),
         # nanoGPT's bench.py trains without biases in the linear layers and LayerNorms: the same here
         "ours-classic-nobias-lightning": lambda: oom_retry(lightning, with_model(cl, bias=False)),
         "ours-classic-mb64-lightning": lambda: oom_retry(lightning, mbx(cl, 2)),
@@ -316,6 +323,10 @@ def summarize(results: dict[str, dict]) -> dict[str, Any]:
     for name in g:
         if not name.startswith("nanogpt"):
             s[f"{name}_over_nanogpt"] = ratio(g[name], nano)
+    if "nanogpt-bias" in g:  # every classic row against the same architecture (GPT-2's biases) in nanoGPT
+        for name in g:
+            if name.startswith("ours-classic-") and "nobias" not in name:
+                s[f"{name}_over_nanogpt_bias"] = ratio(g[name], g["nanogpt-bias"])
     # the goal: our recipe through Lightning, at the faster of its two geometries, against the faster peer run
     nanos = [g[k] for k in ("nanogpt", "nanogpt-mb64", "nanogpt-mb128") if k in g]
     ours = [g[k] for k in ("ours-speedrun-lightning", "ours-speedrun-mb64-lightning", "ours-speedrun-mb128-lightning")

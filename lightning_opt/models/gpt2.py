@@ -269,11 +269,12 @@ class GPTExecution:
     the same model, so a checkpoint resumes with other values (a recipe's ``model.execution``).
 
     Args:
-        attn_backend: ``auto``, ``flash``, ``sdpa``, ``math`` or ``flex`` (see :mod:`lightning_opt.ops.attention`).
+        attn_backend: ``auto``, ``flash``, ``sdpa``, ``cudnn`` (SDPA with cuDNN's fused attention first), ``math``
+            or ``flex`` (see :mod:`lightning_opt.ops.attention`).
         dropout: dropout probability in training, as in nanoGPT: on the embedding, on the attention weights
             and on the attention and MLP outputs before they join the residual stream (``0.0``: none, the
             pretraining default; ``0.1`` is common for fine-tuning). Training with dropout attends through
-            PyTorch SDPA (``attn_backend`` ``auto``, ``sdpa`` or ``math``).
+            PyTorch SDPA (``attn_backend`` ``auto``, ``sdpa``, ``cudnn`` or ``math``).
         loss_impl: ``torch`` (logits, then ``F.cross_entropy``) or ``chunked``
             (:func:`~lightning_opt.ops.cross_entropy.linear_cross_entropy`: never holds all float32 logits)
             or ``chunked_fp8`` (the same with the head matmuls in FP8 via ``torch._scaled_mm``; H100-class
@@ -336,7 +337,7 @@ class GPTExecution:
         if not 0.0 <= self.dropout < 1.0:
             raise bad("dropout", self.dropout, "must be in [0, 1)")
         if self.dropout and self.attn_backend in ("flash", "flex"):
-            raise bad("dropout", self.dropout, f"needs attn_backend 'auto', 'sdpa' or 'math' (not "
+            raise bad("dropout", self.dropout, f"needs attn_backend 'auto', 'sdpa', 'cudnn' or 'math' (not "
                       f"{self.attn_backend!r}: its kernel here takes no attention dropout)")
         if self.loss_chunk_size <= 0:
             raise bad("loss_chunk_size", self.loss_chunk_size, "must be a positive integer")
@@ -350,7 +351,7 @@ class GPTExecution:
         bad = _bad("GPTExecution")
         if config.window_schedule is not None and self.attn_backend == "flash":
             raise bad("attn_backend", self.attn_backend, "cannot move the window of GPTConfig.window_schedule "
-                      "(flash-attn takes a fixed window): use 'flex', 'sdpa', 'math' or 'auto'")
+                      "(flash-attn takes a fixed window): use 'flex', 'sdpa', 'cudnn', 'math' or 'auto'")
         hidden = int(config.mlp_ratio * config.n_embd)
         if self.mlp_fp8 and (config.n_embd % 16 or hidden % 16):
             raise bad("mlp_fp8", self.mlp_fp8, f"needs n_embd ({config.n_embd}) and the MLP width ({hidden}) "

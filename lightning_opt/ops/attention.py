@@ -6,6 +6,10 @@ All backends take ``q [B, H, T, D]`` and ``k, v [B, H_kv, T, D]`` (grouped-query
 flash-attn) send the call to the next backend, so the result never depends on what is installed beyond
 numerical tolerance.
 
+``backend="cudnn"`` is PyTorch SDPA with cuDNN's fused attention kernel first in line (on Hopper GPUs it runs
+causal attention faster than SDPA's default FlashAttention-2 kernel); whatever cuDNN does not take falls to
+SDPA's other kernels in their usual order, so a CPU computes the same as with ``sdpa``.
+
 ``backend="flex"`` (CUDA) builds a block-sparse mask at 128-token granularity from the document ids and the
 window, so a 64k-token sequence of many documents costs only the blocks that attend anything; the window
 may be a device tensor (a schedule changes it without recompiling). On a CPU, which has no FlexAttention
@@ -19,13 +23,20 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_opt._optional import is_available
 
-BACKENDS = ("auto", "flash", "sdpa", "math", "flex")
+BACKENDS = ("auto", "flash", "sdpa", "cudnn", "math", "flex")
 FLEX_BLOCK = 128
 _DENSE_MASK_LIMIT = 1 << 28  # booleans (256 MiB): beyond this the SDPA/math paths refuse a dense mask
 
+
+# backend="cudnn": PyTorch SDPA with cuDNN's fused attention first, then PyTorch's own kernels in their usual
+# order, so a shape or device that cuDNN does not take (a CPU, a dense mask it refuses) still runs
+_CUDNN_FIRST = [
+    SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
+]
 
 _UNRESOLVED = object()
 # flash_attn_func, None (not usable) or _UNRESOLVED. A module global rather than an lru_cache: under
@@ -200,8 +211,9 @@ def attention(
             with ``flex`` (or ``sdpa`` / ``math``), so a schedule can change it without recompiling.
         doc_ids: ``[B, T]`` integer document ids; positions attend only inside their document.
         scale: softmax scale, default ``1/sqrt(D)``.
-        backend: ``auto`` (flash-attn > SDPA), ``flash``, ``sdpa``, ``math`` or ``flex`` (long sequences with
-            document / window masks, see :func:`flex_doc_window_attention`).
+        backend: ``auto`` (flash-attn > SDPA), ``flash``, ``sdpa``, ``cudnn`` (SDPA with cuDNN's fused attention
+            put first, PyTorch's kernels after it for what cuDNN does not take), ``math`` or ``flex`` (long
+            sequences with document / window masks, see :func:`flex_doc_window_attention`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is unknown; choose one of {BACKENDS}")
@@ -239,8 +251,17 @@ def attention(
         return math_attention(q, k, v, mask, scale)
 
     gqa = q.shape[1] != k.shape[1]
-    if plain:
+    mask = None
+    if not plain:
+        _check_dense_mask(t, doc_ids, "use attn_backend='flex' for long sequences with masks")
+        mask = build_mask(t, q.device, window, doc_ids)
+    if backend == "cudnn":
+        with sdpa_kernel(_CUDNN_FIRST, set_priority=True):
+            return _sdpa(q, k, v, mask, causal, scale, gqa)
+    return _sdpa(q, k, v, mask, causal, scale, gqa)
+
+
+def _sdpa(q, k, v, mask, causal, scale, gqa):
+    if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
-    _check_dense_mask(t, doc_ids, "use attn_backend='flex' for long sequences with masks")
-    mask = build_mask(t, q.device, window, doc_ids)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

@@ -23,13 +23,15 @@ def test_smoke_classic_fused_and_torch_loss_rows(tmp_path):
     write_shard(data / "tiny_val_000000.bin", np.tile(block, 20_000 // 37))
     out = tmp_path / "speedrun.json"
     rows = ("ours-classic-lightning", "ours-classic-torchloss-lightning", "ours-classic-nobias-lightning",
-            "ours-classic-mb64-lightning")
+            "ours-classic-mb64-lightning", "ours-classic-cudnn-lightning")
     payload = bench.main(["--smoke", "--data-dir", str(data), "--only", ",".join(rows), "--out", str(out)])
     assert json.loads(out.read_text())["results"].keys() == set(rows)
     for r in payload["results"].values():
         assert "error" not in r, r.get("traceback")
         assert r["tokens_per_s"] > 0 and r["runner"] == "lightning"
-    fused, torch_loss, nobias, mb64 = (payload["results"][r] for r in rows)
+    fused, torch_loss, nobias, mb64, cudnn = (payload["results"][r] for r in rows)
+    assert cudnn["spec"]["execution"]["attn_backend"] == "cudnn"
+    assert {**cudnn["spec"]["execution"], "attn_backend": None} == {**fused["spec"]["execution"], "attn_backend": None}
     assert nobias["spec"]["model"]["bias"] is False and fused["spec"]["model"]["bias"] is True
     assert mb64["spec"]["micro_batch"] == 2 * fused["spec"]["micro_batch"]
     assert mb64["spec"]["tokens_per_step"] == fused["spec"]["tokens_per_step"]
@@ -40,6 +42,8 @@ def test_smoke_classic_fused_and_torch_loss_rows(tmp_path):
     b = [p["val_loss"] for p in torch_loss["val_curve"]]
     assert len(a) == len(b) >= 2 and a[-1] < a[0]
     assert a == pytest.approx(b, rel=1e-4, abs=1e-4)
+    # a CPU has no cuDNN attention: the cudnn backend falls to SDPA's CPU kernels and learns the same
+    assert [p["val_loss"] for p in cudnn["val_curve"]] == pytest.approx(a, rel=1e-4, abs=1e-4)
     ratio = payload["summary"]["classic_fused_loss_over_torch_loss"]
     assert ratio == pytest.approx(fused["tokens_per_s"] / torch_loss["tokens_per_s"], rel=1e-3)
     assert payload["summary"]["goal_classic_ge_1p05x_nanogpt"] is None  # no nanoGPT row in this call

@@ -155,3 +155,42 @@ def test_flex_block_mask_compiles_in_one_graph_and_a_new_window_recompiles_nothi
                                        atol=1e-4, rtol=1e-4)
     finally:
         torch._dynamo.reset()
+
+
+def _grads(backend, window=None, compiled=False):
+    q, k, v = (x.clone().requires_grad_() for x in _qkv(hkv=2))
+    fn = torch.compile(attention, backend="aot_eager", fullgraph=True) if compiled else attention
+    out = fn(q, k, v, window=window, backend=backend)
+    out.square().sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cudnn_backend_falls_back_on_cpu_to_the_same_result(window, compiled):
+    flags = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled(),
+             torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled())
+    ref = _grads("math", window)
+    got = _grads("cudnn", window, compiled)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # the kernel preference is scoped to the call: SDPA's global switches are as they were
+    assert flags == (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled(),
+                     torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cudnn_backend_on_cuda_matches_sdpa_in_bf16():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(4, 12, 1024, 64, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    outs = []
+    for backend in ("sdpa", "cudnn"):
+        for x in (q, k, v):
+            x.grad = None
+        out = attention(q, k, v, backend=backend)
+        out.float().square().sum().backward()
+        outs.append((out.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
