@@ -543,7 +543,9 @@ def train_lightning(spec: RunSpec, data: Tokens, train_path: Path, logger: str =
                 state["t_warm"] = clock.now()
             if probe is not None and done >= probe_window[1] and probe.active:
                 probe.stop()
-            if spec.val_every and (done % spec.val_every == 0 or done == spec.steps):
+            # the last step validates inside fit (val_every 0: only there): after fit, Lightning's teardown
+            # has moved the module back to the CPU
+            if done == spec.steps or (spec.val_every and done % spec.val_every == 0):
                 model = pl_module.model
                 stop = _validate(spec, model, model.forward, data, clock, curve, done, state["tokens"])
                 if stop:
@@ -571,11 +573,6 @@ def train_lightning(spec: RunSpec, data: Tokens, train_path: Path, logger: str =
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Timing()],
     )
     trainer.fit(module, datamodule=dm)
-    if not spec.val_every:
-        clock = state["clock"]
-        _validate(spec, module.model, module.model.forward, data, clock, curve, trainer.global_step,
-                  state["tokens"])
-        curve[-1]["clock_s"] = round(state["end"], 3)
     end = curve[-1]["clock_s"] if curve else state["end"]
     return summarize(spec, module.model, end, state["t_warm"], trainer.global_step, module.tokens_seen, curve,
                      dev, {"runner": "lightning", "stopped": state["stopped"], "logger": logger,

@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--accum", type=int, default=16, help="micro-batches per optimizer step")
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--val-every", type=int, default=4, help="validate every N steps (off the clock)")
+    p.add_argument("--val-every", type=int, default=None,
+                   help="validate every N steps (off the clock); 0: only after the last step (default 4, --smoke 2)")
     p.add_argument("--val-tokens", type=int, default=1_048_576)
     p.add_argument("--amp", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--no-compile", action="store_true")
@@ -169,9 +170,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     if args.smoke:
         args.steps, args.warm, args.micro_batch, args.accum, args.seq_len = 4, 1, 4, 2, 64
-        args.val_every, args.val_tokens, args.no_compile, args.need_s = 2, 4096, not args.smoke_compile, 0.0
+        args.val_tokens, args.no_compile, args.need_s = 4096, not args.smoke_compile, 0.0
+        args.val_every = 2 if args.val_every is None else args.val_every
         args.amp = "fp32"  # CPUs have no fast bf16 matmul
         args.lightning_logger = "none"
+    args.val_every = 4 if args.val_every is None else args.val_every
     deadline = deadline_from(args)
     dev = device()
     train_path, val_path = find_shards(args.data_dir)

@@ -117,3 +117,20 @@ def test_classic_goal_compares_the_same_architecture_when_both_ran():
     assert s["goal_classic_ge_1p05x_nanogpt"] is True  # 1.06 with biases, 1.0545 without
     slower = summarize({**res, "ours-classic-nobias-lightning": {"tokens_per_s": 112.0}})
     assert slower["goal_classic_ge_1p05x_nanogpt"] is False  # the pair without biases is at 1.018
+
+
+def test_smoke_val_every_zero_validates_once_after_the_last_step(tmp_path):
+    """--val-every 0: one validation, at the last optimizer step, inside Trainer.fit (after fit, Lightning has
+    moved the module back to the CPU); the run's final loss is that point's."""
+    bench = load_benchmark("gpt2_speedrun")
+    data = tmp_path / "data"
+    block = np.random.default_rng(2).integers(0, 512, 43)
+    write_shard(data / "tiny_train_000000.bin", np.tile(block, 100_000 // 43))
+    write_shard(data / "tiny_val_000000.bin", np.tile(block, 10_000 // 43))
+    payload = bench.main(["--smoke", "--data-dir", str(data), "--only", "ours-classic-lightning,ours-classic-bare",
+                          "--val-every", "0", "--out", str(tmp_path / "speedrun.json")])
+    assert payload["settings"]["val_every"] == 0
+    for r in payload["results"].values():
+        assert "error" not in r, r.get("traceback")
+        assert [p["step"] for p in r["val_curve"]] == [r["steps"]] == [payload["settings"]["steps"]]
+        assert r["final_val_loss"] == r["val_curve"][0]["val_loss"]
