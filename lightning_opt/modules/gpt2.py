@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -37,12 +38,14 @@ def saved_model_config(saved: Any) -> dict[str, Any]:
 
 
 def check_compile_options(compile: bool, options: dict[str, Any] | None) -> None:
-    """Refuse inductor options that would be ignored (no compile) or that inductor does not have, before any
-    training starts (torch would only fail at the first forward, after the data and model are set up)."""
+    """Refuse inductor options that inductor does not have, before any training starts (torch would only fail at
+    the first forward, after the data and model are set up); warn that they do nothing when compile is off (a
+    config that ships options, such as the classic one, still runs eagerly with ``compile: false``)."""
     if not options:
         return
     if not compile:
-        raise ValueError(f"compile_options={options!r} is set but compile is false; set compile: true or drop them")
+        warnings.warn(f"compile_options={options!r} take effect only with compile: true; this run compiles nothing",
+                      stacklevel=2)
     from torch._inductor import config as inductor_config
 
     known = set(inductor_config.get_config_copy())
