@@ -34,11 +34,14 @@ def shown(kind: str) -> list[Path | None]:
     files = [f for f in RESULTS.glob(f"gpt2_{kind}_*.json")
              if "_smoke" not in f.name and not gpt2_corpus_report.is_corpus_file(f)]
 
-    def key(f: Path) -> tuple[bool, str, str]:
-        # a throughput file with nanoGPT rows leads (the page's first section compares with it), then the newest
+    def key(f: Path) -> tuple[bool, bool, str, str]:
+        # a throughput file with nanoGPT rows leads (the page's first section compares with it), one with the
+        # speedrun recipe's rows before one of the classic config alone, then the newest
         d = json.loads(f.read_text())
-        with_peer = any(k.startswith("nanogpt") for k in d.get("results") or {})
-        return with_peer, d.get("env", {}).get("date_utc", ""), f.name
+        rows = d.get("results") or {}
+        with_peer = any(k.startswith("nanogpt") for k in rows)
+        with_speedrun = any(k.startswith("ours-speedrun") for k in rows)
+        return with_peer, with_speedrun, d.get("env", {}).get("date_utc", ""), f.name
 
     return sorted(files, key=key, reverse=True) or [None]
 
@@ -295,10 +298,10 @@ def main(argv: list[str] | None = None) -> Path:
     ]
     lines += speedrun_section(sp, sp_path, doc)
     for older, older_path in runs[1:]:
-        lines += speedrun_section(older, older_path, doc, f"### Throughput on {older['env']['device']}")
+        lines += speedrun_section(older, older_path, doc, f"### Throughput on {older['env']['device']} ({older_path.name})")
     lines += record_section(rc, rc_path, doc)
     for older, older_path in records[1:]:
-        lines += record_section(older, older_path, doc, f"### Time to target on {older['env']['device']}")
+        lines += record_section(older, older_path, doc, f"### Time to target on {older['env']['device']} ({older_path.name})")
     manifest = gpt2_corpus_report.load_manifest(Path(a.manifest))
     corpus_files = gpt2_corpus_report.corpus_files(Path(a.corpus_results))
     corpus_img = doc.parent / "img" / gpt2_corpus_report.IMG_NAME

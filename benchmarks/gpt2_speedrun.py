@@ -185,7 +185,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.smoke:  # the Lightning DataModule reads files: give it the same small-vocabulary tokens
         train_path = smoke_shard(data)
     sp, cl = specs["speedrun"], specs["classic"]
-    cl_peer = replace(cl, compile_options=None)  # nanoGPT compiles with inductor's defaults
+    # nanoGPT compiles with inductor's defaults and computes its own way (its model.py: SDPA's default kernels,
+    # logits then F.cross_entropy); its spec says so rather than carrying the classic config's execution
+    cl_peer = replace(cl, compile_options=None,
+                      execution=replace(cl.execution, attn_backend="sdpa", loss_impl="torch"))
     nano_shape = SMOKE_SHAPE if args.smoke else None
     nano_vocab = SMOKE_VOCAB if args.smoke else 50304
 

@@ -77,6 +77,8 @@ def test_smoke_repeats_alternate_the_order_and_report_the_median(tmp_path):
     assert {**cdt, "compile_options": None} == {**classic, "compile_options": None}
     if "nanogpt-bias" in res:
         assert res["nanogpt-bias"]["spec"]["compile_options"] is None
+        peer = res["nanogpt-bias"]["spec"]["execution"]
+        assert (peer["attn_backend"], peer["loss_impl"]) == ("sdpa", "torch")
     assert payload["summary"]["classic_cdt_lightning_over_classic_lightning"] == pytest.approx(
         res["ours-classic-cdt-lightning"]["tokens_per_s"] / res["ours-classic-lightning"]["tokens_per_s"], rel=1e-3)
 
