@@ -72,7 +72,8 @@ class GPT2SpeedrunModule(TrainingModule):
             saved in the hyperparameters, free to change when a checkpoint resumes or loads.
         compile: wrap the model in ``torch.compile``.
         compile_options: inductor settings for that compile (``torch.compile(options=...)``), e.g.
-            ``{"coordinate_descent_tuning": True}``: longer compile, faster kernels. Needs ``compile=True``.
+            ``{"coordinate_descent_tuning": True}``: longer compile, faster kernels. Used only with ``compile=True``
+            (otherwise a warning says they do nothing); names that inductor does not have are refused.
         init_from: start from Hugging Face GPT-2 weights (fine-tuning): a local directory with ``config.json``
             and ``model.safetensors`` (or ``pytorch_model.bin``) or a hub id such as ``gpt2`` (needs the ``hf``
             extra); see :meth:`~lightning_opt.models.gpt2.GPT.from_pretrained`. ``model_config`` must be the
