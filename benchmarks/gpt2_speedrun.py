@@ -360,8 +360,6 @@ def summarize(results: dict[str, dict]) -> dict[str, Any]:
     cdt = g.get("ours-classic-cdt-lightning")
     s["classic_cdt_lightning_over_classic_lightning"] = ratio(cdt, g["ours-classic-lightning"]) if (
         cdt and "ours-classic-lightning" in g) else None
-    s["classic_cdt_lightning_over_nanogpt_bias"] = ratio(cdt, g["nanogpt-bias"]) if (
-        cdt and "nanogpt-bias" in g) else None
     s["classic_fused_loss_over_torch_loss"] = ratio(g.get("ours-classic-lightning", {}),
                                                      g.get("ours-classic-torchloss-lightning", {}))
     # the Lightning overhead at the 32 x 1024 geometry, or at 64 x 1024 where only that pair ran

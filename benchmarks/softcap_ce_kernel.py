@@ -55,6 +55,8 @@ SMOKE = dict(rows=16, vocab=300, width=32, warmup=1, iters=1, repeats=1, check_r
 # (case, cap, online_max): the baseline of each cap first
 CASES = (("no_cap_lane", None, "lane"), ("no_cap_block", None, "block"), ("cap15", 15.0, None),
          ("cap50_lane", 50.0, "lane"), ("cap50_block", 50.0, "block"))
+# (case, cap) of an earlier softcap_ce.py given with --old, timed with its defaults
+OLD_CASES = (("old_no_cap", None), ("old_cap15", 15.0), ("old_cap50", 50.0))
 
 
 def _sync(device: torch.device) -> None:
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fns[f"{name}/train"] = lambda cap=cap, kw=kw: new.softcap_ce_rows_(buf, y, cap, **kw)
         fns[f"{name}/eval"] = lambda cap=cap, kw=kw: new.softcap_ce_rows_(base, y, cap, write_grad=False, **kw)
     if old is not None:
-        for cap, label in ((None, "old_no_cap"), (15.0, "old_cap15"), (50.0, "old_cap50")):
+        for label, cap in OLD_CASES:
             fns[f"{label}/train"] = lambda cap=cap: old.softcap_ce_rows_(buf, y, cap)
             fns[f"{label}/eval"] = lambda cap=cap: old.softcap_ce_rows_(base, y, cap, write_grad=False)
     ms = interleaved_ms(fns, spec["warmup"], spec["iters"], spec["repeats"], device)
@@ -159,8 +161,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     labels = [(name, cap, online_max, new) for name, cap, online_max in CASES]
     if old is not None:
-        labels += [(label, cap, None, old) for cap, label in ((None, "old_no_cap"), (15.0, "old_cap15"),
-                                                               (50.0, "old_cap50"))]
+        labels += [(label, cap, None, old) for label, cap in OLD_CASES]
     for name, cap, online_max, mod in labels:
         kw = _rows_kwargs(online_max, block_v) if mod is new else {}
         rows.append({"case": name, "cap": cap, "online_max": online_max or ("default" if mod is new else "old"),
