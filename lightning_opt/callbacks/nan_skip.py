@@ -302,7 +302,7 @@ class _OptimizerGuard:
             self.original_step(**kwargs)
             return loss
         device = params[0].device
-        code, bad = owner._decision(params, device)
+        code, bad = owner._decision(params, device, self)
         trainer = owner._trainer
         meta = (trainer.global_step if trainer else -1, owner._batch_idx)
         use_host = (
@@ -450,6 +450,9 @@ class NaNSkip(KeyedStateCallback):
         self._ones: dict[torch.device, torch.Tensor] = {}  # constants, one per device (never written to)
         self._leaves: list[_Leaf] = []  # of this fit (kept after it ends, for ``paths``)
         self._check = NonFiniteCheck()  # one Triton kernel per dtype on CUDA; else flag_nonfinite
+        # Gradient flags of the coming optimizer step, read in on_before_optimizer_step, before Lightning clips
+        # (value clipping turns an Inf into a finite +-clip_val): (guard, flags, "any" slot written by the kernel)
+        self._grad_flags: tuple[_OptimizerGuard, torch.Tensor, bool] | None = None
 
     # -- hooks ----------------------------------------------------------------------------------
     @override
@@ -483,6 +486,26 @@ class NaNSkip(KeyedStateCallback):
     ) -> None:
         self._batch_idx = batch_idx
         self._step_code = None
+        self._grad_flags = None
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        # Lightning calls this after the backward(s) of the step and before it clips the gradients (Trainer
+        # gradient_clip_val, configure_gradient_clipping): the gradients are checked here, as backward made them.
+        self._grad_flags = None
+        if not self.config.check_grads:
+            return
+        guard = next((g for g in self._guards if g.optimizer is optimizer), None)
+        if guard is None:
+            return
+        params = guard.params_with_grad()
+        if not params:
+            return
+        device = params[0].device
+        if self._step_code is None and len(self._guards) > 1:  # the step's first decision covers every optimizer
+            params = [p for g in self._guards for p in g.params_with_grad()]
+        flags = torch.zeros(len(_REASONS) + 1, dtype=torch.float32, device=device)
+        self._grad_flags = (guard, flags, self._flag([([p.grad for p in params], 1)], flags, device))
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
@@ -500,6 +523,7 @@ class NaNSkip(KeyedStateCallback):
         self._losses = []
         self._loss_sum = None
         self._clamped = None
+        self._grad_flags = None
 
     def _note_loss(self, value: torch.Tensor, clamped: torch.Tensor | None = None) -> None:
         """Adds a loss value of one backward to the checks of the pending decision, and ORs a clamp flag into
@@ -624,10 +648,29 @@ class NaNSkip(KeyedStateCallback):
         self._scheduler_wraps = []
 
     @torch.no_grad()
-    def _decision(self, params: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _flag(self, slots: list[tuple[list[torch.Tensor], int]], flags: torch.Tensor, device: torch.device) -> bool:
+        """Sets ``flags[slot]`` to 1 for each ``(tensors, slot)`` holding a NaN or Inf (no host sync); True when
+        the "any" slot (the last) was written as well (the Triton kernel), so that it is the decision as it is."""
+        n = len(_REASONS)
+        if self._check(slots, flags, n):
+            return True
+        if slots:
+            one = self._ones.get(device)
+            if one is None:
+                one = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
+            flag_nonfinite([(tensors, flags[i]) for tensors, i in slots], one)
+        return False
+
+    @torch.no_grad()
+    def _decision(
+        self, params: list[torch.Tensor], device: torch.device, guard: _OptimizerGuard | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 [len(_REASONS)] 0/1 flags on ``device``, the same on every rank: (loss not finite, gradient
         not finite, spike, clamped), OR-ed with the earlier decisions of this training step, and the decision
         (their maximum, 0-dim). No host sync.
+
+        The gradients are those :meth:`on_before_optimizer_step` checked for ``guard``'s step before Lightning
+        clipped them; without that check (an optimizer stepped outside Lightning's loop) they are checked now.
 
         One training step has one decision: its first one checks the gradients of *every* wrapped
         optimizer, and each later optimizer step of the same batch (manual optimization) inherits
@@ -637,23 +680,22 @@ class NaNSkip(KeyedStateCallback):
         """
         cfg = self.config
         if self._step_code is None and len(self._guards) > 1:
-            params = [p for guard in self._guards for p in guard.params_with_grad()] or params
+            params = [p for g in self._guards for p in g.params_with_grad()] or params
         n = len(_REASONS)
-        # the reasons and, last, their maximum (the non-finite kernel writes it as it finds a bad value)
-        flags = torch.zeros(n + 1, dtype=torch.float32, device=device)
-        code = flags[:n]
+        early, self._grad_flags = self._grad_flags, None
         slots: list[tuple[list[torch.Tensor], int]] = []
         if cfg.check_loss and self._losses:
             slots.append((self._losses, 0))
-        if cfg.check_grads:
-            slots.append(([p.grad for p in params], 1))
-        # one read of every gradient and loss together, flags set on the device
-        bad_ready = self._check(slots, flags, n)
-        if not bad_ready and slots:
-            one = self._ones.get(device)
-            if one is None:
-                one = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
-            flag_nonfinite([(tensors, code[i]) for tensors, i in slots], one)
+        if early is not None and early[0] is guard and early[1].device == device:
+            # the reasons and, last, their maximum (the non-finite kernel writes it as it finds a bad value)
+            flags, grads_ready = early[1], early[2]
+        else:
+            flags, grads_ready = torch.zeros(n + 1, dtype=torch.float32, device=device), True
+            if cfg.check_grads:
+                slots.append(([p.grad for p in params], 1))
+        code = flags[:n]
+        # one read of every loss (and of the gradients when not read before clipping), flags set on the device
+        bad_ready = self._flag(slots, flags, device) and grads_ready
         if self._clamped is not None:
             code[3].copy_(self._clamped.to(device, non_blocking=True))
             bad_ready = False
