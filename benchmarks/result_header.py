@@ -1,5 +1,5 @@
 """The metadata every benchmark result JSON carries (what ran, where, with which versions, how) and the device's
-peak FLOP/s for MFU, from Lightning's table (``lightning.fabric.utilities.throughput.get_available_flops``)."""
+peak FLOP/s for MFU (:func:`lightning_opt.callbacks.speed_monitor.peak_flops`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lightning_opt.callbacks.speed_monitor import peak_flops  # noqa: F401  (the benchmarks' MFU peak)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -30,20 +32,6 @@ def device_slug() -> str:
     """The device part of a result file's name: ``nvidia-h100-80gb-hbm3``, ``cpu``."""
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def peak_flops(device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16) -> float | None:
-    """Dense peak FLOP/s of ``device`` (default: the current GPU) for ``dtype``, from Lightning's table; None on CPU
-    or for a device Lightning does not list."""
-    from lightning.fabric.utilities.throughput import get_available_flops
-
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cpu":
-        return None
-    flops = get_available_flops(device, dtype)
-    return float(flops) if flops else None
 
 
 def environment(on_gpu: bool | None = None) -> dict[str, Any]:

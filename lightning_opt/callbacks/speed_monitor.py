@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -15,23 +16,93 @@ from typing_extensions import override
 
 from lightning_opt.callbacks._logging import KeyedStateCallback, log_every, log_metrics, optimizer_stepped
 
+# Dense peak tensor-core FLOP/s of one Hopper GPU (without 2:4 sparsity): half the "with sparsity" figures of
+# NVIDIA's datasheets. H100 SXM / PCIe / NVL: the H100 Tensor Core GPU datasheet,
+# https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet (SXM and PCIe as in Lightning's
+# table). H200 SXM / NVL: the H200 datasheet, https://nvdam.widen.net/s/nb5zzzsjdf/hpc-datasheet-sc23-h200-datasheet-3002446
+# (its columns equal H100 SXM's and H100 NVL's). Lightning 2.6's table matches H200 only with "SXM1"/"NVL1" in the
+# name, lists sparse figures for it, and lists H100 NVL per pair of cards: 2x one device's dense peak.
+_H100_SXM = {"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12}
+_H100_NVL = {"fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12, "fp8": 1670.5e12}
+_HOPPER_DENSE_FLOPS: dict[str, dict[str, float]] = {
+    "h100 sxm": _H100_SXM,
+    "h100 pcie": {"fp32": 51.2e12, "tf32": 378e12, "bf16": 756e12, "fp16": 756e12, "fp8": 1513e12},
+    "h100 nvl": _H100_NVL,
+    "h200 sxm": _H100_SXM,
+    "h200 nvl": _H100_NVL,
+}
+_DTYPE_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+PEAK_PRECISIONS = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
+_LIGHTNING_DTYPES: dict[str, torch.dtype | str] = {
+    "fp64": torch.float64,
+    "fp32": torch.float32,
+    "tf32": "tfloat32",
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+def hopper_chip(device_name: str) -> str | None:
+    """The key of ``device_name`` (as ``torch.cuda.get_device_name`` reports it) in the Hopper peak table:
+    ``"NVIDIA H100 80GB HBM3"`` is ``"h100 sxm"``, ``"NVIDIA H200 NVL"`` is ``"h200 nvl"``; None for other GPUs
+    (a GH200 too)."""
+    name = device_name.lower()
+    if re.search(r"\bh200\b", name):
+        return "h200 nvl" if "nvl" in name else "h200 sxm"
+    if re.search(r"\bh100\b", name):
+        if "nvl" in name:
+            return "h100 nvl"
+        if "pcie" in name or "hbm2e" in name:
+            return "h100 pcie"
+        return "h100 sxm"  # "NVIDIA H100 80GB HBM3", "NVIDIA H100"
+    return None
+
+
+def peak_precision(precision: str) -> str:
+    """The peak column (one of :data:`PEAK_PRECISIONS`) for a Lightning precision string: ``transformer-engine*``
+    is fp8, ``bf16*`` bf16, ``16*`` fp16, ``64*`` fp64; 32-bit is tf32 unless
+    ``torch.get_float32_matmul_precision()`` is ``"highest"`` (as Lightning counts it)."""
+    if "transformer-engine" in precision:
+        return "fp8"
+    if "bf16" in precision:
+        return "bf16"
+    if "16" in precision:
+        return "fp16"
+    if "64" in precision:
+        return "fp64"
+    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def peak_flops(
+    device: torch.device | str | None = None, dtype: torch.dtype | str = torch.bfloat16
+) -> float | None:
+    """Dense peak FLOP/s of one ``device`` (default: the current GPU) for ``dtype`` (a torch dtype or one of
+    :data:`PEAK_PRECISIONS`). H100 and H200 from NVIDIA's datasheets (the table above), other GPUs from Lightning's
+    table (:func:`lightning.fabric.utilities.throughput.get_available_flops`, which has no fp8 column); None on CPU
+    or for a device or dtype neither lists."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    name = _DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, torch.dtype) else dtype
+    if name not in PEAK_PRECISIONS:
+        raise ValueError(
+            f"peak_flops: dtype {dtype!r} has no peak column; use a torch dtype or one of {PEAK_PRECISIONS}"
+        )
+    if device.type != "cuda":
+        return None
+    chip = hopper_chip(torch.cuda.get_device_name(device))
+    if chip is not None and name in _HOPPER_DENSE_FLOPS[chip]:
+        return _HOPPER_DENSE_FLOPS[chip][name]
+    if name not in _LIGHTNING_DTYPES:
+        return None
+    flops = get_available_flops(device, _LIGHTNING_DTYPES[name])
+    return float(flops) if flops else None
+
 
 def peak_flops_for(device: torch.device, precision: str) -> float | None:
-    """Dense peak FLOP/s of ``device`` for a Lightning precision string, from Lightning's table
-    (:func:`lightning.fabric.utilities.throughput.get_available_flops`); None on CPU or for a device it does not list.
-    """
-    if device.type == "cpu":
-        return None
-    if "bf16" in precision:
-        dtype = torch.bfloat16
-    elif "16" in precision:
-        dtype = torch.float16
-    elif "64" in precision:
-        dtype = torch.float64
-    else:
-        dtype = torch.float32  # Lightning counts TF32 when float32 matmul precision is not "highest"
-    flops = get_available_flops(device, dtype)
-    return float(flops) if flops else None
+    """Dense peak FLOP/s of ``device`` for a Lightning precision string (see :func:`peak_precision` and
+    :func:`peak_flops`); None on CPU or for a device neither table lists."""
+    return peak_flops(device, peak_precision(precision))
 
 
 def _batch_counts(batch: Any) -> tuple[int, int]:
@@ -72,6 +143,7 @@ class SpeedMonitorConfig:
     log_every_n_steps: int | None = None
     peak_flops: float | None = None
     window: int = 50
+    peak_precision: str | None = None
 
     def __post_init__(self) -> None:
         if self.log_every_n_steps is not None and self.log_every_n_steps < 1:
@@ -80,6 +152,11 @@ class SpeedMonitorConfig:
             raise ValueError(f"SpeedMonitor: peak_flops={self.peak_flops}; it must be > 0 (FLOP/s).")
         if self.window < 1:
             raise ValueError(f"SpeedMonitor: window={self.window}; it must be >= 1.")
+        if self.peak_precision is not None and self.peak_precision not in PEAK_PRECISIONS:
+            raise ValueError(
+                f"SpeedMonitor: peak_precision={self.peak_precision!r}; use one of {PEAK_PRECISIONS} or None "
+                "(from the Trainer's precision)."
+            )
 
 
 class SpeedMonitor(KeyedStateCallback):
@@ -103,10 +180,13 @@ class SpeedMonitor(KeyedStateCallback):
     Args:
         log_every_n_steps: how often to log, in optimizer steps (default: the Trainer's
             ``log_every_n_steps``; other values reach the loggers only on steps the Trainer writes too).
-        peak_flops: peak FLOP/s of one device for MFU (default: Lightning's
-            ``get_available_flops`` for the device and the Trainer's precision; when it does not know the
-            device, MFU is not logged).
+        peak_flops: peak FLOP/s of one device for MFU (default: :func:`peak_flops` for the device and
+            ``peak_precision``: NVIDIA's dense datasheet figures for H100 and H200, Lightning's table for other
+            GPUs; when neither knows the device, MFU is not logged and an info message says so).
         window: number of recent steps the time split averages over.
+        peak_precision: which peak MFU is measured against, one of ``"fp8"``, ``"bf16"``, ``"fp16"``,
+            ``"tf32"``, ``"fp32"``, ``"fp64"`` (default: from the Trainer's precision, see :func:`peak_precision`;
+            ``"fp8"`` for a model whose matmuls run in FP8 under ``bf16-mixed``). Ignored with ``peak_flops``.
 
     Example::
 
@@ -114,14 +194,20 @@ class SpeedMonitor(KeyedStateCallback):
     """
 
     def __init__(
-        self, log_every_n_steps: int | None = None, peak_flops: float | None = None, window: int = 50
+        self,
+        log_every_n_steps: int | None = None,
+        peak_flops: float | None = None,
+        window: int = 50,
+        peak_precision: str | None = None,
     ) -> None:
-        self.config = SpeedMonitorConfig(log_every_n_steps, peak_flops, window)
+        self.config = SpeedMonitorConfig(log_every_n_steps, peak_flops, window, peak_precision)
+        #: the peak speed/mfu is measured against (FLOP/s of one device) and what it is, set when training starts
+        self.peak: float | None = None
+        self.peak_source = ""
         self.total_samples = 0
         self.total_tokens = 0
         self.metrics: dict[str, float] = {}
-        self._peak: float | None = None
-        self._peak_unknown_told = False
+        self._peak_told = False
         self._cuda = False
         self._t_last_log: float | None = None
         self._samples = 0
@@ -142,14 +228,24 @@ class SpeedMonitor(KeyedStateCallback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         device = trainer.strategy.root_device
         self._cuda = device.type == "cuda" and torch.cuda.is_available()
-        self._peak = self.config.peak_flops
-        if self._peak is None and device.type != "cpu":
-            self._peak = peak_flops_for(device, str(trainer.precision))
-            if self._peak is None and not self._peak_unknown_told:
-                self._peak_unknown_told = True
+        precision = str(trainer.precision)
+        column = self.config.peak_precision or peak_precision(precision)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+        if self.config.peak_flops is not None:
+            self.peak, self.peak_source = self.config.peak_flops, "the peak_flops given to SpeedMonitor"
+        else:
+            self.peak = peak_flops(device, column) if device.type == "cuda" else None
+            self.peak_source = f"the dense {column} peak of one {name}"
+        if not self._peak_told and (self.peak is not None or device.type != "cpu"):
+            self._peak_told = True
+            if self.peak is None:
                 rank_zero_info(
-                    f"SpeedMonitor: no peak FLOP/s known for {device} ({trainer.precision}); speed/mfu is not logged. "
-                    "Pass SpeedMonitor(peak_flops=...) to log it."
+                    f"SpeedMonitor: no peak FLOP/s known for {name} ({column}, precision {precision}); speed/mfu is "
+                    "not logged. Pass SpeedMonitor(peak_flops=...) (FLOP/s of one device) to log it."
+                )
+            else:
+                rank_zero_info(
+                    f"SpeedMonitor: speed/mfu is against {self.peak / 1e12:g} TFLOP/s, {self.peak_source}."
                 )
         self._t_last_log = time.perf_counter()
         self._pending.clear()
@@ -228,7 +324,10 @@ class SpeedMonitor(KeyedStateCallback):
 
     @override
     def state_key_settings(self) -> dict[str, Any]:
-        return asdict(self.config)
+        settings = asdict(self.config)
+        if settings["peak_precision"] is None:  # unset: the key of the other three settings alone
+            del settings["peak_precision"]
+        return settings
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -268,8 +367,8 @@ class SpeedMonitor(KeyedStateCallback):
             m["speed/tokens_per_sec_per_device"] = self._tokens / elapsed
             m["speed/step_time_ms"] = elapsed / self._steps * 1e3
             flops = getattr(pl_module, "flops_per_batch", None)
-            if flops and self._peak:
-                m["speed/mfu"] = flops * self._batches / elapsed / self._peak
+            if flops and self.peak:
+                m["speed/mfu"] = flops * self._batches / elapsed / self.peak
         m["speed/total_tokens"] = float(self.total_tokens)
         self._drain()
         if self._split:

@@ -8,7 +8,7 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from torch import nn
 
 from lightning_opt.callbacks import SpeedMonitor
-from lightning_opt.callbacks.speed_monitor import _batch_counts, peak_flops_for
+from lightning_opt.callbacks.speed_monitor import _batch_counts, peak_flops, peak_flops_for
 from tests.callbacks.conftest import StatefulBatches, TinyModule, make_batches, make_trainer
 
 
@@ -30,10 +30,15 @@ class TokenModule(TinyModule):
         return StatefulBatches([(torch.randint(0, 50, (4, 7), generator=g),) for _ in range(8)])
 
 
-def test_tokens_samples_and_mfu(tmp_path):
+def test_tokens_samples_and_mfu(tmp_path, caplog):
+    # on CPU, where no peak is known, a given peak_flops logs MFU
     cb = SpeedMonitor(log_every_n_steps=4, peak_flops=1e12)
     trainer = make_trainer(tmp_path, [cb])
-    trainer.fit(TokenModule())
+    with caplog.at_level(logging.INFO):
+        trainer.fit(TokenModule())
+    assert any(
+        "speed/mfu is against 1 TFLOP/s, the peak_flops given" in r.getMessage() for r in caplog.records
+    )
     m = cb.metrics
     assert cb.total_tokens == 8 * 4 * 7
     assert m["speed/tokens_per_sec"] == pytest.approx(7 * m["speed/samples_per_sec"])
@@ -79,23 +84,73 @@ def test_peak_is_lightnings_number_for_the_gpu_name(monkeypatch, name, precision
         assert expected == pytest.approx(989.4e12)  # H100 SXM dense bf16
 
 
+class _GpuTrainer:
+    """What ``on_train_start`` reads of a Trainer on CUDA device 0, for the peak look-up without a GPU."""
+
+    def __init__(self, precision="bf16-mixed"):
+        self.precision = precision
+        self.strategy = type("S", (), {"root_device": torch.device("cuda", 0)})()
+
+
+@pytest.mark.parametrize(
+    ("name", "bf16", "fp8"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989.4e12, 1978.9e12),  # SXM
+        ("NVIDIA H100 PCIe", 756e12, 1513e12),
+        ("NVIDIA H100 NVL", 835.5e12, 1670.5e12),
+        ("NVIDIA H200", 989.4e12, 1978.9e12),  # SXM
+        ("NVIDIA H200 NVL", 835.5e12, 1670.5e12),
+    ],
+)
+def test_hopper_dense_peaks_by_name(monkeypatch, caplog, name, bf16, fp8):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    cuda = torch.device("cuda", 0)
+    assert (
+        peak_flops(cuda, torch.bfloat16)
+        == peak_flops(cuda, "bf16")
+        == peak_flops_for(cuda, "bf16-mixed")
+        == bf16
+    )
+    assert peak_flops(cuda, "fp8") == peak_flops_for(cuda, "transformer-engine") == fp8
+    cb, fp8_cb = SpeedMonitor(), SpeedMonitor(peak_precision="fp8")
+    with caplog.at_level(logging.INFO):
+        cb.on_train_start(_GpuTrainer(), None)
+        fp8_cb.on_train_start(_GpuTrainer(), None)
+    assert (cb.peak, fp8_cb.peak) == (bf16, fp8)
+    said = [r.getMessage() for r in caplog.records if "speed/mfu is against" in r.getMessage()]
+    assert said == [
+        f"SpeedMonitor: speed/mfu is against {bf16 / 1e12:g} TFLOP/s, the dense bf16 peak of one {name}.",
+        f"SpeedMonitor: speed/mfu is against {fp8 / 1e12:g} TFLOP/s, the dense fp8 peak of one {name}.",
+    ]
+
+
+def test_lightning_table_where_it_is_per_device_and_dense(monkeypatch):
+    # H100 SXM and PCIe agree with Lightning; for a GPU outside the Hopper table Lightning's figure is used.
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB"):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        cuda = torch.device("cuda", 0)
+        for dtype in (torch.bfloat16, torch.float16):
+            assert peak_flops(cuda, dtype) == get_available_flops(cuda, dtype)
+        assert peak_flops(cuda, "tf32") == get_available_flops(cuda, "tfloat32")
+    assert peak_flops(cuda, "fp8") is None  # A100: no FP8 tensor cores, and Lightning has no fp8 column
+    with pytest.raises(ValueError, match="int4"):
+        peak_flops(cuda, "int4")
+    with pytest.raises(ValueError, match="peak_precision"):
+        SpeedMonitor(peak_precision="bfloat16")
+
+
 def test_unknown_device_logs_no_mfu_and_tells_once(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
     assert peak_flops_for(torch.device("cuda", 0), "bf16-mixed") is None
     assert peak_flops_for(torch.device("cpu"), "bf16-mixed") is None
 
-    class Stub:
-        precision = "bf16-mixed"
-
-        class strategy:  # noqa: N801
-            root_device = torch.device("cuda", 0)
-
     cb = SpeedMonitor()
     with caplog.at_level(logging.INFO):
-        cb.on_train_start(Stub(), None)
-        cb.on_train_start(Stub(), None)
-    assert cb._peak is None
-    assert sum("no peak FLOP/s known" in r.getMessage() for r in caplog.records) == 1
+        cb.on_train_start(_GpuTrainer(), None)
+        cb.on_train_start(_GpuTrainer(), None)
+    assert cb.peak is None
+    told = [r.getMessage() for r in caplog.records if "no peak FLOP/s known" in r.getMessage()]
+    assert len(told) == 1 and "Some Future GPU (bf16" in told[0] and "SpeedMonitor(peak_flops=...)" in told[0]
     with pytest.raises(ValueError, match="peak_flops"):
         SpeedMonitor(peak_flops=-1)
 
@@ -114,5 +169,7 @@ def test_time_split_without_syncs(tmp_path):
 
     cb = Guard(log_every_n_steps=2, peak_flops=1e12)
     # record_losses=False: the test module's own float(loss) would sync
-    make_trainer(tmp_path, [cb], accelerator="gpu").fit(TinyModule(batches=make_batches(8), record_losses=False))
+    make_trainer(tmp_path, [cb], accelerator="gpu").fit(
+        TinyModule(batches=make_batches(8), record_losses=False)
+    )
     assert cb.metrics["time/fwd_bwd_ms"] > 0 and cb.metrics["time/optimizer_ms"] > 0
