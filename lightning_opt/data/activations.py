@@ -331,7 +331,22 @@ def _check_cache_meta(meta: Any, directory: Path, path: Path) -> None:
         n = shard.get("n_tokens")
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= meta["shard_capacity"]:
             raise bad(f"shard {shard.get('file')!r} has n_tokens={n!r} (capacity {meta['shard_capacity']})")
-        cache_file(directory, shard.get("file"), path)
+        _check_shard_size(cache_file(directory, shard.get("file"), path), meta)
+
+
+def _check_shard_size(file: Path, meta: dict[str, Any]) -> None:
+    """Refuse a shard file that is missing or not the size ``meta.json`` gives it (a copy or a write cut short):
+    memory-mapping it would fail, or read the wrong bytes, at the first batch."""
+    itemsize = np.dtype(_NP_STORAGE[meta["dtype"]]).itemsize
+    expected = meta["shard_capacity"] * 2 * meta["n_layers"] * meta["d_model"] * itemsize
+    actual = file.stat().st_size if file.is_file() else None
+    if actual != expected:
+        found = "is missing" if actual is None else f"is {actual} bytes"
+        raise ValueError(
+            f"activation cache {file.parent}: shard {file.name} {found}, expected {expected} bytes "
+            f"({meta['shard_capacity']} tokens x 2 x {meta['n_layers']} layers x {meta['d_model']} x {itemsize} "
+            f"bytes); the cache is truncated or damaged. Delete the cache folder {file.parent} to rebuild it"
+        )
 
 
 def cache_file(directory: str | os.PathLike, name: Any, meta_path: str | os.PathLike | None = None) -> Path:
@@ -353,6 +368,54 @@ def cache_file(directory: str | os.PathLike, name: Any, meta_path: str | os.Path
             f"folder {root}; refusing to read it. Delete the cache folder to rewrite it"
         )
     return path
+
+
+def weights_digest(model: nn.Module) -> str:
+    """SHA-256 of a model's ``state_dict``: every entry's name, dtype, shape and bytes, in order."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        t = t.detach()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
+        h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _config_dict(model: nn.Module) -> Any:
+    """The model's config as plain JSON data (``config.to_dict()`` of ours or a ``transformers`` model)."""
+    cfg = getattr(model, "config", None)
+    to_dict = getattr(cfg, "to_dict", None)
+    value = to_dict() if callable(to_dict) else ({} if cfg is None else repr(cfg))
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def check_cache_key(directory: str | os.PathLike, meta: dict[str, Any], key: dict[str, Any]) -> None:
+    """Refuse an activation cache built from other inputs than ``key`` (see :meth:`CLTDataModule.cache_key`),
+    naming every setting that differs: its activations are not this run's. A cache is never overwritten here
+    (another run may be reading it)."""
+    source = meta.get("source")
+    saved = source.get("key") if isinstance(source, dict) else None
+    fix = (f"Use another cache_dir for this run (the cache is built there on first use), or delete {directory} "
+           "to rebuild it in place")
+    if not isinstance(saved, dict):
+        raise ValueError(
+            f"activation cache {directory} does not record what it was built from (no source.key in meta.json: "
+            f"written by write_activation_cache directly or by an older version), so it cannot be matched to this "
+            f"run's target and data. {fix}"
+        )
+    saved = json.loads(json.dumps(saved))
+    ours = json.loads(json.dumps(key))
+
+    def show(v: Any) -> str:
+        text = json.dumps(v)
+        return text if len(text) <= 160 else text[:157] + "..."
+
+    diffs = [f"{k}: {show(saved.get(k))} (cache) vs {show(ours.get(k))} (this run)"
+             for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k)]
+    if diffs:
+        raise ValueError(
+            f"activation cache {directory} was built from other inputs than this run's, so its activations would "
+            f"not be this run's; differing: {'; '.join(diffs)}. {fix}"
+        )
 
 
 class CachedActivations(Dataset):
@@ -581,7 +644,10 @@ class CLTDataModule(pl.LightningDataModule):
         tokens_per_batch: tokens per CLT step (a multiple of ``seq_len``).
         train_tokens: tokens of training activations (``None``: all train windows; online only).
         val_tokens: tokens of validation activations.
-        cache_dir: write/read a cache here (``None`` = online training batches).
+        cache_dir: write/read a cache here (``None`` = online training batches). A cache built from other
+            inputs (another target or target weights, other train files, ``seq_len``, ``tokens_per_batch``,
+            ``train_tokens`` or ``dtype``; see :meth:`cache_key`) or with a shard cut short is refused at
+            ``setup``, naming what differs: use another folder, or delete this one to rebuild it.
         dtype: storage dtype of activations (``bfloat16``, ``float16``, ``float32``).
         shuffle: shuffle cached batches each epoch.
         num_workers, prefetch_factor: DataLoader settings for the cache.
@@ -629,6 +695,7 @@ class CLTDataModule(pl.LightningDataModule):
         self.capture: MLPActivationCapture | None = None
         self.stats: dict[str, Any] | None = None
         self._cached: CachedActivations | None = None
+        self._cache_key: dict[str, Any] | None = None
         self.target_device = torch.device("cpu")
 
     def data_rank_world(self) -> tuple[int, int]:
@@ -689,8 +756,41 @@ class CLTDataModule(pl.LightningDataModule):
                 raise ValueError(f"CLTDataModule ({which} files, target {self.target_spec!r} with "
                                  f"{emb.num_embeddings} token ids): {err}") from None
 
+    def _target_name(self) -> str:
+        spec = self.target_spec
+        return type(spec).__name__ if isinstance(spec, nn.Module) else str(spec)
+
+    def cache_key(self) -> dict[str, Any]:
+        """What the cached training activations depend on, stored in the cache's ``meta.json`` and compared when
+        the cache is reused (:func:`check_cache_key`): the target (its class, config and a SHA-256 of its
+        weights), the train token files (resolved path, size, modification time), ``seq_len``,
+        ``tokens_per_batch`` (the target's batch of windows), ``train_tokens`` and the storage ``dtype``.
+        The weights are hashed once per data module."""
+        if self._cache_key is None:
+            from lightning_opt.data.shards import resolve_files
+
+            cap = self.prepare()
+            train = self._files("train")
+            files = [] if train is None else [
+                [str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in resolve_files(train)]
+            self._cache_key = {
+                "target_class": f"{type(cap.model).__module__}.{type(cap.model).__qualname__}",
+                "target_config": _config_dict(cap.model),
+                "target_weights_sha256": weights_digest(cap.model),
+                "n_layers": cap.n_layers,
+                "d_model": cap.d_model,
+                "train_files": files,
+                "seq_len": self.seq_len,
+                "tokens_per_batch": self.tokens_per_batch,
+                "train_tokens": self.train_tokens,
+                "dtype": next(k for k, v in _DTYPES.items() if v == self.dtype),
+            }
+        return self._cache_key
+
     def setup(self, stage: str | None = None) -> None:
         cap = self.prepare()
+        if self.cache_dir is not None:
+            self.cache_key()  # hashes the target's weights while they are still on the CPU
         trainer = getattr(self, "trainer", None)
         if trainer is not None:
             self.target_device = trainer.strategy.root_device
@@ -700,18 +800,15 @@ class CLTDataModule(pl.LightningDataModule):
             self._check_token_ids(with_train=not cached)  # a complete cache is not re-read from the shards
             self._ids_checked = True
         if self.cache_dir is not None and self._cached is None:
+            key = self.cache_key()
             meta = Path(self.cache_dir) / "meta.json"
             if not meta.exists():
                 windows = token_windows(self._files("train"), self.seq_len, self.windows_per_forward, self.train_tokens)
                 write_activation_cache(cap, windows, self.cache_dir, self.tokens_per_batch,
-                                       source={"target": str(self.target_spec), "seq_len": self.seq_len})
-            self._cached = CachedActivations(self.cache_dir, self.tokens_per_batch)
-            m = self._cached.meta
-            if (m["n_layers"], m["d_model"]) != (cap.n_layers, cap.d_model):
-                raise ValueError(
-                    f"cache {self.cache_dir} holds {m['n_layers']} layers x {m['d_model']} but the target has "
-                    f"{cap.n_layers} x {cap.d_model}; use another cache_dir"
-                )
+                                       source={"target": self._target_name(), "key": key})
+            cached = CachedActivations(self.cache_dir, self.tokens_per_batch)  # checks meta.json and shard sizes
+            check_cache_key(self.cache_dir, cached.meta, key)
+            self._cached = cached
             self.stats = self._cached.stats
         elif self.stats is None:
             stats = ActivationStats(cap.n_layers, cap.d_model)
