@@ -385,7 +385,8 @@ class NaNSkip(KeyedStateCallback):
 
     The check is one read of every gradient and loss: on CUDA with Triton one kernel per dtype that writes
     the flags and the decision directly, elsewhere ``torch._foreach_norm(ord=inf)`` and a few tiny kernels;
-    the decision never goes through the host on the way to the optimizer.
+    the decision never goes through the host on the way to the optimizer. The gradients are read in
+    ``on_before_optimizer_step``, before Lightning clips them (value clipping would make an Inf finite).
 
     Args:
         mode: ``"device"`` (default): the decision stays on the device; fused optimizers
