@@ -11,6 +11,9 @@ Why each stays private:
 * ``_CheckpointConnector.dump_checkpoint``: the checkpoint dictionary without writing it; Lightning's
   public ``Trainer.save_checkpoint`` always writes through the strategy's ``CheckpointIO``.
 * ``_TrainingEpochLoop._broadcast_sigterm_tensor``: the per-batch SIGTERM agreement has no hook.
+* ``Trainer._signal_connector`` (``received_sigterm``, ``_original_handlers``): stopping at an optimizer-step
+  boundary needs to set the flag Lightning's loops read, and a SIGTERM handler of our own keeps calling the
+  handler that was installed before the fit, as Lightning's does.
 * ``Trainer._val_check_time_interval``: a time-based ``val_check_interval`` leaves the public
   ``val_check_interval`` unset; the parsed interval lives only here.
 * ``ModelParallelStrategy._save_distributed_checkpoint`` and ``FSDPStrategy._state_dict_type``: the
@@ -118,6 +121,19 @@ def replace_sigterm_broadcast(trainer: Any, broadcast: Callable[[], None]) -> No
     loop = trainer.fit_loop.epoch_loop
     _instance_attribute(loop, "_broadcast_sigterm_tensor")
     loop._broadcast_sigterm_tensor = broadcast
+
+
+def set_received_sigterm(trainer: Any) -> None:
+    """Set the flag ``Trainer.received_sigterm`` reads: the loops raise ``SIGTERMException`` at their next check."""
+    _instance_attribute(trainer, "_signal_connector").received_sigterm = True
+
+
+def sigterm_handler_before_fit(trainer: Any) -> Any:
+    """The SIGTERM handler that was installed before Lightning installed its own for this fit (or None)."""
+    connector = _instance_attribute(trainer, "_signal_connector")
+    import signal
+
+    return _instance_attribute(connector, "_original_handlers").get(signal.SIGTERM)
 
 
 def set_max_steps(trainer: Any, steps: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import hashlib
@@ -34,9 +35,11 @@ from typing_extensions import override
 
 from lightning_opt._internals import dump_checkpoint, fsdp_state_dict_type, save_distributed_checkpoint
 from lightning_opt.callbacks._logging import KeyedStateCallback, log_metrics
+from lightning_opt.strategies._sigterm import StepBoundaryStop, step_boundary_stop, window_closed
 
 _STEP_RE = re.compile(r"step=(\d+)")
 _CKPT_RE = re.compile(r"step=(\d+)(-exception)?\.ckpt")
+_FAILED_RE = re.compile(r"failed-step=(\d+)\.ckpt")
 _LOCK = ".lock"
 _HEARTBEAT_S = 20.0  # the lock holder refreshes the lock file's mtime this often
 _STALE_S = 120.0  # a lock from another host without a heartbeat for this long belongs to a dead run
@@ -455,9 +458,16 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
     Saves go through ``trainer.save_checkpoint`` (so every hook and strategy sees a normal
     save; on DDP rank 0 writes). Sharded strategies (FSDP2 / ModelParallel, FSDP with sharded
     state dicts) save every rank's shards with ``torch.distributed.checkpoint.async_save`` on a
-    gloo group of their own, in Lightning's sharded directory layout. Saves after an exception
-    (including Lightning's SIGTERM handling) skip the barrier and block until written, because
-    the process is about to end (not with sharded strategies: that would need every rank).
+    gloo group of their own, in Lightning's sharded directory layout.
+
+    Saves happen at optimizer-step boundaries only (with ``accumulate_grad_batches > 1``, at the
+    micro-batch that ends a window). On SIGTERM the run finishes the current optimizer step (the
+    rest of its accumulation window), every rank agrees at that boundary (a SIGTERM to any one rank
+    is enough), saves ``step=N-exception.ckpt`` (exact: resuming from it equals the run that was not
+    interrupted, bit for bit), and exits with status 0; before the first optimizer step it exits
+    without saving. After any other exception, the state is not at a step boundary: it is written
+    to ``failed-step=N.ckpt`` for inspection only, ``last.ckpt`` keeps pointing at the newest exact
+    checkpoint, and resuming from ``last.ckpt`` is exact (see ``docs/reliability.md``).
 
     Args:
         dirpath: folder for checkpoints (default: the run's own ``<log_dir>/checkpoints``, the first logger's
@@ -468,7 +478,8 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
             every ``decide_every_n_steps`` steps and broadcasts).
         keep_last_k: keep the K newest periodic checkpoints (``None``: keep all).
         save_last: maintain a ``last.ckpt`` symlink to the newest checkpoint.
-        save_on_exception: save when fit ends with an exception (SIGTERM included).
+        save_on_exception: on SIGTERM, save at the optimizer-step boundary where the run stops; after
+            another exception, write ``failed-step=N.ckpt`` (not resumable exactly; ``last.ckpt`` stays).
         save_on_train_end: save when training ends normally.
         decide_every_n_steps: decision interval for ``every_minutes``.
         save_rng: store Python, NumPy, torch and CUDA RNG states and restore them on resume.
@@ -538,6 +549,7 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
         self._verifying: _VerifyingIO | None = None
         self._damaged: set[str] = set()  # files of the folder whose checksum did not match
         self._run_token = ""  # names this run's temporary folder for sharded saves
+        self._stop: StepBoundaryStop | None = None
 
     # -- hooks ----------------------------------------------------------------------------------
     @override
@@ -593,8 +605,19 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._restore_io(trainer)  # the checkpoint is restored by now
 
+    def _arm_stop(self, trainer: Trainer) -> None:
+        # Runs on every rank (creating the agreement's gloo group is a collective), after Lightning
+        # installed its SIGTERM handler for this fit.
+        self._stop = step_boundary_stop(trainer, make_group=True)
+        self._stop.arm()
+
+    @override
+    def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._arm_stop(trainer)
+
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._arm_stop(trainer)
         if self._rng_to_restore is not None:
             _set_rng(self._rng_to_restore)
             self._rng_to_restore = None
@@ -622,15 +645,19 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
         step = trainer.global_step
         if step >= 1 and self._prewarm_thread is None and self.config.prewarm:
             self._prewarm(trainer, pl_module)
-        if step == self.last_saved_step or step == 0:
-            return
         cfg = self.config
-        if trainer.received_sigterm and cfg.save_on_exception and self._model_key is None:
-            # Lightning raises SIGTERMException right after this batch. Saving here, not in
-            # on_exception, stores the loop counters of a save at a batch's end, as every periodic
-            # save does; a save in on_exception would count this batch as completed twice on resume.
-            self._save_on_exception(trainer, "SIGTERM")
-            self.last_saved_step = step
+        # Only where the optimizer just stepped: mid-window the partial gradient is in no checkpoint.
+        boundary = window_closed(trainer)
+        if self._stop is not None and self._stop.should_stop(trainer):  # every rank asks at the same batches
+            # Lightning raises SIGTERMException right after this batch, on every rank. Saving here, not in
+            # on_exception, stores the loop counters of a save at a batch's end, as every periodic save
+            # does; a save in on_exception would count this batch as completed twice on resume.
+            if boundary and step > 0 and step != self.last_saved_step and cfg.save_on_exception:
+                path = self.save(trainer, self._path(step, "-exception"))
+                self.wait()
+                rank_zero_info(f"AsyncCheckpoint: saved {path} after SIGTERM")
+            return
+        if not boundary or step == self.last_saved_step or step == 0:
             return
         due = cfg.every_n_steps is not None and step % cfg.every_n_steps == 0
         if not due and cfg.every_minutes is not None and step % cfg.decide_every_n_steps == 0:
@@ -649,17 +676,28 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
         self._restore_io(trainer)
         try:
-            self._save_on_exception(trainer, type(exception).__name__)
+            if isinstance(exception, SIGTERMException):
+                self._wait_quietly()  # the step-boundary save (if any) was made at the batch's end
+            else:
+                self._save_on_exception(trainer, type(exception).__name__)
         finally:
             self._release_lock()
 
-    def _save_on_exception(self, trainer: Trainer, why: str) -> None:
+    def _wait_quietly(self) -> None:
         try:
             self.wait()
         except Exception as err:  # keep the original exception as the one that propagates
             rank_zero_info(f"AsyncCheckpoint: the pending save failed too: {err}")
+
+    def _save_on_exception(self, trainer: Trainer, why: str) -> None:
+        """After an exception (not SIGTERM) the state is not at a step boundary (a window's partial
+        gradient, a batch drawn but not trained): it goes to ``failed-step=N.ckpt`` for inspection, outside
+        the resumable checkpoints; ``last.ckpt`` and pruning ignore it."""
+        self._wait_quietly()
         if not self.config.save_on_exception or self.dirpath is None:
             return
         if self._lock is None:
@@ -668,13 +706,14 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
             return  # a sharded save needs every rank, and the others may not have failed
         if trainer.global_step in (0, self.last_saved_step) or not trainer.is_global_zero:
             return
-        path = self._path(trainer.global_step, "-exception")
+        path = os.path.join(self.dirpath, f"failed-step={trainer.global_step:09d}.ckpt")
         # No barrier and nothing on other ranks (they may not have failed): rank 0 dumps its
         # local, full (DDP-replicated) state and waits for the write, as the process is ending.
         try:
-            self._submit(dump_checkpoint(trainer, weights_only=False), path)
+            self._submit(dump_checkpoint(trainer, weights_only=False), path, resumable=False)
             self.wait()
-            rank_zero_info(f"AsyncCheckpoint: saved {path} after {why}")
+            rank_zero_info(f"AsyncCheckpoint: wrote {path} after {why}, for inspection: it is not at an "
+                           f"optimizer-step boundary; resume from {os.path.join(self.dirpath, 'last.ckpt')}")
         except Exception as err:
             rank_zero_info(f"AsyncCheckpoint: could not save after the exception: {err}")
 
@@ -796,7 +835,7 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
         except BaseException as err:
             self._error = err
 
-    def _submit(self, checkpoint: dict[str, Any], path: str) -> None:
+    def _submit(self, checkpoint: dict[str, Any], path: str, resumable: bool = True) -> None:
         self.wait()
         if self._prewarm_thread is not None:
             self._prewarm_thread.join()
@@ -817,14 +856,17 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
         # the newest checkpoint from before it.
         healthy_before = _skip_streak_start(self._trainer)
         self._thread = threading.Thread(
-            target=self._write, args=(staged, path, healthy_before), name="AsyncCheckpoint", daemon=True
+            target=self._write, args=(staged, path, healthy_before, resumable), name="AsyncCheckpoint", daemon=True
         )
         self._thread.start()
 
-    def _write(self, staged: Any, path: str, healthy_before: int | None) -> None:
+    def _write(self, staged: Any, path: str, healthy_before: int | None, resumable: bool = True) -> None:
         try:
             self._staging.wait()
             atomic_torch_save(staged, path, checksum=True)  # hashed here, off the training thread
+            if not resumable:
+                _drop_older_failed(path)
+                return
             self._damaged.discard(os.path.basename(path))
             if self.config.save_last:
                 _point_last(path)
@@ -975,6 +1017,16 @@ def _skip_streak_start(trainer: Trainer | None) -> int | None:
     starts = [getattr(cb, "skip_streak_start", None) for cb in trainer.callbacks]
     starts = [s for s in starts if isinstance(s, int)]
     return min(starts) if starts else None
+
+
+def _drop_older_failed(path: str) -> None:
+    """Keep one ``failed-step=N.ckpt`` per folder: the one just written."""
+    folder, keep = os.path.dirname(path), os.path.basename(path)
+    for name in os.listdir(folder):
+        if name != keep and _FAILED_RE.fullmatch(name):
+            for target in (os.path.join(folder, name), os.path.join(folder, f"{name}.sha256")):
+                with contextlib.suppress(OSError):
+                    os.remove(target)
 
 
 def _sharded_model_key(strategy: Any) -> str | None:
