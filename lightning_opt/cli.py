@@ -27,17 +27,29 @@ class RunSummary(Callback):
     """Prints the validation loss as it falls and writes ``metrics.json`` into the run directory.
 
     Training wall time excludes validation (as the speedrun rules do), including a validation run after
-    ``fit``. The clock is read at the boundaries of validation and at the start and end of training only,
-    after a device synchronisation there: no per-step synchronisation.
+    ``fit``. The clock is read at the boundaries of validation, at the start and end of training and once at
+    the end of the warm-up window (the segment's first ``warmup_steps`` optimizer steps: ``torch.compile``,
+    autotuning, allocator growth), after a device synchronisation there: no per-step synchronisation.
 
     Logged to ``metrics.json``: ``final_val_loss``, ``val_history``, ``tokens_seen`` (all segments of a
     resumed run), ``steps``, ``train_time_s`` (this segment), ``segment_tokens`` (trained in this
     segment), ``tokens_per_s`` (``segment_tokens / train_time_s``: this segment's speed, also after a
-    resume), ``train_time_total_s`` (all segments: the earlier ones' time is carried in checkpoints),
-    ``wall_time_s``, ``peak_memory_bytes``, ``device``, versions.
+    resume, warm-up included), ``warmup_steps``, ``warmup_s`` (train time of the warm-up window; None when the
+    segment was shorter), ``steady_tokens_per_s`` (tokens after the warm-up window over train time after it:
+    the speed a longer run settles at; None without steps after the window), ``train_time_total_s`` (all
+    segments: the earlier ones' time is carried in checkpoints), ``wall_time_s``, ``peak_memory_bytes``,
+    ``device``, versions.
+
+    Args:
+        warmup_steps: optimizer steps at the start of each segment counted as warm-up, not steady speed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, warmup_steps: int = 3) -> None:
+        if warmup_steps < 1:
+            raise ValueError(f"RunSummary: warmup_steps={warmup_steps}; it must be >= 1.")
+        self.warmup_steps = warmup_steps
+        self._step0 = 0  # global_step when this segment's training started
+        self._warm: tuple[float, int, float] | None = None  # clock, tokens_seen, validation time at warm-up end
         self.val_history: list[dict[str, float]] = []
         self._t0 = self._val_start = 0.0
         self._val_time = 0.0
@@ -63,6 +75,15 @@ class RunSummary(Callback):
         self._val_time = 0.0
         self._train_end = None
         self._tokens0 = int(getattr(pl_module, "tokens_seen", 0))
+        self._step0 = trainer.global_step
+        self._warm = None
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._warm is None and trainer.global_step - self._step0 >= self.warmup_steps:
+            self._sync(trainer)  # once per segment, at the end of the warm-up window
+            self._warm = (time.perf_counter(), int(getattr(pl_module, "tokens_seen", 0)), self._val_time)
 
     def _in_training(self, trainer: L.Trainer) -> bool:
         # validation inside fit (not the sanity check before it, nor trainer.validate after it)
@@ -95,14 +116,39 @@ class RunSummary(Callback):
         end = self._train_end if self._train_end is not None else time.perf_counter()
         return max(0.0, end - self._t0 - self._val_time)
 
+    def warmup_time(self) -> float | None:
+        """Train time (validation excluded) of this segment's warm-up window; None before its end."""
+        if self._warm is None:
+            return None
+        clock, _, val_time = self._warm
+        return max(0.0, clock - self._t0 - val_time)
+
     @rank_zero_only
     def _print(self, msg: str) -> None:
         print(msg, flush=True)
+
+    @staticmethod
+    def final_line(metrics: dict[str, Any]) -> str:
+        """The recipes' last line: the loss, this segment's speed, and its steady speed after the warm-up."""
+
+        def rate(speed: float | None) -> str:
+            return "n/a" if speed is None else f"{speed:,.0f}" if speed >= 100 else f"{speed:.3g}"
+
+        line = (f"final val/loss {metrics['final_val_loss']}  |  {rate(metrics['tokens_per_s'])} tokens/s "
+                f"({metrics['segment_tokens']:,} tokens in {metrics['train_time_s']:.1f} s of training)")
+        if metrics.get("steady_tokens_per_s") is not None:
+            line += (f"  |  steady {rate(metrics['steady_tokens_per_s'])} tokens/s after {metrics['warmup_s']:.1f} s "
+                     f"of warm-up (compile; first {metrics['warmup_steps']} steps)")
+        return line
 
     def summary(self, trainer: L.Trainer, pl_module: L.LightningModule, **extra: Any) -> dict[str, Any]:
         tokens = int(getattr(pl_module, "tokens_seen", 0))
         segment_tokens = tokens - self._tokens0
         train_time = self.train_time()
+        warmup_s = self.warmup_time()
+        steady = None
+        if self._warm is not None and warmup_s is not None and train_time - warmup_s > 0 and tokens > self._warm[1]:
+            steady = (tokens - self._warm[1]) / (train_time - warmup_s)
         dev = trainer.strategy.root_device
         final = self.val_history[-1]["val_loss"] if self.val_history else None
         return {
@@ -113,6 +159,9 @@ class RunSummary(Callback):
             "train_time_s": train_time,
             "segment_tokens": segment_tokens,
             "tokens_per_s": segment_tokens / train_time if train_time > 0 else None,
+            "warmup_steps": self.warmup_steps,
+            "warmup_s": warmup_s,
+            "steady_tokens_per_s": steady,
             "train_time_total_s": self._earlier_time + train_time,
             "wall_time_s": time.time() - self._start_wall,
             "peak_memory_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
@@ -325,10 +374,7 @@ def run_recipe(cli: RecipeCLI, summary: RunSummary, **extra: Any) -> dict[str, A
     path = run_dir(trainer) / cli.config.get("metrics_file", "metrics.json")
     write_metrics(path, metrics)
     if trainer.is_global_zero:
-        speed = metrics["tokens_per_s"]
-        speed_text = "n/a" if speed is None else f"{speed:,.0f}" if speed >= 100 else f"{speed:.3g}"
-        print(f"final val/loss {metrics['final_val_loss']}  |  {speed_text} tokens/s "
-              f"({metrics['segment_tokens']:,} tokens in {metrics['train_time_s']:.1f} s of training)")
+        print(summary.final_line(metrics))
         print(f"TensorBoard logs: {run_dir(trainer)}  (tensorboard --logdir {run_dir(trainer).parent})")
         print(f"metrics: {path}")
     return metrics

@@ -5,7 +5,10 @@ checkpoint."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+
+from lightning.pytorch.callbacks import Callback
 
 from tests.reliability._recipes import CONFIGS, recipe_main
 
@@ -43,3 +46,34 @@ def test_short_and_resumed_runs_report_their_own_speed(tmp_path, monkeypatch, ca
     assert resumed["tokens_per_s"] == resumed["segment_tokens"] / resumed["train_time_s"]
     # the checkpoint, saved after step 2, carries the first segment's train time up to then
     assert 0 < resumed["train_time_total_s"] - resumed["train_time_s"] <= first["train_time_s"]
+
+
+class SlowFirstBatch(Callback):
+    """Sleeps before the segment's first training batch, as a first step that compiles does."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.slept = False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self.slept:
+            self.slept = True
+            time.sleep(self.seconds)
+
+
+def test_steady_speed_excludes_the_warm_up(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    sleep_s, steps = 1.5, 10
+    slow = ["--trainer.callbacks+=tests.test_run_summary.SlowFirstBatch", "--trainer.callbacks.seconds", str(sleep_s)]
+    # a validation inside the warm-up window and one after it: neither counts as training time
+    recipe_main("gpt2")([*TINY, "--trainer.max_steps", str(steps), "--trainer.val_check_interval", "2", *slow])
+    m = _metrics(tmp_path, "metrics.json")
+    times = {k: m[k] for k in ("warmup_s", "train_time_s", "tokens_per_s", "steady_tokens_per_s", "val_history")}
+    assert m["warmup_steps"] == 3 and len(m["val_history"]) >= 4, times
+    assert sleep_s <= m["warmup_s"] < m["train_time_s"], times
+    steady_tokens = (steps - m["warmup_steps"]) * TOKENS_PER_STEP
+    assert m["steady_tokens_per_s"] == steady_tokens / (m["train_time_s"] - m["warmup_s"]), times
+    assert m["steady_tokens_per_s"] > m["tokens_per_s"] == steps * TOKENS_PER_STEP / m["train_time_s"], times
+    last = capsys.readouterr().out.splitlines()
+    line = next(x for x in last if x.startswith("final val/loss"))
+    assert f"steady {m['steady_tokens_per_s']:,.0f} tokens/s after {m['warmup_s']:.1f} s of warm-up" in line, line
