@@ -7,12 +7,12 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn as nn
-from torch.optim.lr_scheduler import LambdaLR
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_opt.optim.combined import CombinedOptimizer
 from lightning_opt.optim.factory import OptimConfig, build_optimizer
-from lightning_opt.optim.schedules import ScheduleConfig
+from lightning_opt.optim.schedules import ScheduleConfig, ScheduleLR
 
 
 def register_safe_globals(*classes: type) -> None:
@@ -99,6 +99,27 @@ def check_checkpoint_matches(
     )
 
 
+def check_resume_length(module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+    """Refuse to resume a fit whose ``max_steps`` ends before the checkpoint's step (it would train nothing)."""
+    trainer = module._trainer
+    max_steps = int(trainer.max_steps) if trainer is not None and trainer.max_steps is not None else -1
+    step = int(checkpoint.get("global_step", 0))
+    if trainer is not None and trainer.state.fn == "fit" and 0 < max_steps < step:
+        raise ValueError(
+            f"the checkpoint is at step {step}, after this run's end (trainer.max_steps={max_steps}); pass a "
+            f"max_steps above {step} (or a larger train_tokens) to train on, or load the checkpoint without resuming"
+        )
+
+
+def report_replanned_schedule(module: L.LightningModule) -> None:
+    """Log (rank 0, one line) how the learning-rate schedule changed when a checkpoint of another length resumed."""
+    schedulers = module.lr_schedulers() if module._trainer is not None else None
+    for sched in schedulers if isinstance(schedulers, list) else [schedulers]:
+        message = sched.replan_message() if isinstance(sched, ScheduleLR) else None
+        if message:
+            rank_zero_info(message)
+
+
 class TrainingModule(L.LightningModule):
     """Base class: builds optimizers from :class:`OptimConfig` and a per-step schedule.
 
@@ -125,7 +146,14 @@ class TrainingModule(L.LightningModule):
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, weights_only: bool | None = True,
                              **kwargs: Any) -> Any:  # type: ignore[override]
         """Lightning's ``load_from_checkpoint``, reading the file with ``weights_only=True`` by default (torch
-        before 2.6 defaults to unpickling anything): tensors, plain data and our registered configs only."""
+        before 2.6 defaults to unpickling anything): tensors, plain data and our registered configs only. A file
+        that does not match its ``.sha256`` sidecar (written by ``AsyncCheckpoint``) is refused."""
+        import os
+
+        if isinstance(checkpoint_path, (str, os.PathLike)) and os.path.isfile(checkpoint_path):
+            from lightning_opt.callbacks.async_checkpoint import refuse_damaged_checkpoint
+
+            refuse_damaged_checkpoint(checkpoint_path)
         return super().load_from_checkpoint(checkpoint_path, *args, weights_only=weights_only, **kwargs)
 
     def optimizer_roles(self) -> dict[str, list[nn.Parameter] | None]:
@@ -143,7 +171,8 @@ class TrainingModule(L.LightningModule):
         schedule = self.schedule_config.stretched(self.schedule_total_steps())
         optimizers = build_optimizer(self.model, self.optim_config, **self.optimizer_roles())
         optimizer = optimizers[0] if len(optimizers) == 1 else CombinedOptimizer(optimizers)
-        scheduler = LambdaLR(optimizer, schedule)
+        # a resumed run of another length follows its own plan, not the checkpoint's (ScheduleLR)
+        scheduler = ScheduleLR(optimizer, schedule)
         # "name": Lightning's LearningRateMonitor logs each group's rate as lr/<group name> (lr/muon, lr/head, ...)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"}}
 
@@ -178,7 +207,12 @@ class TrainingModule(L.LightningModule):
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_checkpoint_matches(self, checkpoint)
+        check_resume_length(self, checkpoint)
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
+
+    @override
+    def on_train_start(self) -> None:
+        report_replanned_schedule(self)
 
     @staticmethod
     def peak_memory_bytes(device: torch.device) -> int:

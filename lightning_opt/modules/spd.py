@@ -35,7 +35,7 @@ from lightning_opt.models.toy import (
     train_resid_mlp,
     train_tms,
 )
-from lightning_opt.optim.schedules import ScheduleConfig
+from lightning_opt.optim.schedules import ScheduleConfig, ScheduleLR
 
 _TARGETS = ("tms", "resid_mlp", "gpt", "hf_gpt2")
 DEMO = "demo"  # SPDTargetConfig.checkpoint: the cached demo GPT of lightning_opt.data.activations.train_demo_target
@@ -693,7 +693,7 @@ class SPDModule(L.LightningModule):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        from lightning_opt.modules.base import check_checkpoint_matches
+        from lightning_opt.modules.base import check_checkpoint_matches, check_resume_length
 
         theirs = checkpoint.get("lightning_opt_config") or {}
         if theirs.get("target_is_module") and not isinstance(self.target_cfg, nn.Module):
@@ -703,7 +703,14 @@ class SPDModule(L.LightningModule):
             )
         theirs = {k: v for k, v in theirs.items() if k != "target_is_module"}
         check_checkpoint_matches(self, checkpoint, ours=self._config_record(), theirs=theirs or None)
+        check_resume_length(self, checkpoint)
         self._restored = True
+
+    @override
+    def on_train_start(self) -> None:
+        from lightning_opt.modules.base import report_replanned_schedule
+
+        report_replanned_schedule(self)
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
@@ -727,7 +734,7 @@ class SPDModule(L.LightningModule):
         total = max(int(self.trainer.max_steps), 1) if self.trainer.max_steps and self.trainer.max_steps > 0 else 1
         mult = ScheduleConfig(name=tc.schedule, warmup_steps=int(tc.warmup_frac * total), total_steps=total,
                               min_ratio=tc.final_lr_frac)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, mult)
+        sched = ScheduleLR(opt, mult)  # a resume with another max_steps follows the new plan (docs/optim.md)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     @override

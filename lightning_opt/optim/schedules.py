@@ -1,9 +1,13 @@
-"""Learning-rate multipliers for ``torch.optim.lr_scheduler.LambdaLR``."""
+"""Learning-rate multipliers (``ScheduleConfig``) and ``ScheduleLR``, the ``LambdaLR`` that runs them and re-plans on resume."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
 
 SCHEDULES = ("cosine", "wsd", "constant", "one_cycle")
 ANNEALS = ("cos", "linear")
@@ -95,3 +99,64 @@ def lr_multiplier(step: int, cfg: ScheduleConfig) -> float:
     if step < decay_start:
         return 1.0
     return linear_interp(1.0, cfg.min_ratio, (step - decay_start) / max(1, cfg.total_steps - decay_start))
+
+
+class ScheduleLR(LambdaLR):
+    """``LambdaLR`` over a :class:`ScheduleConfig` that follows this run's length when it resumes.
+
+    A plain ``LambdaLR`` saves a callable's ``__dict__`` and puts it back on load, so a ``ScheduleConfig`` as the
+    lambda would get the checkpoint's ``total_steps``: a run resumed with a larger ``max_steps`` would keep the
+    old, finished schedule. Here the checkpoint holds the planned ``total_steps`` instead; loading keeps this
+    run's plan, and when the totals differ, the resumed steps follow it: step ``k`` gets the multiplier that a
+    run planned for the new total has at step ``k`` (the current step's learning rate is set at once, so load
+    the optimizer's state first, as Lightning does). :attr:`replanned` then says what changed.
+
+    Example:
+        >>> sched = ScheduleLR(optimizer, ScheduleConfig(name="wsd", total_steps=max_steps))
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: ScheduleConfig, last_epoch: int = -1) -> None:
+        self.schedule = schedule
+        # (checkpoint's total, this run's total, step) after loading a checkpoint planned for another length
+        self.replanned: tuple[int, int, int] | None = None
+        super().__init__(optimizer, schedule, last_epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        del state["schedule"], state["replanned"]
+        state["lr_lambdas"] = [None] * len(self.lr_lambdas)  # the plan is this run's, never the checkpoint's
+        state["total_steps"] = self.schedule.total_steps
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        lambdas = state.pop("lr_lambdas", None) or []
+        saved_total = state.pop("total_steps", None)
+        if saved_total is None:  # written by a LambdaLR whose lambda was the ScheduleConfig (its fields)
+            saved_total = next((d.get("total_steps") for d in lambdas if isinstance(d, dict)), None)
+        for key in ("schedule", "replanned"):
+            state.pop(key, None)
+        state["lr_lambdas"] = [None] * len(self.lr_lambdas)
+        super().load_state_dict(state)
+        self.replanned = None
+        if saved_total is None or int(saved_total) == self.schedule.total_steps:
+            return  # the same plan: the restored learning rates are this run's, bit for bit
+        lrs = [base * fn(self.last_epoch) for fn, base in zip(self.lr_lambdas, self.base_lrs)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+        self._last_lr = [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"]
+                         for g in self.optimizer.param_groups]
+        self.replanned = (int(saved_total), self.schedule.total_steps, self.last_epoch)
+
+    def replan_message(self) -> str | None:
+        """One line saying how the schedule changed on the last load, or ``None`` when it did not."""
+        if self.replanned is None:
+            return None
+        old, new, step = self.replanned
+        cfg = self.schedule
+        return (f"learning-rate schedule re-planned on resume at step {step}: the checkpoint's run was planned for "
+                f"{old} steps, this one for {new}; from step {step} on, the {cfg.name} schedule of a {new}-step run "
+                f"(multiplier {cfg(step):.4g} at step {step}, {cfg(new):.4g} at step {new})")
