@@ -322,12 +322,17 @@ class RecipeCLI(LightningCLI):
 
 
 def check_checkpoint_file(path: str | os.PathLike) -> None:
-    """Refuse a missing, truncated or damaged checkpoint before any work starts, naming the file."""
+    """Refuse a missing, truncated or damaged checkpoint before any work starts, naming the file.
+
+    Damaged means: not a readable archive, or not matching its ``.sha256`` sidecar (when it has one)."""
     import zipfile
+
+    from lightning_opt.callbacks.async_checkpoint import refuse_damaged_checkpoint
 
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"checkpoint {str(p)!r} does not exist or is not a file; check --ckpt_path")
+        dangling = " (a link to a file that no longer exists)" if p.is_symlink() else ""
+        raise FileNotFoundError(f"checkpoint {str(p)!r} does not exist or is not a file{dangling}; check --ckpt_path")
     try:
         with zipfile.ZipFile(p):  # torch.save writes a zip archive; a cut file has no central directory
             pass
@@ -336,6 +341,112 @@ def check_checkpoint_file(path: str | os.PathLike) -> None:
             f"checkpoint {str(p)!r} is truncated or damaged ({err}); resume from an earlier checkpoint "
             "(AsyncCheckpoint keeps the last K) or start without --ckpt_path"
         ) from err
+    refuse_damaged_checkpoint(p)
+
+
+def _async_checkpoint(trainer: L.Trainer) -> Any:
+    from lightning_opt.callbacks.async_checkpoint import AsyncCheckpoint
+
+    return next((cb for cb in trainer.callbacks if isinstance(cb, AsyncCheckpoint)), None)
+
+
+def checkpoint_folders(trainer: L.Trainer) -> tuple[str | None, list[str]]:
+    """The folder this run's ``AsyncCheckpoint`` writes into (None without one), and the folders
+    ``--ckpt_path last`` looks in, in order: a configured ``dirpath``; else this run's own folder (a fixed
+    logger version) and then the earlier ``version_*`` folders of the same logger name, newest first."""
+    cb = _async_checkpoint(trainer)
+    if cb is None:
+        return None, []
+    if cb.config.dirpath is not None:
+        own = os.path.abspath(cb.config.dirpath)
+        return own, [own]
+    from lightning_opt.callbacks.async_checkpoint import default_dirpath
+
+    own = os.path.abspath(default_dirpath(trainer))
+    if not trainer.loggers:
+        return own, [own]
+    version_dir = Path(own).parent
+    earlier = []
+    for d in version_dir.parent.glob("version_*"):
+        number = d.name.removeprefix("version_")
+        if d != version_dir and number.isdigit():
+            earlier.append((int(number), str(d / "checkpoints")))
+    return own, [own, *(path for _, path in sorted(earlier, reverse=True))]
+
+
+def _global_step(path: str) -> int:
+    """The global step a checkpoint resumes at: from its ``step=N`` name, else from the file (memory-mapped)."""
+    import re
+
+    m = re.fullmatch(r"step=(\d+)(-exception)?\.ckpt", os.path.basename(os.path.realpath(path)))
+    if m:
+        return int(m.group(1))
+    return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step", 0))
+
+
+@rank_zero_only
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def resolve_resume(trainer: L.Trainer, ckpt_path: str | None) -> str | None:
+    """The checkpoint a recipe run resumes from, verified, or None for a fresh start.
+
+    ``last`` is the newest intact checkpoint of the first of :func:`checkpoint_folders` that holds one (a
+    fresh start, said in one line, when none does). A file that fails its ``.sha256`` check is replaced by
+    the newest intact checkpoint of its own folder, with a warning naming both. A run that would write into a
+    folder holding checkpoints newer than its start (another run's) is refused before it overwrites them.
+    """
+    from lightning_opt.callbacks.async_checkpoint import (
+        checkpoints_after,
+        intact_checkpoint,
+        newest_intact_checkpoint,
+    )
+
+    if ckpt_path in ("hpc", "best", "registry"):
+        return ckpt_path  # Lightning's own lookups
+    own, folders = checkpoint_folders(trainer)
+    skipped: list[str] = []
+    if ckpt_path == "last":
+        if own is None:
+            return ckpt_path  # no AsyncCheckpoint: Lightning's ModelCheckpoint resolves "last"
+        for folder in folders:
+            found, skipped = newest_intact_checkpoint(folder)
+            if found is not None:
+                if skipped:
+                    from lightning.pytorch.utilities import rank_zero_warn
+
+                    rank_zero_warn(f"--ckpt_path last: {', '.join(skipped)} failed the checksum or archive check; "
+                                   f"resuming from {found}, the newest intact checkpoint in {folder}")
+                ckpt_path = found
+                break
+            if skipped:
+                raise ValueError(
+                    f"--ckpt_path last: every checkpoint in {folder} is damaged ({', '.join(skipped)}); resume "
+                    "from a copy of the run kept elsewhere, or start without --ckpt_path"
+                )
+        else:
+            where = ", ".join(f for f in folders if os.path.isdir(f)) or folders[0]
+            _say(f"--ckpt_path last: no checkpoint in {where}; starting from scratch")
+            ckpt_path = None
+        if ckpt_path is not None:
+            _say(f"--ckpt_path last: resuming from {ckpt_path}")
+    elif ckpt_path is not None:
+        if not Path(ckpt_path).is_file():
+            check_checkpoint_file(ckpt_path)  # names the missing file
+        ckpt_path = intact_checkpoint(ckpt_path)
+        check_checkpoint_file(ckpt_path)
+    if own is not None and (ckpt_path is None or Path(ckpt_path).is_file()):
+        start = 0 if ckpt_path is None else _global_step(ckpt_path)
+        newer = checkpoints_after(own, start, skip=set(skipped))
+        if newer:
+            raise ValueError(
+                f"the checkpoint folder {own} already holds checkpoints of another run up to "
+                f"{os.path.basename(newer[-1])}, and this run starts at step {start}: it would overwrite them. "
+                "Resume that run with --ckpt_path last, or write into a new folder (another "
+                "--callbacks.async_checkpoint.dirpath, or no fixed logger version)"
+            )
+    return ckpt_path
 
 
 def build_recipe_cli(
@@ -364,9 +475,12 @@ def run_recipe(cli: RecipeCLI, summary: RunSummary, **extra: Any) -> dict[str, A
             f"data.seq_len={seq_len} exceeds the model's context model.model_config.block_size={block}; "
             "lower data.seq_len or raise block_size"
         )
-    ckpt_path = cli.config.get("ckpt_path")
-    if ckpt_path not in (None, "last", "hpc", "best", "registry"):
-        check_checkpoint_file(ckpt_path)
+    if trainer.max_steps == 0 or trainer.max_epochs == 0:
+        raise ValueError(
+            f"trainer.max_steps={trainer.max_steps}, trainer.max_epochs={trainer.max_epochs}: the run would train "
+            "nothing; give --trainer.max_steps a positive number of steps (or -1 to train for max_epochs)"
+        )
+    ckpt_path = resolve_resume(trainer, cli.config.get("ckpt_path"))
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)  # never unpickle code
     if not summary.val_history or summary.val_history[-1]["step"] != trainer.global_step:
         trainer.validate(model, datamodule=data, verbose=False, weights_only=True)

@@ -259,18 +259,115 @@ def atomic_torch_save(obj: Any, path: str, checksum: bool = False) -> None:
     _fsync(dirpath)
 
 
+_VERIFIED: OrderedDict[tuple[Any, ...], bool] = OrderedDict()  # (file identity) -> checksum matched
+
+
 def verify_checkpoint(path: str) -> bool | None:
-    """True when ``path`` matches its ``.sha256`` sidecar, False when it does not, None without one."""
+    """True when ``path`` matches its ``.sha256`` sidecar, False when it does not, None without one.
+
+    A result is remembered for the file's identity (inode, size, modification times of the file and its
+    sidecar), so a resume that checks a file once more before loading it does not hash it twice."""
     real = os.path.realpath(path)
     try:
         with open(f"{real}.sha256") as f:
             want = f.read().split()[0]
+        st, side = os.stat(real), os.stat(f"{real}.sha256")
     except (OSError, IndexError):
         return None
+    key = (real, st.st_ino, st.st_size, st.st_mtime_ns, side.st_mtime_ns, want)
+    if key in _VERIFIED:
+        return _VERIFIED[key]
     try:
-        return _sha256(real) == want
+        ok = _sha256(real) == want
     except OSError:
         return False
+    _VERIFIED[key] = ok
+    while len(_VERIFIED) > 256:
+        _VERIFIED.popitem(last=False)
+    return ok
+
+
+def folder_checkpoints(dirpath: str) -> list[tuple[int, str]]:
+    """(step, path) of the checkpoints of ``dirpath`` under final names (``step=N.ckpt``,
+    ``step=N-exception.ckpt``), oldest first; an exception checkpoint sorts after the periodic one of its step."""
+    if not os.path.isdir(dirpath):
+        return []
+    out = []
+    for name in os.listdir(dirpath):
+        m = _CKPT_RE.fullmatch(name)
+        if m:
+            out.append((int(m.group(1)), bool(m.group(2)), name))
+    return [(step, os.path.join(dirpath, name)) for step, _, name in sorted(out)]
+
+
+def _damage_note(path: str) -> str:
+    return f"{path} is damaged (its SHA-256 does not match {path}.sha256)"
+
+
+def intact_checkpoint(path: str, damaged: set[str] | None = None) -> str:
+    """``path`` when it passes its ``.sha256`` check (or has none); else the newest checkpoint of the same
+    folder, not newer than ``path``, that passes, with a warning naming both files. Raises ``ValueError``
+    when none does. Basenames of damaged files found on the way are added to ``damaged``."""
+    real = os.path.realpath(path)
+    if not os.path.isfile(real) or verify_checkpoint(real) is not False:
+        return path
+    damaged = set() if damaged is None else damaged
+    damaged.add(os.path.basename(real))
+    folder = os.path.dirname(real)
+    m = _CKPT_RE.fullmatch(os.path.basename(real))
+    bound = int(m.group(1)) if m else None
+    for step, cand in reversed(folder_checkpoints(folder)):
+        if cand == real or (bound is not None and step > bound):
+            continue
+        if verify_checkpoint(cand):
+            rank_zero_warn(
+                f"AsyncCheckpoint: {_damage_note(real)}; resuming from {cand}, the newest intact checkpoint in "
+                f"{folder}. The damaged file is left in place for inspection and never counts as one of the "
+                "kept checkpoints."
+            )
+            return cand
+        damaged.add(os.path.basename(cand))
+    raise ValueError(
+        f"AsyncCheckpoint: {_damage_note(real)} and no older checkpoint in {folder} passes its checksum. "
+        "Resume from a copy of the run kept elsewhere, or start without ckpt_path."
+    )
+
+
+def refuse_damaged_checkpoint(path: str | os.PathLike) -> None:
+    """Raise ``ValueError`` naming the file when ``path`` does not match its ``.sha256`` sidecar."""
+    if verify_checkpoint(str(path)) is False:
+        real = os.path.realpath(path)
+        raise ValueError(
+            f"checkpoint {str(path)!r}: {_damage_note(real)}, so its contents are not what was saved. Load "
+            "another checkpoint of the run (the step=*.ckpt files beside it), or a copy kept elsewhere."
+        )
+
+
+def newest_intact_checkpoint(dirpath: str) -> tuple[str | None, list[str]]:
+    """The newest checkpoint of ``dirpath`` that passes its checksum (a file without a sidecar passes) and
+    is a readable archive, and the paths of the newer ones skipped as damaged."""
+    import zipfile
+
+    skipped = []
+    for _, path in reversed(folder_checkpoints(dirpath)):
+        ok = verify_checkpoint(path) is not False
+        if ok and os.path.isfile(path):
+            try:
+                with zipfile.ZipFile(path):
+                    pass
+            except (zipfile.BadZipFile, OSError):
+                ok = False
+        if ok:
+            return path, skipped
+        skipped.append(path)
+    return None, skipped
+
+
+def checkpoints_after(dirpath: str, step: int, skip: set[str] | None = None) -> list[str]:
+    """Paths of ``dirpath``'s checkpoints of a global step above ``step`` (less those named in ``skip``):
+    what a run starting at ``step`` in that folder would overwrite."""
+    skip = {os.path.realpath(p) for p in skip or ()}
+    return [p for s, p in folder_checkpoints(dirpath) if s > step and os.path.realpath(p) not in skip]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -899,13 +996,17 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
     def _prune(self, just_written: str | None = None, healthy_before: int | None = None) -> None:
         """Keep the newest ``keep_last_k`` verified checkpoints of this run's lineage.
 
-        Only checkpoints at or before the step just written are candidates: newer files in the folder
-        belong to another run (or to the future of a resumed one) and are never deleted, and neither is
-        the file just written or the one ``last.ckpt`` points to. Only files with a checksum that were not
+        Only files this callback wrote are ever deleted: another run's checkpoints in the folder (an earlier
+        process of a resumed run included) stay, though they count towards K. Only checkpoints at or before
+        the step just written are candidates, and neither the file just written nor the one ``last.ckpt``
+        points to is deleted. Only files with a checksum that were not
         found damaged count towards K (a damaged or unverified file never pushes an intact one out), and
         during a run of skipped steps (NaNSkip) the newest checkpoint from before the step preceding the
         first skip is kept: the last healthy one.
         """
+        written = self.__dict__.setdefault("_written", set())  # basenames this callback wrote
+        if just_written is not None:
+            written.add(os.path.basename(just_written))
         k = self.config.keep_last_k
         if k is None or self.dirpath is None:
             return
@@ -944,7 +1045,7 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
                 trusted = name not in self._damaged and (os.path.isdir(target) or os.path.exists(f"{target}.sha256"))
                 kept += trusted
                 continue
-            if name in protected:
+            if name in protected or name not in written:  # another run's (or an earlier process's) file
                 continue
             target = os.path.join(self.dirpath, name)
             shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
@@ -953,14 +1054,7 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
 
     def _checkpoints(self) -> list[tuple[int, str]]:
         """(step, path) of the checkpoints in the folder under final names, periodic and exception, oldest first."""
-        if self.dirpath is None or not os.path.isdir(self.dirpath):
-            return []
-        out = []
-        for name in os.listdir(self.dirpath):
-            m = _CKPT_RE.fullmatch(name)
-            if m:
-                out.append((int(m.group(1)), bool(m.group(2)), name))
-        return [(step, os.path.join(self.dirpath, name)) for step, _, name in sorted(out)]
+        return [] if self.dirpath is None else folder_checkpoints(self.dirpath)
 
     def newest_checkpoint_before(self, step: int) -> str | None:
         """The newest checkpoint of the folder from before global step ``step``, not found damaged.
@@ -975,38 +1069,22 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
         return None
 
     def _intact(self, path: Any) -> Any:
-        """``path`` when it is intact (or not one of this folder's); else the newest intact checkpoint."""
-        if self.dirpath is None:
-            return path
+        """``path`` when it is intact (or has no checksum); else the newest intact checkpoint of its folder,
+        whichever folder that is (a resume from another run's folder is checked too)."""
         if str(path) == "last":
             found = self._checkpoints()
             if not found:
                 return path
             path = found[-1][1]
-        real = os.path.realpath(str(path))
-        if os.path.dirname(real) != os.path.realpath(self.dirpath) or not os.path.isfile(real):
+        if not isinstance(path, (str, os.PathLike)):
             return path
-        if verify_checkpoint(real) is not False:
-            return path
-        self._damaged.add(os.path.basename(real))
-        m = _CKPT_RE.fullmatch(os.path.basename(real))
-        bound = int(m.group(1)) if m else None
-        for step, cand in reversed(self._checkpoints()):
-            if cand == real or (bound is not None and step > bound):
-                continue
-            if verify_checkpoint(cand):
-                rank_zero_warn(
-                    f"AsyncCheckpoint: {real} is damaged (its SHA-256 does not match {real}.sha256); resuming "
-                    f"from {cand}, the newest intact checkpoint in {self.dirpath}. The damaged file is left in "
-                    "place for inspection and never counts as one of the kept checkpoints."
-                )
-                return cand
-            self._damaged.add(os.path.basename(cand))
-        raise RuntimeError(
-            f"AsyncCheckpoint: {real} is damaged (its SHA-256 does not match {real}.sha256) and no older "
-            f"checkpoint in {self.dirpath} passes its checksum. Resume from a copy of the run kept elsewhere, "
-            "or start without ckpt_path."
-        )
+        own = self.dirpath is not None and os.path.dirname(os.path.realpath(path)) == os.path.realpath(self.dirpath)
+        damaged: set[str] = set()
+        try:
+            return intact_checkpoint(str(path), damaged)
+        finally:
+            if own:
+                self._damaged |= damaged
 
 
 def _skip_streak_start(trainer: Trainer | None) -> int | None:
@@ -1057,8 +1135,17 @@ def _storage_keys(objects: list[Any]) -> set[tuple[str, int]]:
     return keys
 
 
+def _error_chain(err: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    while err is not None and err not in chain:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    return chain
+
+
 def _disk_hint(err: BaseException, path: str | None) -> str:
-    """Say so when a failed write looks like a full disk (torch's zip writer hides ENOSPC)."""
+    """Say so when a failed write looks like a full disk, a disk quota or a file-size limit (torch's zip
+    writer hides the errno: ENOSPC, EDQUOT and EFBIG all surface as "unexpected pos"), and what survived."""
     import errno
 
     if path is None:
@@ -1066,15 +1153,31 @@ def _disk_hint(err: BaseException, path: str | None) -> str:
     folder = os.path.dirname(path) or "."
     try:
         free = shutil.disk_usage(folder).free
+        sizes = [os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)
+                 if n.endswith(".ckpt") and os.path.isfile(os.path.join(folder, n))]
     except OSError:
         return ""
-    sizes = [os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)
-             if n.endswith(".ckpt") and os.path.isfile(os.path.join(folder, n))]
-    full = (isinstance(err, OSError) and err.errno == errno.ENOSPC) or free < max([64 << 20, *sizes])
-    if not full:
+    chain = _error_chain(err)
+    codes = {e.errno for e in chain if isinstance(e, OSError)}
+    text = " ".join(str(e) for e in chain)
+    full = errno.ENOSPC in codes or free < max([64 << 20, *sizes])
+    limited = bool(codes & {errno.EDQUOT, errno.EFBIG}) or "unexpected pos" in text or "file write failed" in text
+    if full:
+        why = f"No space left on device (the disk is full, {free / 2**20:.1f} MiB free in {folder})"
+        fix = "free space or point dirpath at another disk"
+    elif limited:
+        why = (f"{path} could not be written, most likely a disk quota, a file-size limit (ulimit -f) or a full "
+               f"disk ({free / 2**20:.1f} MiB free in {folder})")
+        fix = "raise the quota or limit, free space, or point dirpath at another disk"
+    else:
         return ""
-    return (f" - No space left on device (the disk is full, {free / 2**20:.1f} MiB free in {folder}): free space or point dirpath at "
-            "another disk. The previous checkpoint is intact and last.ckpt still points at it.")
+    last = os.path.join(folder, "last.ckpt")
+    target = os.path.realpath(last) if os.path.lexists(last) else None
+    if target is not None and os.path.isfile(target) and target != os.path.realpath(path):
+        kept = f"The previous checkpoint {target} is intact and last.ckpt still points at it."
+    else:
+        kept = "No earlier checkpoint of this folder is affected."
+    return f" - {why}: {fix}. {kept}"
 
 
 def _point_last(path: str) -> None:

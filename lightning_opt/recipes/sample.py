@@ -3,8 +3,9 @@
     lightning-opt-sample --ckpt_path runs/gpt2-demo/version_0 \
         --prompt "The for statement" --max_new_tokens 200 --temperature 0.8 --top_k 50 --seed 0
 
-``--ckpt_path`` is a checkpoint file or a run directory (its ``last.ckpt``, else its newest checkpoint), read
-with ``torch.load(weights_only=True)``: no code runs from it. The tokenizer is the run's: byte-level tokens
+``--ckpt_path`` is a checkpoint file or a run directory (its ``last.ckpt``, else its newest intact checkpoint), read
+with ``torch.load(weights_only=True)``: no code runs from it. A file that does not match its ``.sha256`` sidecar
+is refused. The tokenizer is the run's: byte-level tokens
 (vocab 256) for runs on the built-in corpus or with a vocabulary of at most 256 tokens, else the GPT-2 BPE
 (tiktoken; offline, pass ``--bpe_file r50k_base.tiktoken``); ``--tokenizer`` overrides the choice. Generation
 uses the model's KV cache (``GPT.generate``) and stops at the tokenizer's document separator.
@@ -13,6 +14,8 @@ uses the model's KV cache (``GPT.generate``) and stops at the tokenizer's docume
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +44,34 @@ def parser() -> argparse.ArgumentParser:
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """``path`` itself, or in a directory its ``last.ckpt`` (else its most recently written ``*.ckpt``)."""
+    """``path`` itself, or in a directory its ``last.ckpt`` when that resolves to an intact file, else the
+    newest intact ``step=N.ckpt`` (else the most recently written other ``*.ckpt``), saying why on stderr."""
+    from lightning_opt.callbacks.async_checkpoint import newest_intact_checkpoint, verify_checkpoint
+
     path = Path(path)
     if not path.is_dir():
         return path
-    found = sorted(path.rglob("*.ckpt"), key=lambda p: (p.name == "last.ckpt", p.stat().st_mtime))
-    if not found:
-        raise FileNotFoundError(f"no *.ckpt file under '{path}'; pass a checkpoint file or a run directory with one")
-    return found[-1]
+    lasts = [Path(root, "last.ckpt") for root, _, files in os.walk(path) if "last.ckpt" in files]  # dangling too
+    good = [p for p in lasts if p.is_file() and verify_checkpoint(str(p)) is not False]
+    if good:
+        return max(good, key=lambda p: p.resolve().stat().st_mtime)
+    newest: list[tuple[int, float, Path]] = []
+    for folder in sorted({p.parent for p in path.rglob("step=*.ckpt")}):
+        found, _ = newest_intact_checkpoint(str(folder))
+        if found is not None:
+            step = int(Path(found).name.removeprefix("step=").split(".")[0].split("-")[0])
+            newest.append((step, Path(found).stat().st_mtime, Path(found)))
+    others = [p for p in path.rglob("*.ckpt") if p.name != "last.ckpt" and not p.name.startswith("step=") and p.is_file()]
+    if newest:
+        chosen = max(newest)[2]
+    elif others:
+        chosen = max(others, key=lambda p: p.stat().st_mtime)
+    else:
+        raise FileNotFoundError(f"no intact *.ckpt file under '{path}'; pass a checkpoint file or a run directory with one")
+    for last in lasts:
+        why = "points at a missing file" if not last.is_file() else "fails its checksum"
+        print(f"note: {last} {why} ({os.path.realpath(last)}); using {chosen}", file=sys.stderr, flush=True)
+    return chosen
 
 
 def run_tokenizer(checkpoint: dict[str, Any], vocab_size: int, choice: str = "auto",
@@ -94,8 +117,24 @@ def main(args: list[str] | None = None) -> list[str]:
 
 
 def cli() -> None:
-    """The ``lightning-opt-sample`` console script: ``main`` on the command line, exit status 0 when it ends."""
-    main()
+    """The ``lightning-opt-sample`` console script: a user's mistake (a wrong flag, a missing checkpoint) prints one
+    ``error: ...`` line and exits with status 2 (``LIGHTNING_OPT_TRACEBACK=1`` shows its traceback)."""
+    import sys
+
+    from lightning_opt._errors import UsageError, run_console
+
+    def refuse(message: str) -> None:
+        raise UsageError(message)
+
+    check = parser()
+    check.allow_abbrev = False  # `--max_new 5` is a typo, not `--max_new_tokens`
+    check.error = refuse  # one line instead of argparse's usage text
+
+    def run() -> None:
+        check.parse_args(sys.argv[1:])
+        main(sys.argv[1:])
+
+    run_console(run)
 
 
 if __name__ == "__main__":

@@ -291,7 +291,8 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(fault, tm
         torch.equal(a, b) for a, b in zip(reference.parameters(), resumed.parameters())
     )
     names = sorted(p.name for p in ckdir.glob("step=*.ckpt"))
-    kept = names == ["step=000000006.ckpt", "step=000000007.ckpt", "step=000000009.ckpt"]
+    # step 3 is the first run's: a run prunes only its own saves
+    kept = names == ["step=000000003.ckpt", "step=000000006.ckpt", "step=000000007.ckpt", "step=000000009.ckpt"]
     fault.trial(named and exact and kept, data_lost=not kept, note=said[:200])
     assert named, said
     assert exact, f"resumed at step {start_step.step}"
