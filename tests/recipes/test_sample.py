@@ -80,16 +80,20 @@ def test_finetune_from_hf_then_sample(hf_dir, tmp_path, monkeypatch, capsys):
     path, hf = hf_dir
     recipe = _load("gpt2")
     monkeypatch.chdir(tmp_path)
-    # no training steps: the recipe validates the model it starts from, the HF one
-    start = recipe.main([*SHRINK, "--model.init_from", str(path), "--trainer.max_steps", "0",
-                         "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path / "start")])
-    assert start["final_val_loss"] == pytest.approx(_hf_val_loss(hf), rel=1e-5)
+    # no training steps (a recipe run refuses max_steps 0): the recipe's CLI validates the model it starts from
+    from lightning_opt.cli import build_recipe_cli
+
+    cli, _ = build_recipe_cli(GPT2SpeedrunModule, TokenShardDataModule, [
+        *SHRINK, "--model.init_from", str(path), "--trainer.logger", "false",
+        "--trainer.default_root_dir", str(tmp_path / "start")], cli_class=recipe.GPT2RecipeCLI)
+    (start,) = cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False, weights_only=True)
+    assert start["val/loss"] == pytest.approx(_hf_val_loss(hf), rel=1e-5)
 
     tuned = recipe.main([*SHRINK, "--model.init_from", str(path), "--trainer.max_steps", "40",
                          "--trainer.val_check_interval", "20", "--model.optim.lr", "3e-3",
                          "--model.schedule.warmup_steps", "0"])
     history = [row["val_loss"] for row in tuned["val_history"]]
-    assert len(history) == 2 and history[-1] < history[0] < start["final_val_loss"]
+    assert len(history) == 2 and history[-1] < history[0] < start["val/loss"]
 
     ckpt = next((tmp_path / "runs").rglob("*.ckpt"))
     capsys.readouterr()
