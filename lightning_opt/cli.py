@@ -247,12 +247,36 @@ class RecipeCLI(LightningCLI):
     drops ``AsyncCheckpoint`` and ``trainer.logger: false`` the ``LearningRateMonitor`` (it needs a logger).
     """
 
+    def init_parser(self, **kwargs: Any) -> Any:
+        kwargs.setdefault("allow_abbrev", False)  # `--trainer.max_step 3` is a typo, not `--trainer.max_steps`
+        return super().init_parser(**kwargs)
+
     def parse_arguments(self, parser, args) -> None:
-        if args is None:
-            args = sys.argv[1:]
-        if isinstance(args, list):
-            args = resolve_config_args(args)
-        super().parse_arguments(parser, args)
+        """Parse ``args`` (``None``: the command line). A refused command line prints one ``error: ...`` line
+        (the parser's reason, not a usage text) and raises :class:`~lightning_opt._errors.UsageError`, a
+        ``SystemExit`` with status 2 whose ``str()`` is the full reason."""
+        from jsonargparse import ArgumentError, Namespace
+
+        from lightning_opt._errors import refuse
+
+        if isinstance(args, (dict, Namespace)):
+            self.config = parser.parse_object(args)
+            return
+        # given args are the whole command line (the recipes' main(args)): sys.argv is not looked at
+        args = resolve_config_args(sys.argv[1:] if args is None else list(args))
+        for i, arg in enumerate(args):
+            value = args[i + 1] if arg == "--config" and i + 1 < len(args) else arg.partition("=")[2]
+            if (arg == "--config" or arg.startswith("--config=")) and value and not Path(value).exists():
+                refuse(f"--config {value!r} is neither a file nor a shipped config; shipped configs: "
+                       f"{', '.join(shipped_configs())}")
+        exit_on_error = parser.exit_on_error
+        parser.exit_on_error = False
+        try:
+            self.config = parser.parse_args(args)
+        except ArgumentError as err:
+            refuse(str(err))
+        finally:
+            parser.exit_on_error = exit_on_error
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--ckpt_path", type=str | None, default=None, help="resume from this checkpoint")

@@ -13,12 +13,26 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from lightning_opt.data.prepare import DEFAULT_SHARD_TOKENS
 
 
+class _Parser(argparse.ArgumentParser):
+    """Refuses a command line with :class:`~lightning_opt._errors.UsageError` (one line), not a usage text;
+    takes no abbreviated options (the sub-commands' parsers are of this class too)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
+
+    def error(self, message: str) -> NoReturn:
+        from lightning_opt._errors import UsageError
+
+        raise UsageError(message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="lightning-opt-data", description="Make, fetch and inspect token shards."
     )
     sub = p.add_subparsers(dest="command", required=True)
@@ -31,8 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--tokenizer", choices=["gpt2", "byte"], default="gpt2")
     pr.add_argument(
         "--bpe-file",
-        help="local r50k_base.tiktoken for offline GPT-2 tokenization (default: $LIGHTNING_OPT_BPE_FILE, "
-        "else tiktoken's download)",
+        help="r50k_base.tiktoken file for the GPT-2 BPE (default: $LIGHTNING_OPT_BPE_FILE, else the copy "
+        "shipped with lightning-opt; nothing is downloaded)",
     )
     pr.add_argument("--val-fraction", type=float, default=0.1, help="share of documents for validation")
     pr.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard")
@@ -60,13 +74,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (errors print one line to stderr and return 1)."""
-    args = _parser().parse_args(argv)
-    try:
-        return _run(args)
-    except (OSError, ValueError, RuntimeError, ImportError, KeyError) as err:
-        print(f"lightning-opt-data {args.command}: error: {err}", file=sys.stderr)
-        return 1
+    """Entry point; returns the exit status. A mistake (a glob that matches nothing, a wrong flag, existing
+    shards) prints one ``error: ...`` line on stderr and returns 2 (``LIGHTNING_OPT_TRACEBACK=1`` shows its
+    traceback too)."""
+    from lightning_opt._errors import console_status
+
+    return console_status(lambda: _run(_parser().parse_args(argv)))
 
 
 def _run(args: argparse.Namespace) -> int:

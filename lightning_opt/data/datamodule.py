@@ -430,11 +430,13 @@ class TokenShardDataModule(pl.LightningDataModule):
                     f"TokenShardDataModule: val_tokens={val_tokens} is smaller than one window of seq_len={seq_len}; "
                     f"raise val_tokens (or pass val_files=None for no validation)"
                 )
-            if val_tokens > available:
-                raise ValueError(
+            if val_tokens > available:  # a config's val set larger than a small split: validate on all of it
+                warnings.warn(
                     f"TokenShardDataModule: val_tokens={val_tokens} but the val shards hold only {available} tokens; "
-                    f"lower val_tokens or pass val_tokens=None to use all of them"
+                    f"validating on all {available - 1} (set data.val_tokens to silence this)",
+                    stacklevel=2,
                 )
+                val_tokens = available - 1
             self.num_val_windows = min(val_tokens, available - 1) // seq_len
         self.val_tokens = val_tokens
         if vocab_size is not None:

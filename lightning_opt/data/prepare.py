@@ -226,8 +226,8 @@ def prepare_text_files(
     Args:
         inputs: file paths or globs, e.g. ``"texts/*.txt"``.
         out_dir: output folder.
-        tokenizer: ``"gpt2"`` (needs ``bpe_file`` offline) or ``"byte"``.
-        bpe_file: a local ``r50k_base.tiktoken`` for offline GPT-2 tokenization.
+        tokenizer: ``"gpt2"`` (the GPT-2 BPE shipped with the package; offline) or ``"byte"``.
+        bpe_file: another ``r50k_base.tiktoken`` file for the GPT-2 BPE (default: the shipped one).
         val_fraction: share of documents for validation.
         shard_tokens: maximum tokens per shard.
         prefix: shard name prefix.

@@ -1,4 +1,8 @@
-"""Tokenizers: a byte-level one (offline, vocab 256) and the GPT-2 BPE via tiktoken."""
+"""Tokenizers: a byte-level one (vocab 256) and the GPT-2 BPE via tiktoken, both offline.
+
+The GPT-2 BPE's mergeable ranks ship with the package (``r50k_base.tiktoken``, the file tiktoken itself
+downloads for ``gpt2``; see ``docs/data.md`` for its source and licence), so nothing is downloaded.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ GPT2_EOT = 50256
 GPT2_VOCAB = 50257
 BPE_FILE_ENV = "LIGHTNING_OPT_BPE_FILE"  # a local r50k_base.tiktoken, used when no bpe_file is passed
 R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
+# the GPT-2 BPE shipped in the package (SHA-256 306cd27f..., the hash tiktoken expects for r50k_base)
+SHIPPED_BPE_FILE = Path(__file__).resolve().parent / "r50k_base.tiktoken"
 # The r50k/gpt2 split pattern (as in tiktoken's openai_public; kept here so offline use needs no plugin).
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
@@ -65,33 +71,21 @@ class GPT2Tokenizer:
 
 
 def gpt2_encoding(bpe_file: str | os.PathLike | None = None) -> Any:
-    """The GPT-2 ``tiktoken.Encoding``, from a local BPE file (offline) or tiktoken's download.
+    """The GPT-2 ``tiktoken.Encoding``, read from a local BPE file: no download.
 
     Args:
         bpe_file: a ``.tiktoken`` mergeable-ranks file for r50k_base/gpt2 (base64 token, rank per line),
-            e.g. ``r50k_base.tiktoken``. ``None`` uses ``$LIGHTNING_OPT_BPE_FILE`` when set, else
-            ``tiktoken.get_encoding("gpt2")``, which downloads the vocabulary on first use (cached in
-            ``TIKTOKEN_CACHE_DIR``).
+            e.g. ``r50k_base.tiktoken``. ``None`` uses ``$LIGHTNING_OPT_BPE_FILE`` when set, else the copy
+            shipped with the package (:data:`SHIPPED_BPE_FILE`).
 
     Raises:
         FileNotFoundError: ``bpe_file`` does not exist.
         ValueError: ``bpe_file`` is not a GPT-2 BPE file.
-        RuntimeError: no ``bpe_file`` and tiktoken could not download the vocabulary.
     """
     import tiktoken
 
     if bpe_file is None:
-        bpe_file = os.environ.get(BPE_FILE_ENV) or None
-    if bpe_file is None:
-        try:
-            return tiktoken.get_encoding("gpt2")
-        except Exception as err:  # network errors come from requests/urllib/blobfile, so catch broadly
-            raise RuntimeError(
-                f"could not load the GPT-2 BPE through tiktoken ({type(err).__name__}: {err}); this needs the "
-                f"internet on first use. Offline, supply a local GPT-2 BPE file (r50k_base.tiktoken, from "
-                f"{R50K_URL}): pass --bpe-file FILE (bpe_file=FILE in Python) or set the environment "
-                f"variable {BPE_FILE_ENV}=FILE; or use the byte-level tokenizer (--tokenizer byte)"
-            ) from err
+        bpe_file = os.environ.get(BPE_FILE_ENV) or SHIPPED_BPE_FILE
     path = Path(bpe_file).expanduser()
     if not path.is_file():
         raise FileNotFoundError(

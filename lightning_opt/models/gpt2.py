@@ -1226,6 +1226,63 @@ class GPT(nn.Module):
             sd["wpe.weight"] = sd["wpe.weight"][: config.block_size]
         return cls.from_hf(sd, config, execution)
 
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write the model as a Hugging Face GPT-2: ``config.json`` and ``model.safetensors`` in ``directory``.
+
+        ``transformers.GPT2LMHeadModel.from_pretrained(directory)`` loads it and computes the same logits;
+        :meth:`from_pretrained` reads it back. Only the classic architecture (``gpt2/gpt2-124m-classic``) has
+        a Hugging Face GPT-2 equivalent; other configs are refused with the fields that differ. From a
+        ``lightning-opt-gpt2`` checkpoint::
+
+            python -c "from lightning_opt.modules.gpt2 import GPT2SpeedrunModule as M; M.load_from_checkpoint(
+                'last.ckpt', map_location='cpu', weights_only=True).model.save_pretrained('gpt2-hf')"
+
+        Returns:
+            ``directory`` as a ``Path``.
+        """
+        from safetensors.torch import save_file
+
+        cfg = self.config
+        wrong = {k: (v, getattr(cfg, k)) for k, v in _HF_GPT2_ARCH.items() if getattr(cfg, k) != v}
+        wrong.update({k: (None, getattr(cfg, k)) for k in ("window_size", "window_schedule", "n_kv_head")
+                      if getattr(cfg, k) not in (None, cfg.n_head if k == "n_kv_head" else None)})
+        if cfg.doc_causal:
+            wrong["doc_causal"] = (False, True)
+        if wrong:
+            raise ValueError(
+                "save_pretrained writes a Hugging Face GPT2LMHeadModel, which cannot represent this architecture: "
+                + ", ".join(f"{k}={v[1]!r} (GPT-2: {v[0]!r})" for k, v in wrong.items())
+                + "; only the classic config (gpt2/gpt2-124m-classic) exports; keep the checkpoint for this model"
+            )
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        v = cfg.vocab_size  # padded rows (vocab_multiple) never reach the logits
+        sd = {"wte.weight": self.wte.weight[:v], "wpe.weight": self.wpe.weight,
+              "ln_f.weight": self.ln_f.weight, "ln_f.bias": self.ln_f.bias}
+        for i, block in enumerate(self.blocks):
+            for name in ("ln_1", "ln_2"):
+                sd[f"h.{i}.{name}.weight"] = getattr(block, name).weight
+                sd[f"h.{i}.{name}.bias"] = getattr(block, name).bias
+            for name, lin in (("attn.c_attn", block.attn.c_attn), ("attn.c_proj", block.attn.c_proj),
+                              ("mlp.c_fc", block.mlp.c_fc), ("mlp.c_proj", block.mlp.c_proj)):
+                sd[f"h.{i}.{name}.weight"] = lin.weight.t()  # HF's Conv1D stores [in, out]
+                sd[f"h.{i}.{name}.bias"] = lin.bias
+        # the head is the token embedding (tie_word_embeddings): stored once, as Hugging Face does
+        save_file({f"transformer.{k}": t.detach().to("cpu").contiguous() for k, t in sd.items()},
+                  str(out / "model.safetensors"), metadata={"format": "pt"})
+        eot = cfg.eot_token if 0 <= cfg.eot_token < v else None
+        dropout = float(self.execution.dropout)
+        hf = {
+            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": v, "n_positions": cfg.block_size,
+            "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
+            "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps, "initializer_range": cfg.init_std,
+            "resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout, "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "tie_word_embeddings": True,
+            "bos_token_id": eot, "eos_token_id": eot, "use_cache": True,
+        }
+        (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        return out
+
 
 # the GPTConfig values under which GPT computes what Hugging Face's GPT-2 does with the same weights
 _HF_GPT2_ARCH: dict[str, Any] = {

@@ -44,8 +44,12 @@ def main(args: list[str] | None = None) -> dict:
 
 
 def cli() -> None:
-    """The ``lightning-opt-clt`` console script: ``main`` on the command line, exit status 0 when it ends."""
-    main()
+    """The ``lightning-opt-clt`` console script: ``main`` on the command line. A user's mistake (a wrong flag or value, a
+    missing file) prints one ``error: ...`` line and exits with status 2 (``LIGHTNING_OPT_TRACEBACK=1`` shows its
+    traceback); a bug raises with its traceback."""
+    from lightning_opt._errors import run_console
+
+    run_console(main)
 
 
 if __name__ == "__main__":

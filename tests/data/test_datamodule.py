@@ -198,7 +198,6 @@ def test_changed_layout_resumes_at_same_token_count_with_warning(tmp_path: Path)
         (dict(seq_len=0), "seq_len must be a positive integer"),
         (dict(batch_size=-2), "batch_size must be a positive integer"),
         (dict(val_tokens=4), r"val_tokens=4 is smaller than one window of seq_len=8"),
-        (dict(val_tokens=10_000), r"val_tokens=10000 but the val shards hold only 301"),
         (dict(batch_size=200), r"fewer than one batch of batch_size=200"),
         (dict(vocab_size=300), r"t_000\.bin' contains token id 300 at token offset 300, which is >= vocab_size 300"),
         (dict(rank=2, world_size=2), "need 0 <= rank < world_size"),
@@ -209,6 +208,14 @@ def test_invalid_arguments(tmp_path: Path, kwargs: dict, match: str) -> None:
     args = dict(seq_len=T, batch_size=B) | kwargs
     with pytest.raises(ValueError, match=match):
         TokenShardDataModule(train, val, **args)
+
+
+def test_val_tokens_beyond_the_split_validate_on_all_of_it(tmp_path: Path) -> None:
+    train, val = _shards(tmp_path)
+    with pytest.warns(UserWarning, match=r"val_tokens=10000 but the val shards hold only 301 tokens; validating on all 300"):
+        dm = TokenShardDataModule(train, val, seq_len=T, batch_size=B, val_tokens=10_000)
+    whole = TokenShardDataModule(train, val, seq_len=T, batch_size=B, val_tokens=None)
+    assert (dm.val_tokens, dm.num_val_windows) == (whole.val_tokens, whole.num_val_windows) == (300, 300 // T)
 
 
 def test_too_little_data_for_the_world_size(tmp_path: Path) -> None:

@@ -58,7 +58,7 @@ def test_prepare_cli_byte_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert meta["vocab_size"] == 256 and meta["tokens"]["val"] == len(val[0]) + 1
 
     # existing shards are not silently mixed with new ones
-    assert main([*argv, "--val-fraction", "0.34"]) == 1
+    assert main([*argv, "--val-fraction", "0.34"]) == 2
     assert "already has 2 'data' shards" in capsys.readouterr().err
     # small shards: the stream is cut across files, and --overwrite removes the stale ones
     assert main([*argv, "--val-fraction", "0.34", "--shard-tokens", "16", "--overwrite"]) == 0
@@ -91,7 +91,7 @@ def test_prepare_single_document_splits_its_tail(tmp_path: Path) -> None:
 def test_prepare_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = _texts(tmp_path / "texts", ["a", "b"])
     out = str(tmp_path / "o")
-    assert main(["prepare", "--input", str(src / "*.md"), "--out-dir", out, "--tokenizer", "byte"]) == 1
+    assert main(["prepare", "--input", str(src / "*.md"), "--out-dir", out, "--tokenizer", "byte"]) == 2
     assert "matches no files" in capsys.readouterr().err
     argv = [
         "prepare",
@@ -104,12 +104,12 @@ def test_prepare_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         "--shard-tokens",
         "1",
     ]
-    assert main(argv) == 1
+    assert main(argv) == 2
     assert "give no validation document" in capsys.readouterr().err
     assert not list(Path(out).glob("*.bin")), "a failed run must not leave shards behind"
     assert not Path(out).exists(), "a failed run must not leave the folder it created behind"
     (src / "bad.txt").write_bytes(b"\xff\xfe bad")
-    assert main(["prepare", "--input", str(src / "bad.txt"), "--out-dir", out, "--tokenizer", "byte"]) == 1
+    assert main(["prepare", "--input", str(src / "bad.txt"), "--out-dir", out, "--tokenizer", "byte"]) == 2
     assert "bad.txt' is not valid UTF-8" in capsys.readouterr().err
 
 
@@ -169,7 +169,7 @@ def test_console_entry_point_runs(tmp_path: Path) -> None:
 def test_hf_dataset_without_the_extra_names_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert (
         main(["prepare", "--hf-dataset", "some/dataset", "--out-dir", str(tmp_path), "--tokenizer", "byte"])
-        == 1
+        == 2
     )
     assert "pip install 'lightning-opt[hf]'" in capsys.readouterr().err
 
@@ -207,46 +207,43 @@ def test_download_unreachable_hub_fails_fast(tmp_path: Path, monkeypatch: pytest
         "fineweb_train_000001.bin",
         "fineweb_train_000002.bin",
     ]
-    assert main(["download-fineweb", "--out-dir", str(tmp_path / "fw"), "--num-train-shards", "200"]) == 1
+    assert main(["download-fineweb", "--out-dir", str(tmp_path / "fw"), "--num-train-shards", "200"]) == 2
 
 
 def test_failed_prepare_removes_only_the_folders_it_created(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = _texts(tmp_path / "texts", ["a", "b"])
     argv = ["prepare", "--input", str(src / "*.txt"), "--tokenizer", "byte", "--shard-tokens", "1"]
-    assert main([*argv, "--out-dir", str(tmp_path / "new" / "deeper" / "out")]) == 1
+    assert main([*argv, "--out-dir", str(tmp_path / "new" / "deeper" / "out")]) == 2
     assert "give no validation document" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["texts"]
     kept = tmp_path / "kept"
     kept.mkdir()
     (kept / "notes.txt").write_text("mine")
-    assert main([*argv, "--out-dir", str(kept / "out")]) == 1
+    assert main([*argv, "--out-dir", str(kept / "out")]) == 2
     assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
-    assert main([*argv, "--out-dir", str(kept)]) == 1
+    assert main([*argv, "--out-dir", str(kept)]) == 2
     assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]  # an existing folder stays, content and all
 
 
-def test_offline_gpt2_error_says_how_to_supply_the_bpe_file(
+def test_gpt2_prepare_works_offline_with_the_shipped_bpe(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import tiktoken.registry
-
-    if "gpt2" in tiktoken.registry.ENCODINGS:
-        pytest.skip("tiktoken already holds the GPT-2 encoding in this process")
     monkeypatch.delenv("LIGHTNING_OPT_BPE_FILE", raising=False)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty_cache"))
     monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # nothing listens on the discard port: no network
     monkeypatch.setenv("https_proxy", "http://127.0.0.1:9")
-    src = _texts(tmp_path / "texts")
+    src = _texts(tmp_path / "texts", ["Hello world", "Hello world", "Hello world"])
     out = tmp_path / "out"
-    assert main(["prepare", "--input", str(src / "*.txt"), "--out-dir", str(out)]) == 1
-    err = capsys.readouterr().err
-    assert "--bpe-file FILE" in err and "LIGHTNING_OPT_BPE_FILE=FILE" in err and "r50k_base.tiktoken" in err, err
-    assert "/work/" not in err, f"the message cites a path of the machine the package was built on: {err}"
-    assert not out.exists()
+    assert main(["prepare", "--input", str(src / "*.txt"), "--out-dir", str(out), "--val-fraction", "0.34"]) == 0
+    meta = json.loads(capsys.readouterr().out)
+    assert meta["tokenizer"] == "gpt2"
+    train = read_shard(out / "data_train_000000.bin")
+    assert train.tolist() == [50256, 15496, 995, 50256, 15496, 995]
     monkeypatch.setenv("LIGHTNING_OPT_BPE_FILE", str(tmp_path / "missing.tiktoken"))
-    assert main(["prepare", "--input", str(src / "*.txt"), "--out-dir", str(out)]) == 1
+    assert main(["prepare", "--input", str(src / "*.txt"), "--out-dir", str(tmp_path / "out2")]) == 2
     err = capsys.readouterr().err
     assert "missing.tiktoken' does not exist" in err and "$LIGHTNING_OPT_BPE_FILE" in err, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
 
 
 @pytest.mark.skipif(not BPE.exists(), reason="shared GPT-2 BPE file not present")

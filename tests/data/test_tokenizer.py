@@ -64,13 +64,15 @@ def test_raw_novel_tokenizes_to_a_span_of_the_shared_train_shard() -> None:
         assert start + len(ids) == len(train) or train[start + len(ids)] == 50256
 
 
-def test_gpt2_without_a_file_downloads_or_says_how_to_work_offline(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_gpt2_without_a_file_reads_the_shipped_bpe_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hashlib
+
+    from lightning_opt.data.tokenizer import BPE_FILE_ENV, SHIPPED_BPE_FILE
+
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # nothing cached
-    try:
-        enc = gpt2_encoding()
-    except RuntimeError as err:  # offline (this machine, CI without internet)
-        assert "--bpe-file" in str(err) and "--tokenizer byte" in str(err)
-    else:  # online: tiktoken downloaded the same vocabulary
-        assert enc.encode("Hello world") == [15496, 995]
+    monkeypatch.delenv(BPE_FILE_ENV, raising=False)
+    enc = gpt2_encoding()
+    assert enc.encode("Hello world") == [15496, 995]
+    # the hash tiktoken itself checks for r50k_base
+    digest = hashlib.sha256(SHIPPED_BPE_FILE.read_bytes()).hexdigest()
+    assert digest == "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
