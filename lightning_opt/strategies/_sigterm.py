@@ -72,7 +72,7 @@ class StepBoundaryStop:
         self.group = group
         self.requested = False  # this process received SIGTERM
         self.agreed = False  # the ranks decided to stop
-        self._decided: tuple[int, int] | None = None  # the decision point decided last
+        self._decided_at_end: tuple[int, int] | None = None  # the decision point a batch's end decided last
         self._handler: Any = None
 
     # -- the signal -----------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ class StepBoundaryStop:
             return
         if self._handler is not None and signal.getsignal(signal.SIGTERM) is self._handler:
             return
-        self.requested, self.agreed, self._decided = False, False, None  # a new fit
+        self.requested, self.agreed, self._decided_at_end = False, False, None  # a new fit
         previous = sigterm_handler_before_fit(trainer)
 
         def on_sigterm(signum: int, frame: Any) -> None:
@@ -106,17 +106,21 @@ class StepBoundaryStop:
         signal.signal(signal.SIGTERM, on_sigterm)
 
     # -- the agreement --------------------------------------------------------------------------------
-    def should_stop(self, trainer: Any) -> bool:
+    def should_stop(self, trainer: Any, at_batch_end: bool = True) -> bool:
         """Whether the fit stops after the batch that just ran (a collective at decision points: call it
-        on every rank at the same batches). Sets Lightning's ``received_sigterm`` when it does."""
+        on every rank at the same batches). Sets Lightning's ``received_sigterm`` when it does.
+
+        A callback asks at a batch's end (``at_batch_end``); the fit loop asks again before the next batch,
+        which does not exchange again when a batch's end decided the same point."""
         if self.agreed:
             return True
         if not (window_closed(trainer) or trainer.global_step == 0):
             return False  # mid-window: the stop waits for the optimizer step
         point = (trainer.fit_loop.epoch_loop.batch_progress.total.ready, trainer.global_step)
-        if point == self._decided:
+        if at_batch_end:
+            self._decided_at_end = point
+        elif point == self._decided_at_end:
             return False
-        self._decided = point
         self.agreed = self._exchange(trainer)
         if self.agreed:
             from lightning_opt._internals import set_received_sigterm
@@ -125,14 +129,16 @@ class StepBoundaryStop:
         return self.agreed
 
     def _exchange(self, trainer: Any) -> bool:
+        # Lightning's own flag counts too: its handler may have run before this one was installed.
+        mine = self.requested or bool(trainer.received_sigterm)
         if trainer.world_size < 2 or not dist.is_available() or not dist.is_initialized():
-            return self.requested
+            return mine
         device = torch.device("cpu") if self.group is not None else trainer.strategy.root_device
-        flag = torch.tensor([int(self.requested)], dtype=torch.int32, device=device)  # NCCL cannot reduce bool
+        flag = torch.tensor([int(mine)], dtype=torch.int32, device=device)  # NCCL cannot reduce bool
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         except Exception:  # as Lightning: a failed exchange (a peer gone) does not stop training here
-            return self.requested
+            return mine
         return int(flag.item()) == 1
 
     def _stop(self, trainer: Any) -> None:
@@ -150,8 +156,9 @@ class StepBoundaryStop:
         trainer = self._trainer()
         if trainer is None:
             return
-        self.arm()
-        if self.should_stop(trainer):
+        if trainer.training:
+            self.arm()
+        if self.should_stop(trainer, at_batch_end=False):
             with suppress(Exception):
                 if self.group is not None:
                     dist.barrier(group=self.group)  # every rank leaves here together
@@ -170,7 +177,10 @@ def step_boundary_stop(trainer: Any, group: Any = None, make_group: bool = False
                                                     else new_cpu_group())
     elif guard.group is None and group is not None:
         guard.group = group
-    replace_sigterm_broadcast(trainer, guard.at_batch_start)
+    def broadcast_sigterm_on_cpu() -> None:  # what the fit loop calls before each batch (multi-rank runs)
+        guard.at_batch_start()
+
+    replace_sigterm_broadcast(trainer, broadcast_sigterm_on_cpu)
     return guard
 
 
