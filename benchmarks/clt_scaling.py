@@ -16,7 +16,9 @@ batch) trains on random activations with a real ``Trainer`` (bf16-mixed, fused A
 Reported per variant: median step time (interval between batch starts, CUDA events), tokens/s, speedup over
 the 1-GPU run of the same size and scaling efficiency (tokens/s at N / (N x tokens/s at 1)), mean active features per token over the global batch (must be k), bytes moved
 by our collectives per step (measured at the Python collectives) plus DDP's gradient all-reduce payload
-(computed), and peak memory. Each variant runs in fresh processes; one failing variant is recorded and the
+(computed), and peak memory. ``--profile`` adds, per rank, one profiled step after the timed ones: the split of
+its device time into compute kernels, collective kernels only and idle (waiting for the host), host syncs and
+the top 10 kernels (``benchmarks/timeline.py``). Each variant runs in fresh processes; one failing variant is recorded and the
 others still run.
 
     python benchmarks/clt_scaling.py            # 2 CUDA GPUs, about 3-4 minutes on H100s (2 launches)
@@ -26,6 +28,14 @@ others still run.
     # layer, the same 4096 tokens per step; writes benchmarks/results/clt_scaling_<max>gpu.json
     python benchmarks/clt_scaling.py --gpus 1 2 4 --deadline-s 200
     python benchmarks/clt_scaling.py --smoke --gpus 1 2 4   # the same on CPU with 4 gloo processes
+    # the 4-GPU call (under 6 minutes on H200s): decoder sharding at three sizes (strong scaling, the 4-GPU
+    # runs profiled), data parallel with fp32 and bf16 gradient all-reduce at 8192 (strong, and weak: --tokens
+    # per GPU, global batch --tokens x GPUs, rows with "scaling": "weak")
+    python benchmarks/clt_scaling.py --gpus 1 2 4 --features 8192 16384 32768 --dp-features 8192 --weak \\
+        --variants ours_1gpu ours_decoder_sharding_sharded_encoder ours_global_batchtopk \\
+        ours_global_batchtopk_bf16grad --profile ours_decoder_sharding_sharded_encoder_4gpu --no-peer \\
+        --deadline-s 300 --out $OUT/clt_scaling_4x-nvidia-h200.json
+    python benchmarks/clt_scaling.py --smoke --weak --profile --gpus 1 2   # the same options on CPU (gloo)
     # the short re-run (about 1.5 minutes on 2 GPUs): 1 GPU vs sharded encoders at two sizes
     python benchmarks/clt_scaling.py --features 8192 16384 --variants ours_1gpu \\
         ours_decoder_sharding_sharded_encoder_2gpu --out benchmarks/results/clt_scaling_short.json
@@ -51,6 +61,7 @@ sys.path.insert(0, HERE)
 
 from dist_launch import default_gpus, init_group, launch, seconds_left  # noqa: E402
 from result_header import write_result  # noqa: E402
+from timeline import StepProfiler  # noqa: E402
 
 
 class _ByteCounter:
@@ -111,20 +122,20 @@ class _Phases:
             event.record()
         self.steps[-1].append((name, event, time.perf_counter()))
 
-    def summary(self, warmup: int) -> dict[str, dict[str, float]]:
-        """Median GPU and host milliseconds per phase over the measured steps (``between_steps``: the
-        interval from one step's last mark to the next step's start)."""
+    def summary(self, warmup: int, steps: int) -> dict[str, dict[str, float]]:
+        """Median GPU and host milliseconds per phase over the ``steps`` measured steps after ``warmup``
+        (``between_steps``: the interval from one step's last mark to the next step's start)."""
         if not self.enabled or len(self.steps) <= warmup + 1:
             return {}
         if self.device_type == "cuda":
             torch.cuda.synchronize()
         gpu: dict[str, list[float]] = {}
         host: dict[str, list[float]] = {}
-        steps = self.steps[warmup:]
-        for i, marks in enumerate(steps):
+        marked = self.steps[warmup : warmup + steps + 1]  # the step after the last one closes its between_steps
+        for i, marks in enumerate(marked[:steps]):
             pairs = list(zip(marks[:-1], marks[1:]))
-            if i + 1 < len(steps) and steps[i + 1]:
-                pairs.append((marks[-1], ("between_steps", *steps[i + 1][0][1:])))
+            if i + 1 < len(marked) and marked[i + 1]:
+                pairs.append((marks[-1], ("between_steps", *marked[i + 1][0][1:])))
             for (_, ea, ta), (name, eb, tb) in pairs:
                 gpu.setdefault(name, []).append(ea.elapsed_time(eb) if ea is not None else (tb - ta) * 1e3)
                 host.setdefault(name, []).append((tb - ta) * 1e3)
@@ -213,22 +224,30 @@ def _build_module(
 
 
 class _StepTimer:
+    """Step times (batch start to batch start) of the ``steps`` steps after ``warmup``; with ``profiler``, one
+    more step after them runs under it (not timed)."""
+
     def __init__(
         self,
         device_type: str,
         warmup: int,
+        steps: int,
         counter: _ByteCounter | None = None,
         phases: _Phases | None = None,
+        profiler: StepProfiler | None = None,
     ) -> None:
         import lightning.pytorch as pl
 
         outer = self
         mark = phases.mark if phases is not None else (lambda name: None)
+        profiled = warmup + steps  # the batch index of the profiled step
 
         class Cb(pl.Callback):
             def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
                 outer.mark()
                 mark("start")
+                if profiler is not None and batch_idx == profiled:
+                    profiler.start()
 
             def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
                 mark("loss_reduce")  # training_step return -> backward: the strategy's loss all-reduce
@@ -239,24 +258,27 @@ class _StepTimer:
             def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
                 mark("post_backward")  # the strategy's post_backward (e.g. 2D grad all-reduce), clipping
 
-            def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
                 mark("optimizer")
+                if profiler is not None and batch_idx == profiled:
+                    profiler.stop()
 
             def on_train_end(self, trainer: Any, pl_module: Any) -> None:
                 outer.mark()
 
         self.callback = Cb()
         self.device_type = device_type
-        self.warmup = warmup
+        self.warmup, self.steps = warmup, steps
         self.counter = counter
         self.events: list[Any] = []
         self.bytes: list[int] = []
 
     def bytes_per_step(self) -> float:
         """Bytes our collectives moved per measured step (setup broadcasts and warm-up excluded)."""
-        if not self.bytes or len(self.bytes) <= self.warmup + 1:
+        end = min(len(self.bytes) - 1, self.warmup + self.steps)
+        if end <= self.warmup:
             return 0.0
-        return (self.bytes[-1] - self.bytes[self.warmup]) / (len(self.bytes) - 1 - self.warmup)
+        return (self.bytes[end] - self.bytes[self.warmup]) / (end - self.warmup)
 
     def mark(self) -> None:
         self.bytes.append(self.counter.bytes if self.counter else 0)
@@ -275,12 +297,14 @@ class _StepTimer:
             times = [a.elapsed_time(b) for a, b in zip(self.events[:-1], self.events[1:])]
         else:
             times = [(b - a) * 1e3 for a, b in zip(self.events[:-1], self.events[1:])]
-        return statistics.median(times[self.warmup :])
+        return statistics.median(times[self.warmup : self.warmup + self.steps])
 
 
 def _run_ours(
-    variant: str, rank: int, world: int, args: argparse.Namespace, n_features: int
+    variant: str, rank: int, world: int, args: argparse.Namespace, n_features: int, scaling: str = "strong"
 ) -> dict[str, Any]:
+    """One variant at one size in this process group. ``scaling="weak"`` (data-parallel kinds): every rank
+    gets ``args.tokens`` tokens, so the global batch is ``args.tokens * world``."""
     import lightning.pytorch as pl
     import torch.distributed as dist
 
@@ -288,15 +312,20 @@ def _run_ours(
 
     device_type = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     kind = _kind(variant)
+    if scaling == "weak" and kind not in _DP_KINDS:
+        raise ValueError(f"weak scaling runs the data-parallel kinds {_DP_KINDS}, not {kind}")
     mp_size = world  # ranks per decoder group (decoder sharding); the data-parallel size is world // mp_size
-    if kind == "ours_global_batchtopk":
-        strategy: Any = GlobalBatchTopKStrategy()
-        tokens_per_rank = args.tokens // world
-    elif kind == "ours_global_batchtopk_bf16grad":
-        # bf16 gradient all-reduce: half the bytes, but rounded gradients (not bit-comparable to 1 GPU)
-        # (fp16 in the CPU smoke run: torch's bf16 hook needs NCCL)
-        strategy = GlobalBatchTopKStrategy(grad_compression="fp16" if device_type == "cpu" else "bf16")
-        tokens_per_rank = args.tokens // world
+    dp_tokens = args.tokens if scaling == "weak" else args.tokens // world
+    compression = "none"
+    if kind in _DP_KINDS:
+        if kind == "ours_global_batchtopk_bf16grad":
+            # bf16 gradient all-reduce (torch's DDP comm hook): half the bytes, but rounded gradients (not
+            # bit-comparable to 1 GPU); fp16 in the CPU smoke run: torch's bf16 hook needs NCCL
+            compression = "fp16" if device_type == "cpu" else "bf16"
+        # broadcast_buffers=False: DDP would otherwise broadcast rank 0's activation pools (module buffers,
+        # hundreds of MB) before every forward, and every rank would train on rank 0's tokens
+        strategy: Any = GlobalBatchTopKStrategy(grad_compression=compression, broadcast_buffers=False)
+        tokens_per_rank = dp_tokens
     elif kind == "ours_decoder_sharding":
         strategy = DecoderShardingStrategy()
         tokens_per_rank = args.tokens
@@ -322,12 +351,13 @@ def _run_ours(
     # Parameters are created on the device: initialising billions of them on the CPU takes long.
     # every rank records its phases (the same host work on each): rank 1's show where rank 0 waits for it
     phases = _Phases(device_type, enabled=True)
+    profiler = StepProfiler(device_type) if _profiled(args, variant) else None
     if hasattr(strategy, "phase_hook"):
         strategy.phase_hook = phases.mark
     with torch.device(f"cuda:{torch.cuda.current_device()}" if device_type == "cuda" else "cpu"):
         module = _build_module(args, n_features, tokens_per_rank, device_type, phases)
     counter = _ByteCounter() if world > 1 else None
-    timer = _StepTimer(device_type, args.warmup, counter, phases)
+    timer = _StepTimer(device_type, args.warmup, args.steps, counter, phases, profiler)
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer = pl.Trainer(
@@ -335,7 +365,7 @@ def _run_ours(
         devices=world,
         strategy=strategy,
         precision="bf16-mixed" if device_type == "cuda" else "32-true",
-        max_steps=args.warmup + args.steps,
+        max_steps=args.warmup + args.steps + (1 if profiler is not None else 0),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -351,7 +381,7 @@ def _run_ours(
     step_ms = timer.step_ms()
     n_params = sum(p.numel() for p in module.parameters())
     l0 = module.l0[-1]
-    data_parallel = kind.startswith("ours_global_batchtopk")
+    data_parallel = kind in _DP_KINDS
     if world > 1:
         # every rank holds tokens_per_rank tokens (ranks of a decoder group the same ones, with the same
         # count), so the mean over ranks is the global active entries / global tokens
@@ -359,16 +389,19 @@ def _run_ours(
         dist.all_reduce(t)
         l0 = float(t) / world
     ours_bytes = timer.bytes_per_step()
-    summaries: list[Any] = [phases.summary(args.warmup)]
+    mine = (phases.summary(args.warmup, args.steps), profiler.result if profiler is not None else None)
+    per_rank: list[Any] = [mine]
     if world > 1:
         gathered: list[Any] = [None] * world
         try:
-            dist.all_gather_object(gathered, summaries[0])
-            summaries = gathered
+            dist.all_gather_object(gathered, mine)
+            per_rank = gathered
         except Exception as err:  # diagnostics only: the timing row must survive
-            summaries.append({"error": f"{type(err).__name__}: {err}"})
-    ddp_bytes = n_params * (2 if "bf16grad" in variant else 4) if data_parallel else 0
+            per_rank.append(({"error": f"{type(err).__name__}: {err}"}, None))
+    summaries = [p for p, _ in per_rank]
+    ddp_bytes = n_params * (2 if compression != "none" else 4) if data_parallel else 0
     sharded = kind.startswith("ours_decoder") or kind == _KIND_2D
+    tokens_per_step = tokens_per_rank * (world // mp_size if sharded else world if data_parallel else 1)
     return {
         "strategy": kind,
         "model_parallel_size": mp_size if sharded else 1,
@@ -377,20 +410,23 @@ def _run_ours(
         "variant": variant,
         "features_per_layer": n_features,
         "world": world,
-        "tokens_per_step": args.tokens,
+        "scaling": scaling,
+        "grad_compression": compression if data_parallel else None,
+        "tokens_per_step": tokens_per_step,
         "tokens_per_rank": tokens_per_rank,
-        "note": "collective_bytes_per_step_ours includes the bf16 hook's all-reduce (a Python-level call)"
-        if "bf16grad" in variant
+        "note": "collective_bytes_per_step_ours includes the 16-bit hook's all-reduce (a Python-level call)"
+        if compression != "none"
         else "",
         "phases_rank0": summaries[0],
         **({"phases_rank1": summaries[1]} if world > 1 else {}),
+        **({"profile": [p for _, p in per_rank]} if profiler is not None else {}),
         "step_ms": step_ms,
-        "tokens_per_s": args.tokens / (step_ms / 1e3),
+        "tokens_per_s": tokens_per_step / (step_ms / 1e3),
         "active_per_token": l0,
         "l0_is_k": abs(l0 - args.k) < 1e-6,  # BatchTopK keeps k * tokens entries of the global batch
         "collective_bytes_per_step_ours": ours_bytes,
         # the bf16 hook's all-reduce is a Python-level call: already in ours_bytes
-        "bytes_per_step_total": ours_bytes + (0 if "bf16grad" in kind else ddp_bytes),
+        "bytes_per_step_total": ours_bytes + (0 if compression != "none" else ddp_bytes),
         "ddp_grad_allreduce_bytes_per_step": ddp_bytes,
         "params": n_params,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device_type == "cuda" else None,
@@ -405,7 +441,8 @@ def _run_peer(rank: int, world: int, args: argparse.Namespace, n_features: int) 
         n_features=n_features, tokens=args.tokens, k=args.k, n_layers=args.layers, d_model=args.d_model,
         steps=args.steps, warmup=args.warmup, smoke=args.smoke,
     )  # fmt: skip
-    res.update(variant=f"peer_crosslayer_coding_{world}gpu", features_per_layer=n_features, world=world)
+    res.update(variant=f"peer_crosslayer_coding_{world}gpu", features_per_layer=n_features, world=world,
+               scaling="strong")
     res.setdefault("tokens_per_step", args.tokens)
     if "step_ms" in res:
         res["tokens_per_s"] = args.tokens / (res["step_ms"] / 1e3)
@@ -442,6 +479,16 @@ _KINDS = (
 )  # fmt: skip
 # The scaling run (any --gpus other than 1 2): the three strategies of the scaling question at every size.
 _SCALING_KINDS = ("ours_global_batchtopk", "ours_decoder_sharding_sharded_encoder", _KIND_2D)
+# Kinds whose ranks split the batch (plain data parallelism): they also run at --dp-features only, and weakly
+# (--tokens per GPU) with --weak.
+_DP_KINDS = ("ours_global_batchtopk", "ours_global_batchtopk_bf16grad")
+
+
+def _profiled(args: argparse.Namespace, variant: str) -> bool:
+    """Whether ``--profile`` asks for this variant (no names: every variant)."""
+    if args.profile is None:
+        return False
+    return not args.profile or variant in args.profile or _kind(variant) in args.profile
 
 
 def _kind(variant: str) -> str:
@@ -472,16 +519,29 @@ def _variants_for(world: int, args: argparse.Namespace, peer_ok: bool, scaling: 
     return names
 
 
-def _runs(args: argparse.Namespace, variants: list[str]) -> list[tuple[int, str]]:
-    """(features per layer, variant) in run order; the peer only at ``--peer-features`` (it is slow), the
-    SIGTERM A/B only at the smallest size (where fixed per-step costs weigh most)."""
-    return [
-        (f, v)
-        for f in args.features
-        for v in variants
-        if (not v.startswith("peer") or f in args.peer_features)
-        and (_kind(v) not in (_AB_KIND, _AB_SELECT_KIND, _AB_SYNCED_KIND) or f == args.features[0])
-    ]
+def _runs(args: argparse.Namespace, variants: list[str]) -> list[tuple[int, str, str]]:
+    """(features per layer, variant, scaling) in run order; the peer only at ``--peer-features`` (it is slow),
+    the data-parallel kinds at ``--dp-features`` (strong, then weak with ``--weak``; not at 1 GPU, whose
+    ``ours_1gpu`` row is the baseline of both), the A/Bs only at the smallest size (where fixed per-step
+    costs weigh most)."""
+    runs = []
+    for f in args.features:
+        for v in variants:
+            kind = _kind(v)
+            if v.startswith("peer") and f not in args.peer_features:
+                continue
+            if kind in (_AB_KIND, _AB_SELECT_KIND, _AB_SYNCED_KIND) and f != args.features[0]:
+                continue
+            if kind in _DP_KINDS and args.dp_features and f not in args.dp_features:
+                continue
+            runs.append((f, v, "strong"))
+            if args.weak and kind in _DP_KINDS:
+                runs.append((f, v, "weak"))
+    return runs
+
+
+def _result_name(variant: str, n_features: int, scaling: str) -> str:
+    return f"{variant}_{n_features}{'_weak' if scaling == 'weak' else ''}.json"
 
 
 def _worker(
@@ -496,32 +556,27 @@ def _worker(
     import torch.distributed as dist
 
     use_cuda = init_group(rank, world, port, args.smoke, timeout_s=120)
-    for n_features, variant in _runs(args, variants):
+    for n_features, variant, scaling in _runs(args, variants):
+        path = os.path.join(out_dir, _result_name(variant, n_features, scaling))
+        head = {"variant": variant, "features_per_layer": n_features, "world": world, "scaling": scaling}
         left = seconds_left(args.end_unix)  # the same decision on every rank
         if left < args.need_s:
             if rank == 0:
-                with open(os.path.join(out_dir, f"{variant}_{n_features}.json"), "w") as f:
-                    json.dump(
-                        {
-                            "variant": variant,
-                            "features_per_layer": n_features,
-                            "world": world,
-                            "skipped": f"time budget: {left:.0f}s left, needs ~{args.need_s:.0f}s",
-                        },
-                        f,
-                    )
+                with open(path, "w") as f:
+                    json.dump({**head, "skipped": f"time budget: {left:.0f}s left, needs ~{args.need_s:.0f}s"}, f)
             continue
+        started = time.perf_counter()
         try:
             if variant.startswith("peer"):
                 result = _run_peer(rank, world, args, n_features)
             else:
-                result = _run_ours(variant, rank, world, args, n_features)
+                result = _run_ours(variant, rank, world, args, n_features, scaling)
         except Exception as err:  # recorded; the other variants still run
-            result = {"variant": variant, "features_per_layer": n_features, "world": world}
-            result["error"] = f"{type(err).__name__}: {err}"
+            result = {**head, "error": f"{type(err).__name__}: {err}"}
             result["traceback"] = traceback.format_exc(limit=6)
+        result["run_s"] = time.perf_counter() - started  # set-up, warm-up and timed steps (plans time budgets)
         if rank == 0:
-            with open(os.path.join(out_dir, f"{variant}_{n_features}.json"), "w") as f:
+            with open(path, "w") as f:
                 json.dump(result, f)
         gc.collect()
         if use_cuda:
@@ -533,7 +588,8 @@ def _worker(
 def add_scaling(rows: list[dict[str, Any]]) -> None:
     """Speed-up and scaling efficiency of every row over the 1-GPU row of the same code and size.
 
-    Efficiency at N GPUs = tokens/s at N / (N x tokens/s at 1), both measured in this run.
+    Efficiency at N GPUs = tokens/s at N / (N x tokens/s at 1), both measured in this run; the same formula
+    for weak rows (N x the tokens per step at N GPUs: ideal tokens/s is N x the 1-GPU figure either way).
     """
     for row in rows:
         base_name = "peer_crosslayer_coding_1gpu" if row["variant"].startswith("peer") else "ours_1gpu"
@@ -568,7 +624,25 @@ def main() -> None:
         default=None,
         help="features per layer (default 8192 16384 32768; scaling run: 8192 32768)",
     )
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per optimizer step (all GPUs)")
+    parser.add_argument(
+        "--tokens", type=int, default=4096,
+        help="tokens per optimizer step (all GPUs); with --weak also the tokens per GPU of the weak rows",
+    )  # fmt: skip
+    parser.add_argument(
+        "--weak", action="store_true",
+        help="also run every data-parallel kind (ours_global_batchtopk, ..._bf16grad) with --tokens tokens per "
+        "GPU (global batch --tokens x GPUs); those rows carry scaling='weak' beside the strong ones",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dp-features", type=int, nargs="+", default=None,
+        help="sizes at which the data-parallel kinds run (default: every --features size)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profile", nargs="*", default=None, metavar="NAME",
+        help="after the timed steps, one more step per run under torch.profiler: per rank the split into compute "
+        "kernels, collective kernels and device idle time, host syncs and the top 10 kernels (in the row's "
+        "'profile'); names (variants or kinds) pick the runs, none: every run",
+    )  # fmt: skip
     parser.add_argument("--k", type=int, default=200)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--d-model", type=int, default=768)
@@ -612,17 +686,18 @@ def main() -> None:
     args.gpus = sorted(args.gpus)
     scaling = args.gpus not in ([1, 2], [1], [2])
     if args.smoke:
-        args.features = [64, 128] if not scaling else [64]
+        args.features = args.features or ([64, 128] if not scaling else [64])
         args.tokens, args.k, args.layers, args.d_model = 64, 4, 3, 16
         args.peer_features = [64, 128]
+        args.dp_features = [f for f in args.features if not args.dp_features or f in args.dp_features] or None
         args.steps, args.warmup = 2, 1
     elif args.features is None:
         args.features = [8192, 32768] if scaling else [8192, 16384, 32768]
-    if args.variants:
-        known = set(_KINDS) | set(_ALL_VARIANTS)
-        unknown = sorted(v for v in args.variants if v not in known and _kind(v) not in _KINDS)
+    known = set(_KINDS) | set(_ALL_VARIANTS)
+    for flag, names in (("--variants", args.variants), ("--profile", args.profile)):
+        unknown = sorted(v for v in names or [] if v not in known and _kind(v) not in _KINDS)
         if unknown:
-            parser.error(f"unknown --variants {unknown}; choose from {list(_ALL_VARIANTS)} or {list(_KINDS)}")
+            parser.error(f"unknown {flag} {unknown}; choose from {list(_ALL_VARIANTS)} or {list(_KINDS)}")
     if args.smoke:  # imported once here, inherited by the forked processes
         import lightning.pytorch  # noqa: F401
 
@@ -646,13 +721,13 @@ def main() -> None:
                 launch_error = f"skipped: time budget ({left:.0f}s left)"
             else:
                 launch_error = launch(_worker, (names, args, tmp), world, args.smoke, args.end_unix, args.grace_s)
-            for n_features, variant in _runs(args, names):
-                path = os.path.join(tmp, f"{variant}_{n_features}.json")
+            for n_features, variant, mode in _runs(args, names):
+                path = os.path.join(tmp, _result_name(variant, n_features, mode))
                 if os.path.exists(path):
                     with open(path) as f:
                         row = json.load(f)
                 else:
-                    row = {"variant": variant, "features_per_layer": n_features, "world": world}
+                    row = {"variant": variant, "features_per_layer": n_features, "world": world, "scaling": mode}
                     row["skipped" if launch_error.startswith("skipped") else "error"] = launch_error
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -665,21 +740,43 @@ def main() -> None:
         f"{'our MB':>8} {'DDP MB':>8}"
     )
     for r in rows:
+        label = _label(r)
         if "error" in r or "skipped" in r:
             why = r.get("error") or r.get("skipped")
-            print(
-                f"{r['variant']:56} {r['features_per_layer']:>8} {'ERROR' if 'error' in r else 'SKIPPED'} {why[:80]}"
-            )
+            print(f"{label:56} {r['features_per_layer']:>8} {'ERROR' if 'error' in r else 'SKIPPED'} {why[:80]}")
             continue
         print(
-            f"{r['variant']:56} {r['features_per_layer']:>8} {r['step_ms']:9.2f} {r['tokens_per_s']:10.0f} "
+            f"{label:56} {r['features_per_layer']:>8} {r['step_ms']:9.2f} {r['tokens_per_s']:10.0f} "
             f"{r.get('speedup_vs_1gpu', float('nan')):7.2f} {r.get('scaling_efficiency', float('nan')):6.2f} "
             f"{r.get('active_per_token', float('nan')):7.1f} "
             f"{r.get('collective_bytes_per_step_ours', 0) / 1e6:8.2f} "
             f"{r.get('ddp_grad_allreduce_bytes_per_step', 0) / 1e6:8.1f}"
         )
     _print_phases(rows)
+    _print_profiles(rows)
     print(f"wrote {out}")
+
+
+def _label(row: dict[str, Any]) -> str:
+    return f"{row['variant']} (weak)" if row.get("scaling") == "weak" else row["variant"]
+
+
+def _print_profiles(rows: list[dict[str, Any]]) -> None:
+    """The profiled step of each rank: where its window went, host syncs and the three largest kernels."""
+    profiled = [r for r in rows if r.get("profile")]
+    if not profiled:
+        return
+    print(f"\nprofiled step (ms; one step after the timed ones)\n{'variant / rank':60} {'F/layer':>8} {'window':>8} "
+          f"{'compute':>8} {'coll.only':>9} {'idle':>8} {'coll.all':>8} {'syncs':>6}  top kernels")
+    for r in profiled:
+        for rank, p in enumerate(r["profile"]):
+            if not p:
+                continue
+            top = "; ".join(f"{k['name'][:40]} {k['ms']:.2f}" for k in p["top_kernels"][:3])
+            print(
+                f"{_label(r) + f' / {rank}':60} {r['features_per_layer']:>8} {p['window_ms']:8.2f} {p['compute_ms']:8.2f} "
+                f"{p['collective_only_ms']:9.2f} {p['idle_ms']:8.2f} {p['collective_ms']:8.2f} {p['host_syncs']:>6}  {top}"
+            )
 
 
 def _print_phases(rows: list[dict[str, Any]]) -> None:
@@ -693,7 +790,7 @@ def _print_phases(rows: list[dict[str, Any]]) -> None:
         + " ".join(f"{n[:9]:>10}" for n in names)
     )
     for r in rows:
-        for key, label in (("phases_rank0", r["variant"]), ("phases_rank1", "  same, rank 1")):
+        for key, label in (("phases_rank0", _label(r)), ("phases_rank1", "  same, rank 1")):
             ph = r.get(key) or {}
             gpu, host = ph.get("gpu_ms", {}), ph.get("host_ms", {})
             if not gpu:

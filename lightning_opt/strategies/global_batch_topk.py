@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -15,7 +15,9 @@ from lightning_opt.strategies._sigterm import install_cpu_sigterm_check, new_cpu
 
 __all__ = ["GlobalBatchTopKStrategy", "attach_topk_group"]
 
-_COMPRESSION = {None: None, "bf16": "bf16_compress_hook", "fp16": "fp16_compress_hook"}
+GradCompression = Literal["none", "bf16", "fp16"]
+# torch's DDP communication hooks (torch.distributed.algorithms.ddp_comm_hooks.default_hooks)
+_COMPRESSION = {"none": None, "bf16": "bf16_compress_hook", "fp16": "fp16_compress_hook"}
 
 
 def attach_topk_group(module: torch.nn.Module, group: Any) -> int:
@@ -43,10 +45,12 @@ class GlobalBatchTopKStrategy(DDPStrategy):
 
     Args:
         require_topk_module: raise if no submodule has ``topk_group`` (catches a wrong model early).
-        grad_compression: ``None`` (exact float32 all-reduce) or ``"bf16"``/``"fp16"``: DDP's compression
-            hook casts each bucket to 16 bits before the all-reduce and back after, halving the bytes sent.
-            This CHANGES the numerics (gradients are rounded to 8 or 11 mantissa bits before averaging), so
-            results are no longer bit-comparable with one process.
+        grad_compression: ``"none"`` (default; ``None`` means the same: exact float32 all-reduce) or
+            ``"bf16"``/``"fp16"``: torch's DDP communication hook (``bf16_compress_hook`` /
+            ``fp16_compress_hook``) casts each bucket to 16 bits before the all-reduce and back after,
+            halving the bytes sent; the buckets still overlap with backward. This CHANGES the numerics
+            (gradients are rounded to 8 or 11 mantissa bits before averaging), so results are no longer
+            bit-comparable with one process. ``"bf16"`` needs CUDA and NCCL.
         cpu_sigterm_check: run Lightning's per-step SIGTERM flag exchange over a gloo group instead of the
             device, so it does not wait for the GPU every step (see ``strategies/_sigterm.py``).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (e.g. ``start_method``,
@@ -61,20 +65,19 @@ class GlobalBatchTopKStrategy(DDPStrategy):
     def __init__(
         self,
         require_topk_module: bool = True,
-        grad_compression: str | None = None,
+        grad_compression: GradCompression | None = "none",
         cpu_sigterm_check: bool = True,
         **kwargs: Any,
     ) -> None:
+        grad_compression = "none" if grad_compression is None else grad_compression
         if grad_compression not in _COMPRESSION:
-            raise ValueError(
-                f"grad_compression must be one of {sorted(_COMPRESSION, key=str)}, got {grad_compression!r}"
-            )
-        if grad_compression is not None and kwargs.get("ddp_comm_hook") is not None:
+            raise ValueError(f"grad_compression must be one of {list(_COMPRESSION)}, got {grad_compression!r}")
+        if grad_compression != "none" and kwargs.get("ddp_comm_hook") is not None:
             raise ValueError("pass either grad_compression or ddp_comm_hook, not both")
         kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(**kwargs)
         self.ddp_process_group: Any = kwargs.get("process_group")  # DDP's group, None for the default one
-        self.grad_compression = grad_compression
+        self.grad_compression: GradCompression = grad_compression
         self.cpu_sigterm_check = cpu_sigterm_check
         self._cpu_group: Any = None
         self.require_topk_module = require_topk_module
@@ -83,7 +86,7 @@ class GlobalBatchTopKStrategy(DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         super().configure_ddp()
-        if self.grad_compression is not None:
+        if self.grad_compression != "none":
             # Registered here rather than through Lightning's ddp_comm_hook, which skips CPU (gloo) runs.
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 

@@ -128,7 +128,7 @@ def test_report_tables_and_plot_from_the_smoke_results(results, tmp_path):
     page = write_report(results, tmp_path / "scaling.md", include_smoke=True)
     text = page.read_text()
     assert (tmp_path / "img" / "scaling.png").stat().st_size > 10_000
-    assert "ours_2d_sharded_encoder | 64 | 4 | 2 x 2 |" in text
+    assert "ours_2d_sharded_encoder | 64 | 4 | strong | 64 | 2 x 2 |" in text
     gpt2 = json.loads((results / "gpt2_ddp_scaling_smoke.json").read_text())
     tps = {r["world"]: r["tokens_per_s"] for r in gpt2["rows"]}
     eff2 = tps[2] / (2 * tps[1])  # recomputed by the report from the measured tokens/s
@@ -189,3 +189,49 @@ def test_freeze_unused_finds_parameters_no_loss_reaches():
     assert freeze_unused(model) == ["unused.weight", "unused.bias"]
     assert model.used.weight.requires_grad and not model.unused.weight.requires_grad
     assert model.used.weight.grad is None  # the probe's gradient is not left for the first step
+
+
+def test_clt_weak_scaling_rows_and_profiled_step(tmp_path):
+    """--weak: data-parallel rows at fixed tokens per GPU beside the strong ones; --profile: one extra step per
+    rank of the named variant, split into compute, collective-only and idle time (all summing to its window)."""
+    _run(
+        "clt_scaling.py", "--smoke", "--weak", "--gpus", "1", "2", "--no-peer", "--features", "64",
+        "--variants", "ours_1gpu", "ours_global_batchtopk_bf16grad", "ours_decoder_sharding_sharded_encoder",
+        "--profile", "ours_decoder_sharding_sharded_encoder_2gpu", "--out", str(tmp_path / "clt_scaling_weak.json"),
+    )  # fmt: skip
+    data = json.loads((tmp_path / "clt_scaling_weak.json").read_text())
+    k, tokens = data["config"]["k"], data["config"]["tokens"]
+    rows = {(r["variant"], r["features_per_layer"], r["scaling"]): r for r in data["rows"]}
+    dp = "ours_global_batchtopk_bf16grad_2gpu"
+    se = "ours_decoder_sharding_sharded_encoder_2gpu"
+    assert set(rows) == {
+        ("ours_1gpu", 64, "strong"), (dp, 64, "strong"), (dp, 64, "weak"), (se, 64, "strong"),
+    }  # weak rows only for the data-parallel kinds
+    for (variant, features, _), r in rows.items():
+        assert "error" not in r and r["l0_is_k"] and r["active_per_token"] == pytest.approx(k, abs=1e-9)
+        base = rows[("ours_1gpu", features, "strong")]
+        assert r["scaling_efficiency"] == pytest.approx(r["tokens_per_s"] / (r["world"] * base["tokens_per_s"]))
+        assert ("profile" in r) == (variant == se)
+    weak, strong = rows[(dp, 64, "weak")], rows[(dp, 64, "strong")]
+    assert (weak["tokens_per_rank"], weak["tokens_per_step"]) == (tokens, 2 * tokens)
+    assert (strong["tokens_per_rank"], strong["tokens_per_step"]) == (tokens // 2, tokens)
+    assert weak["tokens_per_s"] == pytest.approx(weak["tokens_per_step"] / (weak["step_ms"] / 1e3))
+    # the 16-bit comm hook is saved with the run (fp16 on gloo: torch's bf16 hook needs NCCL); half the bytes
+    assert weak["grad_compression"] == strong["grad_compression"] == "fp16"
+    assert weak["ddp_grad_allreduce_bytes_per_step"] == 2 * weak["params"]
+    profile = rows[(se, 64, "strong")]["profile"]
+    assert len(profile) == 2  # one per rank
+    for p in profile:
+        assert p["timeline"] == "cpu_ops" and p["window_ms"] > 0
+        parts = (p["compute_ms"], p["collective_only_ms"], p["idle_ms"])
+        assert min(parts) >= 0 and sum(parts) == pytest.approx(p["window_ms"], rel=1e-6)
+        assert 0 < p["collective_ms"] <= p["window_ms"]  # the candidates' gather and the loss all-reduce
+        top = p["top_kernels"]
+        assert 0 < len(top) <= 10 and [t["ms"] for t in top] == sorted((t["ms"] for t in top), reverse=True)
+    page = write_report(tmp_path, tmp_path / "scaling.md", include_smoke=True).read_text()
+    assert (
+        f"| ours_global_batchtopk_bf16grad | fp16 | 64 | 2 | {weak['scaling_efficiency']:.1%} | "
+        f"{strong['scaling_efficiency']:.1%} |" in page
+    )
+    p0 = rows[(se, 64, "strong")]["profile"][0]
+    assert f"| ours_decoder_sharding_sharded_encoder | 64 | 2 | strong | 0 | {p0['window_ms']:.2f} |" in page
