@@ -95,7 +95,10 @@ def peak_flops(
         return _HOPPER_DENSE_FLOPS[chip][name]
     if name not in _LIGHTNING_DTYPES:
         return None
-    flops = get_available_flops(device, _LIGHTNING_DTYPES[name])
+    lightning_dtype = _LIGHTNING_DTYPES[name]
+    if name == "tf32" and torch.cuda.get_device_capability(device) < (8, 0):
+        lightning_dtype = torch.float32  # no TF32 before Ampere: float32 matmuls run in float32
+    flops = get_available_flops(device, lightning_dtype)
     return float(flops) if flops else None
 
 

@@ -126,13 +126,23 @@ def test_hopper_dense_peaks_by_name(monkeypatch, caplog, name, bf16, fp8):
 
 def test_lightning_table_where_it_is_per_device_and_dense(monkeypatch):
     # H100 SXM and PCIe agree with Lightning; for a GPU outside the Hopper table Lightning's figure is used.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB"):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
         cuda = torch.device("cuda", 0)
         for dtype in (torch.bfloat16, torch.float16):
-            assert peak_flops(cuda, dtype) == get_available_flops(cuda, dtype)
-        assert peak_flops(cuda, "tf32") == get_available_flops(cuda, "tfloat32")
+            assert get_available_flops(cuda, dtype) and peak_flops(cuda, dtype) == get_available_flops(
+                cuda, dtype
+            )
+        assert get_available_flops(cuda, "tfloat32") and peak_flops(cuda, "tf32") == get_available_flops(
+            cuda, "tfloat32"
+        )
     assert peak_flops(cuda, "fp8") is None  # A100: no FP8 tensor cores, and Lightning has no fp8 column
+    # before Ampere there is no TF32: a 32-bit run's peak is the float32 one
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    v100 = get_available_flops(cuda, torch.float32)
+    assert v100 and peak_flops(cuda, "tf32") == peak_flops(cuda, torch.float32) == v100
     with pytest.raises(ValueError, match="int4"):
         peak_flops(cuda, "int4")
     with pytest.raises(ValueError, match="peak_precision"):
