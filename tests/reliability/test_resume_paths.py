@@ -2,7 +2,7 @@
 
 Through the console scripts' entry functions (``lightning_opt.recipes.gpt2.main``, ``...sample.main``) on the
 GPT-2 demo config shrunk by command-line overrides, with real files: ``--ckpt_path last`` resumes the newest
-intact checkpoint of the previous version folder bit for bit, or starts fresh saying so; a checkpoint with
+intact checkpoint of the newest earlier ``version_*`` folder bit for bit, or starts fresh saying so; a checkpoint with
 flipped floats is replaced by the newest intact one of its folder (resume) or refused (sample,
 ``load_from_checkpoint``); a dangling ``last.ckpt`` is passed over; ``max_steps 0`` is refused before
 training; a save under a file-size limit says what happened and keeps the previous checkpoint. No run
