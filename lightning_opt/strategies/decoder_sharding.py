@@ -69,8 +69,10 @@ class DecoderShardingStrategy(DDPStrategy):
         selection: how feature-sharded encoders select within one decoder group (``CLTShardSpec.selection``):
             ``"padded_pool"`` (default, no host sync before the decode), ``"synced_pool"`` or ``"general"``.
             With ``D > 1`` and ``global_topk`` the budget spans the data group and the general path runs.
-        cpu_sigterm_check: run Lightning's per-step SIGTERM flag exchange over a gloo group instead of the
-            device, so it does not wait for the GPU every step (see ``strategies/_sigterm.py``).
+        cpu_sigterm_check: on SIGTERM to any rank, stop every rank at the next optimizer-step boundary,
+            agreed once per step over a gloo group (no GPU wait; see ``strategies/_sigterm.py``). False:
+            Lightning's own handling (rank 0's flag, per batch, on the device) unless ``AsyncCheckpoint``,
+            which installs the same stop with a gloo group of its own, is attached.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (e.g. ``start_method``);
             DDP's own wrapper is not used.
 

@@ -89,8 +89,10 @@ class FSDPGlobalBatchTopKStrategy(ModelParallelStrategy):
             backward, one all-gather per step. ``True`` (ZeRO-3 style): freed after forward and gathered again
             for backward (less memory, a second all-gather).
         require_topk_module: raise if no submodule has ``topk_group`` (catches a wrong model early).
-        cpu_sigterm_check: run Lightning's per-step SIGTERM flag exchange over a gloo group instead of the
-            device, so it does not wait for the GPU every step (see ``strategies/_sigterm.py``).
+        cpu_sigterm_check: on SIGTERM to any rank, stop every rank at the next optimizer-step boundary,
+            agreed once per step over a gloo group (no GPU wait; see ``strategies/_sigterm.py``). False:
+            Lightning's own handling (rank 0's flag, per batch, on the device) unless ``AsyncCheckpoint``,
+            which installs the same stop with a gloo group of its own, is attached.
         save_distributed_checkpoint, process_group_backend, timeout: as
             :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
 

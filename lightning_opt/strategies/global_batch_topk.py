@@ -51,8 +51,10 @@ class GlobalBatchTopKStrategy(DDPStrategy):
             halving the bytes sent; the buckets still overlap with backward. This CHANGES the numerics
             (gradients are rounded to 8 or 11 mantissa bits before averaging), so results are no longer
             bit-comparable with one process. ``"bf16"`` needs CUDA and NCCL.
-        cpu_sigterm_check: run Lightning's per-step SIGTERM flag exchange over a gloo group instead of the
-            device, so it does not wait for the GPU every step (see ``strategies/_sigterm.py``).
+        cpu_sigterm_check: on SIGTERM to any rank, stop every rank at the next optimizer-step boundary,
+            agreed once per step over a gloo group (no GPU wait; see ``strategies/_sigterm.py``). False:
+            Lightning's own handling (rank 0's flag, per batch, on the device) unless ``AsyncCheckpoint``,
+            which installs the same stop with a gloo group of its own, is attached.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (e.g. ``start_method``,
             ``process_group`` for a sub-group, ``bucket_cap_mb``, ``static_graph``).
 
