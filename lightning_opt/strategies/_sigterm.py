@@ -92,15 +92,14 @@ class StepBoundaryStop:
         def on_sigterm(signum: int, frame: Any) -> None:
             first = not self.requested
             self.requested = True
-            if first:
-                launcher = trainer.strategy.launcher
-                if launcher is not None:  # processes Lightning started get the signal too, as in Lightning
-                    launcher.kill(signum)
+            fit = self._trainer()  # not captured: the handler must not keep the Trainer alive
+            if first and fit is not None and fit.strategy.launcher is not None:
+                fit.strategy.launcher.kill(signum)  # processes Lightning started get the signal too, as in Lightning
             if callable(previous):
                 previous(signum, frame)
-            if trainer.world_size == 1 and trainer.global_step == 0:
+            if fit is not None and fit.world_size == 1 and fit.global_step == 0:
                 # Nothing to save yet and no peer to agree with: stop now, even inside a compilation.
-                self._stop(trainer)
+                self._stop(fit)
 
         self._handler = on_sigterm
         signal.signal(signal.SIGTERM, on_sigterm)
