@@ -713,13 +713,23 @@ class CLT(nn.Module):
 
     # ----------------------------------------------------------- norms, misc
     def decoder_norms(self) -> torch.Tensor:
-        """Norm of each feature's concatenated decoder vectors over all its targets, ``[L, F]``."""
+        """Norm of each feature's concatenated decoder vectors over all its targets, ``[L, F]`` (with a decoder
+        group: over every shard's output columns)."""
         L = self.config.n_layers
         tying = self.config.decoder_tying
         if tying == "per_target":
             sq = self.W_dec_tgt.float().pow(2).sum(-1)  # [L_tgt, F]
             # source l writes to targets l..L-1 with the same per-target vectors
             return sq.flip(0).cumsum(0).flip(0).sqrt()
+        spec = self.shard
+        if spec is not None and spec.collective:
+            # a decoder group: every shard's columns. The squares are summed over the group with the backward
+            # scaled by its size: every rank computes the same penalty from these norms and the strategy averages
+            # the ranks' losses, so each shard's columns get the whole gradient
+            from lightning_opt.strategies._collectives import sum_forward
+
+            sq = torch.stack([w.float().pow(2).sum((1, 2)) for w in self.W_dec])
+            return sum_forward(sq, spec.model_group, grad_scale=float(spec.model_size)).sqrt()
         rows = []
         for s, w in enumerate(self.W_dec):
             # one fused reduction, no squared copy of the decoder
@@ -1191,6 +1201,7 @@ def auxk_loss(
     staleness: torch.Tensor | None = None,
     x: torch.Tensor | None = None,
     sparse_decoder_grad: bool = False,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """AuxK (Gao et al., 2024): the top-``k_aux`` *dead* features per token and layer should predict the
     residual ``target - recon`` (normalised space, detached). Returns ``||e - e_hat||^2 / ||e||^2``;
@@ -1203,9 +1214,16 @@ def auxk_loss(
     gather of ``[L, N, max_dead]`` and decodes with a dense ``[N, max_dead]`` matmul per layer, instead of a
     masked copy of ``pre``, a top-k over all features and a second sparse decode.
 
+    A sharded model (:meth:`CLT.shard_`) computes its shard of the same loss: ``residual`` holds its output
+    columns, and with feature-sharded encoders ``pre`` holds its features ``[L, N, F / M]`` while ``dead`` and
+    ``staleness`` stay ``[L, F]`` (the same on every rank); each rank then picks its own top-``k_aux`` dead
+    features, the decoder group's candidates are gathered, and every rank keeps the same top ``k_aux`` of the
+    union (the top-k over all features). Pass ``reduce`` to sum the squared errors over the ranks, so the
+    ratio is the one of the whole batch (``CLTModule`` sums over all ranks).
+
     Args:
         model: the CLT (its decoder is used without bias).
-        pre: ``[L, N, F]`` pre-activations.
+        pre: ``[L, N, F]`` pre-activations (``[L, N, F / M]`` with feature-sharded encoders).
         residual: ``[N, L, d_out]`` detached reconstruction error.
         dead: ``[L, F]`` bool mask of dead features.
         k_aux: dead features kept per token and layer.
@@ -1220,40 +1238,72 @@ def auxk_loss(
             zero-filled decoder-sized tensor. Only when the decoder also gets a dense gradient in the same
             backward (as in :class:`~lightning_opt.modules.clt.CLTModule`): otherwise ``.grad`` would be sparse,
             which AdamW refuses.
+        reduce: differentiable sum of a scalar over ranks (e.g. all ranks of a data-parallel or sharded run),
+            applied to the numerator and the denominator; ``None``: this process's ratio.
     """
-    L, N, nf = pre.shape
+    L, N, width = pre.shape
+    nf = model.config.n_features
+    spec = model.shard
+    feats = spec.features if spec is not None else None  # this rank's features, when the encoder is sharded
+    f0 = 0 if feats is None else feats[0]
     if max_dead is not None and max_dead <= 0:
         raise ValueError(f"max_dead={max_dead} must be positive (or None for all features)")
+    if tuple(dead.shape) != (L, nf) or width != (nf if feats is None else feats[1] - feats[0]):
+        raise ValueError(
+            f"auxk_loss: dead {tuple(dead.shape)} must be [n_layers, n_features] = [{L}, {nf}] and pre "
+            f"{tuple(pre.shape)} must hold this model's features ({feats or (0, nf)})"
+        )
     capped = max_dead is not None and max_dead < nf
     if capped:
         score = (staleness if staleness is not None else dead).float().masked_fill(~dead, float("-inf"))
         cols = torch.topk(score, max_dead, dim=1).indices  # [L, D]: fixed size, so no host sync
         ok = dead.gather(1, cols)
+        local = cols - f0  # the candidates' places in this rank's features
+        if feats is not None:
+            ok = ok & (local >= 0) & (local < width)  # another rank's features take part through the gather
+            local = local.clamp(0, width - 1)
         if x is not None:
             # the candidates' pre-activations from their encoder columns: no dense [L, N, F] gradient of pre
             model._check_input(x)
             xn = model.normalize_inputs(x.to(model.W_enc.dtype)).transpose(0, 1)
-            w = model.W_enc.gather(2, cols[:, None, :].expand(L, model.config.d_model, max_dead))
-            sub = torch.baddbmm(model.b_enc.gather(1, cols)[:, None, :], xn, w).to(pre.dtype)
+            w = model.W_enc.gather(2, local[:, None, :].expand(L, model.config.d_model, max_dead))
+            sub = torch.baddbmm(model.b_enc.gather(1, local)[:, None, :], xn, w).to(pre.dtype)
         else:
-            sub = pre.gather(2, cols[:, None, :].expand(L, N, max_dead))
+            sub = pre.gather(2, local[:, None, :].expand(L, N, max_dead))
     else:
-        cols, ok, sub = None, dead, pre
-    kk = min(k_aux, sub.shape[2])
+        cols, ok, sub = None, dead[:, f0 : f0 + width], pre
+    kk = min(k_aux, max_dead if capped else nf)
     masked = sub.masked_fill(~ok[:, None, :], float("-inf"))
-    top = torch.topk(masked, kk, dim=2, sorted=False)
-    vals = torch.where(torch.isfinite(top.values), F.relu(top.values), torch.zeros_like(top.values))
+    top = torch.topk(masked, min(kk, sub.shape[2]), dim=2, sorted=False)
+    chosen = top.values
+    if feats is not None:
+        # every rank's top candidates (k each per token and layer), then the top kk of their union
+        from lightning_opt.strategies._collectives import gather_stacked
+
+        feat = top.indices + f0 if cols is None else cols[:, None, :].expand(L, N, max_dead).gather(2, top.indices)
+        world = spec.model_size
+        pool = gather_stacked(chosen, spec.model_group, world).permute(1, 2, 0, 3).reshape(L, N, -1)
+        pool_feat = gather_stacked(feat, spec.model_group, world).permute(1, 2, 0, 3).reshape(L, N, -1)
+        best = torch.topk(pool, kk, dim=2, sorted=False)
+        chosen, feat = best.values, pool_feat.gather(2, best.indices)
+    vals = torch.where(torch.isfinite(chosen), F.relu(chosen), torch.zeros_like(chosen))
     e = residual.float()
-    # a decoder group: decode_sparse sums the values' gradient over the group, so go through it
-    grouped = model.shard is not None and model.shard.collective
+    # a decoder group: decode_sparse sums the values' gradient over the group, so go through it (the gather of
+    # feature-sharded candidates sums it already: the local decode then)
+    grouped = spec is not None and spec.collective
     if capped and not grouped and model.config.decoder_tying == "untied":
         e_hat = _decode_columns(model, cols, top.indices, vals, sparse_decoder_grad)
     else:
-        feat = top.indices if cols is None else cols[:, None, :].expand(L, N, max_dead).gather(2, top.indices)
+        if feats is None:
+            feat = top.indices if cols is None else cols[:, None, :].expand(L, N, max_dead).gather(2, top.indices)
         rows = torch.arange(L * N, device=pre.device).view(L, N, 1)
         flat = (rows * nf + feat).reshape(-1)  # grouped by layer, then token (the decode_sparse contract)
-        e_hat = model.decode_sparse(flat, vals.reshape(-1), N) - model.b_dec
-    return (e - e_hat).pow(2).sum() / e.pow(2).sum().clamp_min(1e-12)
+        decode = model._decode_sparse_local if feats is not None else model.decode_sparse
+        e_hat = decode(flat, vals.reshape(-1), N) - model.b_dec
+    sse, sst = (e - e_hat).pow(2).sum(), e.pow(2).sum()
+    if reduce is not None:
+        sse, sst = reduce(sse), reduce(sst)
+    return sse / sst.clamp_min(1e-12)
 
 
 def _decode_columns(model: CLT, cols: torch.Tensor, local: torch.Tensor, vals: torch.Tensor,

@@ -164,8 +164,10 @@ class CLTModule(TrainingModule):
             that come from the data).
             Not with a sharded CLT (``DecoderShardingStrategy``) nor a BatchTopK over ranks (``topk_group``).
         resample_dead_every: every this many optimizer steps, re-initialise the features dead over the
-            ``dead_tokens`` window (see :meth:`resample_dead_features`); ``None`` = never. Single process,
-            ``decoder_tying`` ``untied`` or ``per_source``, no gradient accumulation.
+            ``dead_tokens`` window (see :meth:`resample_dead_features`); ``None`` = never. One process, or ranks
+            that agree on the dead features (``GlobalBatchTopKStrategy``, ``DecoderShardingStrategy``: every rank
+            draws the same tokens of the whole batch); ``decoder_tying`` ``untied`` or ``per_source``, no
+            gradient accumulation.
         resample_encoder_scale: a resampled feature's encoder column norm, as a fraction of the mean encoder
             column norm of the layer's live features. ``None``: 0.2 for ``relu``/``jumprelu`` (Anthropic's
             value), 1.0 for the top-k activations (a resampled feature has to win one of the k slots; at 0.2 the
@@ -280,12 +282,18 @@ class CLTModule(TrainingModule):
             )
         if self.resample_every is None:
             return
-        world = self.trainer.world_size
-        if sharded or world > 1 or clt.topk_group is not None:
+        if sharded and not clt.shard.collective:
             raise ValueError(
-                f"resample_dead_every needs a single-process, unsharded CLT (world_size={world}, "
-                f"sharded={sharded}): every rank would draw other tokens and re-initialise the features "
-                "differently; use resample_dead_every=None (AuxK, aux_coef > 0, also revives dead features)"
+                "resample_dead_every needs a single-process, unsharded CLT or one sharded by "
+                "DecoderShardingStrategy; this CLT holds a local slice of the decoder (shard_decoder_) whose other "
+                "output columns no rank holds, so a resampled decoder row cannot be normalised"
+            )
+        if self._data_replicas() > 1 and clt.topk_group is None:
+            raise ValueError(
+                f"resample_dead_every with {self._data_replicas()} data-parallel ranks needs a BatchTopK over them "
+                "(GlobalBatchTopKStrategy, or DecoderShardingStrategy with global_topk=True): the ranks must agree "
+                "on which features are dead; use one of those, or resample_dead_every=None (AuxK, aux_coef > 0, "
+                "also revives dead features)"
             )
         if self.trainer.accumulate_grad_batches != 1:
             raise ValueError(
@@ -373,6 +381,66 @@ class CLTModule(TrainingModule):
             return torch.zeros(L, device=layer.device).index_add_(0, layer, (out.values > 0).float())
         return (out.acts > 0).sum(dim=(1, 2)).float()
 
+    def _penalty_view(self, out: CLTOutput) -> CLTOutput:
+        """``out`` for the penalty terms. A decoder group with a replicated encoder: every rank computes the same
+        penalties from the same activations and the strategy averages the ranks' losses, so the activations'
+        gradient is summed over the group (the encoder's whole gradient), as the decode does for the MSE's."""
+        spec = self.model.shard
+        if spec is None or not spec.collective or spec.features is not None:
+            return out
+        from lightning_opt.strategies._collectives import sum_backward
+
+        def wrap(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else sum_backward(t, spec.model_group)
+
+        return out._replace(pre=wrap(out.pre), acts=wrap(out.acts), values=wrap(out.values))
+
+    def _group_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """A detached per-rank loss averaged over the decoder group (the loss the strategy trains on); as is
+        without one. One scalar all-reduce, no host sync."""
+        spec = self.model.shard
+        if spec is None or not spec.collective:
+            return value
+        import torch.distributed as dist
+
+        value = value.clone()
+        dist.all_reduce(value, group=spec.model_group)
+        return value / spec.model_size
+
+    def _feature_shard_sum(self, term: torch.Tensor) -> torch.Tensor:
+        """A sum over features of this rank's features (feature-sharded encoder) -> over all features; backward
+        scaled by the group size (the strategy averages the ranks' losses)."""
+        spec = self.model.shard
+        if spec is None or not spec.collective or spec.features is None:
+            return term
+        from lightning_opt.strategies._collectives import sum_forward
+
+        return sum_forward(term, spec.model_group, grad_scale=float(spec.model_size))
+
+    @override
+    def count_tokens(self, batch_tokens: int) -> None:
+        # the ranks of a decoder group (DecoderShardingStrategy) read the same tokens: count each data rank once
+        self.tokens_seen += batch_tokens * self._data_replicas()
+
+    def _data_replicas(self) -> int:
+        """Ranks that see different tokens each step (the strategy's data-parallel size; 1 in one process)."""
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self._trainer else None
+        return int(kwargs.get("num_replicas", 1)) if kwargs else 1
+
+    def _rank_sum(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Differentiable sum of a loss term over all ranks, for ratio losses (AuxK) of the whole batch.
+
+        Every strategy here averages the per-rank losses' gradients over all ranks (DDP over the world; decoder
+        sharding over the decoder group, then the data group), so the backward is scaled by the world size."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return None
+        import torch.distributed as dist
+
+        from lightning_opt.strategies._collectives import sum_forward
+
+        world = self.trainer.world_size
+        return lambda t: sum_forward(t, dist.group.WORLD, grad_scale=float(world))
+
     def _should_log(self) -> bool:
         """Whether the Trainer writes logs after this training step (``log_every_n_steps``)."""
         if self._trainer is None:
@@ -391,9 +459,10 @@ class CLTModule(TrainingModule):
         return bool(flag)
 
     def _publish_dead(self, dead_next: torch.Tensor) -> None:
-        # Only when no collective runs inside AuxK (a sharded decode_sparse all-reduces in backward): ranks
-        # must never disagree about running it.
-        if self.model.shard is not None or (self._trainer is not None and self.trainer.world_size > 1):
+        # AuxK issues collectives over the ranks (decoder group, whole-batch ratio), so ranks must never disagree
+        # about running it: they agree when their dead masks are equal, which holds in a decoder group (the same
+        # selections) and over data-parallel ranks whose firing is merged (topk_group); else it always runs.
+        if self._data_replicas() > 1 and self.model.topk_group is None:
             self._any_dead = None
             return
         anyd = dead_next.any()
@@ -455,6 +524,11 @@ class CLTModule(TrainingModule):
         ``resample_dead_every`` set, :meth:`optimizer_step` calls it right after the update of every
         ``resample_dead_every``-th step, on that step's batch (logged as ``train/resampled``).
 
+        Over several ranks (data-parallel with a merged BatchTopK, decoder shards) every rank draws the same tokens
+        of the whole batch (every data rank's tokens in rank order, the losses over every shard's columns), each
+        rank writes the rows it holds, and the norms span every shard: the same features as one process with
+        the whole batch.
+
         Host syncs: a few (the dead set's size and layout, the token draws on the CPU generator), on the
         resampling steps only.
 
@@ -470,16 +544,19 @@ class CLTModule(TrainingModule):
         self.last_resampled = dead
         if count == 0:
             return 0
+        ranks = _ResampleRanks.of(self)
         per_layer = dead.sum(1).tolist()
         res = residual.float()
-        # loss of each token at the targets of a feature of layer l: squared error over layers l..L-1
-        tail = res.pow(2).sum(-1).flip(1).cumsum(1).flip(1).double().cpu()  # [N, L]
+        # loss of each token at the targets of a feature of layer l: squared error over layers l..L-1, over the
+        # whole batch (every data rank's tokens in rank order, every decoder shard's columns)
+        sq = ranks.gather_tokens(ranks.sum_columns(res.pow(2).sum(-1)))
+        tail = sq.flip(1).cumsum(1).flip(1).double().cpu()  # [N_total, L]
         gen = torch.Generator().manual_seed(0)
         gen.set_state(self._resample_rng_state)
         draws = [_draw_distinct(tail[:, source], c, self.resample_weighting, gen)
                  for source, c in enumerate(per_layer) if c > 0]
         self._resample_rng_state = gen.get_state()
-        tok = torch.cat(draws).to(x.device)  # [D], in the order of `where`
+        tok = torch.cat(draws).to(x.device)  # [D] tokens of the whole batch, in the order of `where`
         layer, feat = where[:, 0], where[:, 1]
         alive = ~dead
 
@@ -489,31 +566,34 @@ class CLTModule(TrainingModule):
             return torch.where(live.any(-1), live_mean, norms.mean(-1))
 
         # encoder: unit normalised inputs of the drawn tokens, scaled to the layer's live norm
-        W_enc = clt.W_enc  # [L, d, F]
-        enc_norms = torch.linalg.vector_norm(W_enc, dim=1, dtype=torch.float32)  # [L, F]
+        W_enc = clt.W_enc  # [L, d, F] (this rank's features [f0, f0 + width) with a feature-sharded encoder)
+        enc_norms = ranks.gather_features(torch.linalg.vector_norm(W_enc, dim=1, dtype=torch.float32))  # [L, F]
         enc_scale = mean_live(enc_norms, alive) * self.resample_encoder_scale
-        u = clt.normalize_inputs(x.to(W_enc.dtype))[tok, layer].float()  # [D, d]
+        u = ranks.rows(clt.normalize_inputs(x.to(W_enc.dtype)).float(), tok, layer)  # [D, d]
         u = u / torch.linalg.vector_norm(u, dim=1, keepdim=True).clamp_min(1e-12)
-        W_enc[layer, :, feat] = (u * enc_scale[layer, None]).to(W_enc.dtype)
-        clt.b_enc[layer, feat] = 0
-        reset: list[tuple[torch.Tensor, tuple[Any, ...]]] = [(W_enc, (layer, slice(None), feat)),
-                                                               (clt.b_enc, (layer, feat))]
+        own = (feat >= ranks.f0) & (feat < ranks.f0 + W_enc.shape[2])  # the features whose encoder is here
+        e_layer, e_feat = layer[own], feat[own] - ranks.f0
+        W_enc[e_layer, :, e_feat] = (u[own] * enc_scale[e_layer, None]).to(W_enc.dtype)
+        clt.b_enc[e_layer, e_feat] = 0
+        reset: list[tuple[torch.Tensor, tuple[Any, ...]]] = [(W_enc, (e_layer, slice(None), e_feat)),
+                                                               (clt.b_enc, (e_layer, e_feat))]
         if clt.log_threshold is not None:
             clt.log_threshold[layer, feat] = math.log(self.clt_config.jumprelu_threshold)
             reset.append((clt.log_threshold, (layer, feat)))
         # decoder: unit residuals of the drawn tokens over the feature's targets, scaled to the layer's live norm
+        # (norms over all output columns: a decoder shard holds some of them)
         start = 0
         for source, c in enumerate(per_layer):
             if c == 0:
                 continue
             rows, toks = feat[start : start + c], tok[start : start + c]
             start += c
-            w = clt.W_dec[source]  # [F, L - source (1: per_source), d]
-            r = res[toks, source:]  # [c, L - source, d]
+            w = clt.W_dec[source]  # [F, L - source (1: per_source), d_out]
+            r = ranks.rows(res[:, source:], toks)  # [c, L - source, d_out]
             if w.shape[1] == 1:
                 r = r.sum(1, keepdim=True)
-            dec_scale = mean_live(torch.linalg.vector_norm(w, dim=(1, 2), dtype=torch.float32), alive[source])
-            r = r / torch.linalg.vector_norm(r, dim=(1, 2), keepdim=True).clamp_min(1e-12)
+            dec_scale = mean_live(ranks.column_norm(w), alive[source])
+            r = r / ranks.column_norm(r)[:, None, None].clamp_min(1e-12)
             w[rows] = (r * dec_scale).to(w.dtype)
             reset.append((w, (rows,)))
         for opt in optimizers:
@@ -542,7 +622,10 @@ class CLTModule(TrainingModule):
             terms = _compiled_loss_terms() if self.compile_clt else _loss_terms
             # the penalty whenever it has a weight, also while the ramp holds it at 0: the same terms every
             # step (one compiled graph)
-            yn, mse, sp, pa = terms(clt, out, y, n, self.sparsity_c, self.sparsity_coef > 0, self.preact_coef > 0)
+            yn, mse, sp, pa = terms(clt, self._penalty_view(out), y, n, self.sparsity_c, self.sparsity_coef > 0,
+                                    self.preact_coef > 0)
+            if pa is not None:
+                pa = self._feature_shard_sum(pa)
             loss = mse
             # host numbers as CPU tensors: self.log would copy a Python number to the GPU with a blocking copy
             logs: dict[str, Any] = {"train/mse": mse.detach(), "train/sparsity_lambda": torch.tensor(float(lam))}
@@ -567,18 +650,20 @@ class CLTModule(TrainingModule):
                     # main decode gives the decoder a dense gradient in this backward, AuxK adds its rows to it
                     aux = auxk_loss(clt, out.pre, (yn - out.recon).detach(), dead, self.aux_k,
                                     max_dead=self.aux_max_dead, staleness=self.tokens_since_fired, x=x,
-                                    sparse_decoder_grad=True)
+                                    sparse_decoder_grad=True, reduce=self._rank_sum())
                     loss = loss + self.aux_coef * aux
                 logs["train/auxk"] = aux.detach()
             else:
                 logs["train/auxk"] = torch.tensor(1.0)  # AuxK's value when no feature is dead
         with torch.no_grad(), record_function("clt/dead_tracking"):
-            self.tokens_since_fired.add_(n).masked_fill_(fired, 0)
+            # the window counts the step's tokens over all data-parallel ranks (fired is merged over them)
+            self.tokens_since_fired.add_(n * self._data_replicas()).masked_fill_(fired, 0)
             if self.aux_coef > 0:
                 self._publish_dead(self.tokens_since_fired >= self.dead_tokens)
         if log:
             # metrics only on the steps the Trainer writes logs: they cost extra passes over the outputs
             with torch.no_grad(), record_function("clt/metrics"):
+                logs["train/mse"] = self._group_mean(logs["train/mse"])
                 logs["train/dead_fraction"] = dead.float().mean()
                 logs["train/l0"] = self._active_per_layer(out, n).sum() / n
                 if clt.d_out_slice is None:
@@ -588,7 +673,7 @@ class CLTModule(TrainingModule):
         # every step (a monitored key must always exist); a device tensor, so no sync unless a logger reads it.
         # prog_bar=False: Lightning turns progress-bar metrics into Python numbers after every batch (a sync
         # per step); the recipes' lightning_opt.callbacks.LazyProgressBar shows train/loss at redraws instead
-        self.log("train/loss", loss.detach(), on_step=True, on_epoch=False)
+        self.log("train/loss", self._group_mean(loss.detach()), on_step=True, on_epoch=False)
         self.count_tokens(n)
         return loss
 
@@ -660,6 +745,82 @@ class CLTModule(TrainingModule):
             self.log("val/fvu_pb", total, prog_bar=True, logger=False)
         for m in (self.val_fvu, self.val_l0, self.val_kl, self.val_agree):
             m.reset()
+
+
+class _ResampleRanks:
+    """The ranks a resampling spans: the decoder group (same tokens, each rank some output columns and, with a
+    feature-sharded encoder, some features) and the data-parallel ranks (other tokens, merged BatchTopK). Every
+    rank draws the same tokens of the whole batch; these collectives give each rank what the draws need."""
+
+    def __init__(self, model_group: Any, model_size: int, feature_sharded: bool, f0: int, data_group: Any,
+                 data_size: int, data_rank: int) -> None:
+        self.model_group, self.model_size, self.f0 = model_group, model_size, f0
+        self.feature_sharded = feature_sharded
+        self.data_group, self.data_size, self.data_rank = data_group, data_size, data_rank
+
+    @classmethod
+    def of(cls, module: CLTModule) -> _ResampleRanks:
+        spec = module.model.shard
+        grouped = spec is not None and spec.collective
+        f0 = spec.features[0] if spec is not None and spec.features is not None else 0
+        data_size = module._data_replicas()
+        if data_size == 1:
+            data_group, data_rank = None, 0
+        elif grouped:
+            data_group, data_rank = spec.data_group, spec.data_rank
+        else:
+            import torch.distributed as dist
+
+            data_group = module.model.topk_group
+            data_rank = dist.get_rank(data_group)
+        return cls(spec.model_group if grouped else None, spec.model_size if grouped else 1,
+                   grouped and spec.features is not None, f0, data_group, data_size, data_rank)
+
+    def sum_columns(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the decoder group (a sum over output columns each shard computed for its own)."""
+        if self.model_group is not None:
+            import torch.distributed as dist
+
+            t = t.contiguous()
+            dist.all_reduce(t, group=self.model_group)
+        return t
+
+    def column_norm(self, t: torch.Tensor) -> torch.Tensor:
+        """float32 norm of each row of ``t`` ``[R, ..., d_out]`` over all its other axes and every shard's columns."""
+        if self.model_group is None:
+            return torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim())), dtype=torch.float32)
+        return self.sum_columns(t.float().pow(2).sum(tuple(range(1, t.dim())))).sqrt()
+
+    def gather_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        """Every data rank's rows of ``t`` ``[N, ...]`` in rank order: ``[data_size * N, ...]``."""
+        if self.data_size == 1:
+            return t
+        from lightning_opt.ops.global_topk import _all_gather
+
+        return _all_gather(t.contiguous(), self.data_group, self.data_size).flatten(0, 1)
+
+    def gather_features(self, t: torch.Tensor) -> torch.Tensor:
+        """``[L, F]`` from this rank's features ``[L, F / M]`` of a feature-sharded encoder (else ``t``)."""
+        if not self.feature_sharded:
+            return t
+        from lightning_opt.ops.global_topk import _all_gather
+
+        parts = _all_gather(t.contiguous(), self.model_group, self.model_size)  # [M, L, F / M], rank order
+        return torch.cat(parts.unbind(0), dim=-1)
+
+    def rows(self, t: torch.Tensor, tok: torch.Tensor, layer: torch.Tensor | None = None) -> torch.Tensor:
+        """``t[tok]`` (or ``t[tok, layer]``) for tokens ``tok`` of the whole batch, from the rank that holds each."""
+        n = t.shape[0]
+        if self.data_size == 1:
+            return t[tok] if layer is None else t[tok, layer]
+        mine = (tok // n) == self.data_rank
+        local = (tok % n).clamp(0, n - 1)
+        picked = t[local] if layer is None else t[local, layer]
+        out = torch.where(mine.view(-1, *([1] * (picked.dim() - 1))), picked, torch.zeros_like(picked))
+        import torch.distributed as dist
+
+        dist.all_reduce(out, group=self.data_group)  # one owner per row: the sum is that row
+        return out
 
 
 def _draw_distinct(loss: torch.Tensor, count: int, weighting: str, gen: torch.Generator) -> torch.Tensor:

@@ -236,3 +236,25 @@ def take_masked(src: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> to
 def take_unique(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``src[idx]`` (1-D, unique ``idx``) with a scatter backward."""
     return _TakeUnique.apply(src, idx)
+
+
+class _GatherStacked(torch.autograd.Function):
+    """Forward: every rank's ``t`` (same shape) stacked in rank order, ``[world, *t.shape]``. Backward: the
+    gradient summed over ranks (each rank computed a different part of the loss from every rank's entries),
+    this rank's slice of it returned."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any, world: int) -> torch.Tensor:
+        ctx.group, ctx.rank = group, dist.get_rank(group)
+        return _all_gather(t.contiguous(), group, world)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank], None, None
+
+
+def gather_stacked(t: torch.Tensor, group: Any, world: int) -> torch.Tensor:
+    """Every rank's ``t`` stacked as ``[world, *t.shape]``; the gradient returns summed to each owner."""
+    return _GatherStacked.apply(t, group, world)
