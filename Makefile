@@ -1,16 +1,22 @@
 # Two entry points: `make demo` (the GPT-2 speedrun recipe on the built-in offline corpus) and
 # `make test` (the CPU test suite). Each creates .venv and installs what it needs on first use.
-# TORCH picks the torch build: the default pin is the CPU wheel; on a GPU machine use e.g. `make demo TORCH=torch`.
+# TORCH picks the torch build and TORCH_INDEX an extra index pip may take it from. The default is the CPU build:
+# pip looks at PyTorch's CPU wheel index next to PyPI, finds torch 2.13.0+cpu there and prefers it (a local
+# version label ranks above PyPI's plain 2.13.0, which on Linux is the CUDA build). Where that index cannot be
+# reached (a machine that sees only a PyPI mirror) pip warns, retries for about half a minute and takes what its
+# own configuration offers: a wheel folder or mirror holding 2.13.0+cpu (e.g. find-links in pip.conf), else
+# PyPI's CUDA build, which also runs on a CPU. On a GPU machine: `make demo TORCH=torch TORCH_INDEX=`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?= -q
 
 .PHONY: demo test lint
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 

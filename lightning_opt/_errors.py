@@ -9,6 +9,7 @@ traceback. ``LIGHTNING_OPT_TRACEBACK=1`` prints the traceback of a mistake too.
 
 from __future__ import annotations
 
+import errno
 import linecache
 import os
 import re
@@ -21,15 +22,17 @@ from typing import Any, NoReturn
 TRACEBACK_ENV = "LIGHTNING_OPT_TRACEBACK"
 
 _USER_TYPES = (ValueError, TypeError, KeyError, ImportError, OSError)
-_FILE_ERRORS = (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)
-_FILE_HINTS = {
-    PermissionError: "choose a folder you can write to (e.g. --trainer.default_root_dir, the logger's save_dir, "
-                     "the checkpoint dirpath) or fix its permissions",
-    FileNotFoundError: "check the path",
-    IsADirectoryError: "pass a file, not a folder",
-    NotADirectoryError: "a part of the path is a file, not a folder; check the path",
-    FileExistsError: "remove it or choose another path",
+# the OS refused a path the user chose (errno -> what to do)
+_PATH_ERRNOS = {
+    errno.EACCES: "choose a folder you can write to (e.g. --trainer.default_root_dir, the logger's save_dir, the "
+                  "checkpoint dirpath) or fix its permissions",
+    errno.EROFS: "the file system is read-only; choose a folder on a writable one",
+    errno.ENOENT: "check the path",
+    errno.EISDIR: "pass a file, not a folder",
+    errno.ENOTDIR: "a part of the path is a file, not a folder; check the path",
+    errno.EEXIST: "remove it or choose another path",
 }
+_PATH_ERRNOS[errno.EPERM] = _PATH_ERRNOS[errno.EACCES]
 
 
 def _package_dir(name: str) -> str | None:
@@ -118,10 +121,8 @@ def user_error_message(err: BaseException) -> str | None:
 
     if isinstance(err, (MisconfigurationException, DownloadError)):
         return one_line(str(err))
-    if isinstance(err, _FILE_ERRORS) and err.filename is not None:  # the OS refused a path: no message of ours
-        what = f"{err.strerror}: '{err.filename}'"
-        hint = next(h for cls, h in _FILE_HINTS.items() if isinstance(err, cls))
-        return f"{what}; {hint}"
+    if isinstance(err, OSError) and err.filename is not None and err.errno in _PATH_ERRNOS:  # no message of ours
+        return f"{err.strerror}: '{err.filename}'; {_PATH_ERRNOS[err.errno]}"
     roots = [d for d in map(_package_dir, ("lightning_opt", "lightning", "jsonargparse")) if d]
     if isinstance(err, _USER_TYPES) and _raised_by_a_raise_in(err, roots):
         text = err.args[0] if len(err.args) == 1 and isinstance(err.args[0], str) else str(err)

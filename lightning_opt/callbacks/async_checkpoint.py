@@ -825,6 +825,8 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
             self._dcp_writer = None
             if stage == "fit":
                 self._release_lock()
+                with contextlib.suppress(OSError, TypeError):  # the staging folder, once empty (no dirpath: None)
+                    os.rmdir(os.path.join(self.dirpath, ".writing"))
 
     @override
     def state_key_settings(self) -> dict[str, Any]:

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_opt.cli import RecipeCLI, check_checkpoint_file, device_name, run_dir, write_metrics
 from lightning_opt.modules.spd import SPDModule
@@ -127,7 +129,12 @@ def main(args: list[str] | None = None) -> dict:
     if ckpt_path not in (None, "last", "hpc", "best", "registry"):
         check_checkpoint_file(ckpt_path)
     t0 = time.perf_counter()
-    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
+    with warnings.catch_warnings():
+        # the frozen target model stays in eval mode by design (no dropout or norm statistics to update)
+        warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+        if data is None:  # toy targets bring their training batches and have no validation set by design
+            warnings.filterwarnings("ignore", message="You defined a `validation_step` but have no `val_dataloader`")
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
     metrics = {
         **model.final_metrics,
         "steps": trainer.global_step,
@@ -148,6 +155,11 @@ def main(args: list[str] | None = None) -> dict:
     if trainer.is_global_zero:
         keys = [k for k in ("mmcs", "ml2r", "ci_l0", "recon/stochastic", "ce/ci", "kl/ci") if k in metrics]
         print("  ".join(f"{k} {metrics[k]:.4f}" for k in keys))
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                print(f"TensorBoard logs: {logger.log_dir}  (tensorboard --logdir {Path(logger.log_dir).parent})")
+            elif getattr(logger, "log_dir", None):
+                print(f"{type(logger).__name__} logs: {logger.log_dir}")
         print(f"metrics: {path}")
     return metrics
 
