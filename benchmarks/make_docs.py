@@ -472,6 +472,11 @@ def write_index(results: list[Result], out: Path) -> Path:
         lines += ["Reports with their own generator:", ""]
         lines += [f"- [{Path(page).name}]({rel(ROOT / page, out)}) (written by `{gen}`)" for page, gen in own]
         lines.append("")
+    notes = sorted(p for p in out.glob("*_notes.md") if not p.read_text().startswith(MARKER))
+    if notes:  # hand-written: how a recipe was chosen and what the figures mean, each figure linking its result
+        lines += ["Notes behind the figures (hand-written):", ""]
+        lines += [f"- [{p.name}]({p.name}): {p.read_text().splitlines()[0].lstrip('# ')}" for p in notes]
+        lines.append("")
     lines += ["| result file | benchmark | device | date | smoke | headline | page |", "|---|---|---|---|---|---|---|"]
     for r in results:
         if r.own_page:

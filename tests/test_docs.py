@@ -185,3 +185,63 @@ def test_docs_command_runs(where, command, marker, tmp_path, monkeypatch, capsys
         assert _recipe_main("sample")([*args, "--max_new_tokens", "8"])
         return
     _run_recipe(_recipe_main(name), args, marker, name)
+
+
+# -- every documented Python snippet runs ------------------------------------------------------------
+#
+# ```python blocks of README.md and docs/ (not docs/benchmarks/, whose pages are results) are executed here,
+# each alone in a fresh namespace, in a scratch folder, offline. A block that needs a GPU, several processes
+# or the network, or that is a fragment of a larger program (a method body, a line of a training_step),
+# says so on its first line with a marker comment, and is then compiled only:
+#   # [GPU] ...   # [network] ...   # [fragment] ...
+# ```yaml blocks are parsed with yaml.safe_load.
+
+_PY_MARKER = re.compile(r"^#\s*\[(GPU|network|fragment)\]")
+USER_PAGES = [ROOT / "README.md", *sorted(p for p in DOCS.rglob("*.md") if "benchmarks" not in p.relative_to(DOCS).parts)]
+
+
+def _doc_blocks(languages: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """``(where, language, source)`` for every fenced block in ``languages`` on the user pages."""
+    found = []
+    for page in USER_PAGES:
+        lines = page.read_text().split("\n")
+        fence, start = None, 0
+        for i, line in enumerate(lines):
+            if not line.lstrip().startswith("```"):
+                continue
+            if fence is None:
+                fence, start = line.strip()[3:].strip(), i + 1
+                continue
+            if fence in languages:
+                found.append((f"{page.relative_to(ROOT)}:{start}", fence, "\n".join(lines[start:i])))
+            fence = None
+    return found
+
+
+PY_BLOCKS = _doc_blocks(("python", "py"))
+YAML_BLOCKS = _doc_blocks(("yaml", "yml"))
+
+
+def test_docs_python_blocks_are_found():
+    assert len(PY_BLOCKS) >= 15, [w for w, _, _ in PY_BLOCKS]
+    run = [w for w, _, src in PY_BLOCKS if not _PY_MARKER.match(src.lstrip())]
+    assert len(run) >= 10, f"most Python snippets should run as shown, not only compile: {run}"
+
+
+@pytest.mark.parametrize("where,language,source", PY_BLOCKS, ids=[w for w, _, _ in PY_BLOCKS])
+def test_docs_python_block_runs(where, language, source, tmp_path, monkeypatch):
+    code = compile(source, where, "exec")  # every block, marked or not, is valid Python
+    if _PY_MARKER.match(source.lstrip()):
+        return
+    _workspace(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    exec(code, {"__name__": "__docs__"})
+
+
+@pytest.mark.parametrize("where,language,source", YAML_BLOCKS, ids=[w for w, _, _ in YAML_BLOCKS])
+def test_docs_yaml_block_parses(where, language, source):
+    import yaml
+
+    assert yaml.safe_load(source) is not None, f"{where}: an empty YAML block"

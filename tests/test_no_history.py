@@ -49,3 +49,43 @@ def test_the_patterns_catch_each_kind():
                "go" + "al 1: met", "bef" + "ore the fix", "our fir" + "st try", "the prev" + "ious version"]
     for text in samples:
         assert any(p.search(text) for p in PATTERNS), text
+
+
+# The user pages (README.md and docs/, not the results under docs/benchmarks/) speak the user's language: a
+# benchmark run on a GPU machine is a "run", not a "call" of the machine; no "lanes", "budgets" or "device time"
+# of the machines that measured it, and no stop-time flags in the commands a user copies.
+USER_PAGE_PATTERNS = [
+    re.compile(r"\b(same|this|that|earlier|later|next|another|other|one|each|two|three)\s+(GPU-machine\s+)?calls?\b"
+               r"(?!\s+(to|of|site|per)\b)", re.I),
+    re.compile(r"\bin\s+(one|a|the\s+same)\s+call\b", re.I),
+    re.compile(r"\blanes?\b(?!\s+(of|per)\s+(a\s+)?(warp|vector|register))", re.I),
+    re.compile(r"\bbudgets?\b", re.I),
+    re.compile(r"\bdevice[\s-]+time\b", re.I),
+    re.compile(r"--(end-unix|deadline|budget-s)\b"),
+]
+
+
+def _user_pages() -> list[Path]:
+    return [ROOT / "README.md",
+            *sorted(p for p in (ROOT / "docs").rglob("*.md") if "benchmarks" not in p.relative_to(ROOT / "docs").parts)]
+
+
+def test_user_pages_carry_no_lab_jargon():
+    hits = []
+    for path in _user_pages():
+        text = path.read_text()
+        for pattern in USER_PAGE_PATTERNS:
+            for m in pattern.finditer(text):  # across line breaks: a phrase may wrap
+                n = text.count("\n", 0, m.start()) + 1
+                hits.append(f"{path.relative_to(ROOT)}:{n}: {m.group(0)!r} in {text.splitlines()[n - 1].strip()[:120]}")
+    assert not hits, (f"{len(hits)} lab words on user pages (say 'run', 'time limit', 'GPU time'; results and their "
+                      "story belong under docs/benchmarks/):\n" + "\n".join(hits))
+
+
+def test_the_jargon_patterns_catch_each_kind():
+    samples = ["measured in the same\n  call", "the 2025-07-13 lanes", "the token budget", "device time left",
+               "--end-unix 1795726108", "in one call on one machine"]
+    for text in samples:
+        assert any(p.search(text) for p in USER_PAGE_PATTERNS), text
+    for text in ["the call is kept out of the compiled graph", "one call per layer to the kernel", "GPU time per call"]:
+        assert not any(p.search(text) for p in USER_PAGE_PATTERNS), text
