@@ -76,7 +76,7 @@ def missing_file(d: Path) -> Path:
 
 
 def too_small(d: Path) -> Path:
-    return write_shard(d / "s.bin", GOOD_TOKENS[:20])
+    return write_shard(d / "s.bin", GOOD_TOKENS[:5])  # not one window of seq_len + 1 = 9 tokens
 
 
 STRAY_AT = (1 << 24) + 777  # past the first 16M tokens of a shard larger than 16M tokens
@@ -101,8 +101,8 @@ CASES: list[tuple[str, Callable[[Path], object], dict, list[str] | dict[str, lis
     ("directory instead of file", directory, {}, ["is a directory", "*.bin"]),
     ("glob matches no files", missing_glob, {}, ["matches no files", "check the pattern"]),
     ("missing file", missing_file, {}, ["does not exist", "check the path"]),
-    ("too few tokens", too_small, {}, {"train": ["20 tokens", "fewer than one batch", "smaller seq_len/batch_size"],
-                                        "val": ["hold only 20 tokens", "lower val_tokens"]}),
+    ("too few tokens", too_small, {}, {"train": ["5 tokens", "fewer than one batch", "smaller seq_len/batch_size"],
+                                        "val": ["hold 5 tokens", "seq_len+1=9", "more validation data"]}),
     ("token ids out of vocab range", lambda d: write_shard(d / "s.bin", GOOD_TOKENS + 100), {"vocab_size": 64},
      ["token id 100 at token offset 0", ">= vocab_size 64", "different tokenizer"]),
     ("one stray token id in a large shard", lambda d: _stray(d / "s.bin"), {"vocab_size": 64},
