@@ -14,6 +14,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 
@@ -489,6 +490,16 @@ def build_recipe_cli(
     return cli, summary
 
 
+def print_logger_paths(trainer: L.Trainer) -> None:
+    """One line per logger saying where its logs are (TensorBoard's with the command that shows them)."""
+    for logger in trainer.loggers:
+        log_dir = getattr(logger, "log_dir", None)
+        if isinstance(logger, TensorBoardLogger):
+            print(f"TensorBoard logs: {log_dir}  (tensorboard --logdir {Path(log_dir).parent})")
+        elif log_dir:
+            print(f"{type(logger).__name__} logs: {log_dir}")
+
+
 def run_recipe(cli: RecipeCLI, summary: RunSummary, **extra: Any) -> dict[str, Any]:
     """Fit, validate once more if the last step was not validated, write ``metrics.json``."""
     trainer, model, data = cli.trainer, cli.model, cli.datamodule
@@ -513,6 +524,6 @@ def run_recipe(cli: RecipeCLI, summary: RunSummary, **extra: Any) -> dict[str, A
     write_metrics(path, metrics)
     if trainer.is_global_zero:
         print(summary.final_line(metrics))
-        print(f"TensorBoard logs: {run_dir(trainer)}  (tensorboard --logdir {run_dir(trainer).parent})")
+        print_logger_paths(trainer)
         print(f"metrics: {path}")
     return metrics

@@ -7,7 +7,7 @@
 with ``torch.load(weights_only=True)``: no code runs from it. A file that does not match its ``.sha256`` sidecar
 is refused. The tokenizer is the run's: byte-level tokens
 (vocab 256) for runs on the built-in corpus or with a vocabulary of at most 256 tokens, else the GPT-2 BPE
-(tiktoken; offline, pass ``--bpe_file r50k_base.tiktoken``); ``--tokenizer`` overrides the choice. Generation
+(tiktoken, with the BPE file that ships in the package; ``--bpe_file`` reads another copy); ``--tokenizer`` overrides the choice. Generation
 uses the model's KV cache (``GPT.generate``) and stops at the tokenizer's document separator.
 """
 

@@ -28,9 +28,15 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_opt.cli import RecipeCLI, check_checkpoint_file, device_name, run_dir, write_metrics
+from lightning_opt.cli import (
+    RecipeCLI,
+    check_checkpoint_file,
+    device_name,
+    print_logger_paths,
+    run_dir,
+    write_metrics,
+)
 from lightning_opt.modules.spd import SPDModule
 
 
@@ -155,11 +161,7 @@ def main(args: list[str] | None = None) -> dict:
     if trainer.is_global_zero:
         keys = [k for k in ("mmcs", "ml2r", "ci_l0", "recon/stochastic", "ce/ci", "kl/ci") if k in metrics]
         print("  ".join(f"{k} {metrics[k]:.4f}" for k in keys))
-        for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                print(f"TensorBoard logs: {logger.log_dir}  (tensorboard --logdir {Path(logger.log_dir).parent})")
-            elif getattr(logger, "log_dir", None):
-                print(f"{type(logger).__name__} logs: {logger.log_dir}")
+        print_logger_paths(trainer)
         print(f"metrics: {path}")
     return metrics
 
