@@ -206,13 +206,18 @@ def resolve_config(value: str) -> str:
 
 
 def resolve_config_args(args: list[str]) -> list[str]:
-    """``--config NAME`` (or ``--config=NAME``) of a shipped config becomes its path; paths pass as given."""
+    """``--config NAME`` (or ``--config=NAME``) of a shipped config becomes its path; paths pass as given.
+
+    The short form ``-c NAME`` (``-c=NAME``, ``-cNAME``) is written as ``--config``, so it finds shipped configs
+    and a wrong name is refused with their list just the same."""
     out = list(args)
     for i, arg in enumerate(out):
-        if arg == "--config" and i + 1 < len(out):
-            out[i + 1] = resolve_config(out[i + 1])
-        elif arg.startswith("--config="):
-            out[i] = "--config=" + resolve_config(arg[len("--config="):])
+        if arg in ("--config", "-c") and i + 1 < len(out):
+            out[i], out[i + 1] = "--config", resolve_config(out[i + 1])
+        elif arg.startswith(("--config=", "-c=")):
+            out[i] = "--config=" + resolve_config(arg.partition("=")[2])
+        elif arg.startswith("-c") and not arg.startswith("--") and len(arg) > 2:
+            out[i] = "--config=" + resolve_config(arg[2:])
     return out
 
 

@@ -55,6 +55,30 @@ def _one_error_line(status: int, err: str) -> str:
     return errors[0]
 
 
+def _printed_config(capsys, script: str, *argv: str) -> str:
+    """What ``lightning-opt-<script> ARGV --print_config`` prints."""
+    import importlib
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        importlib.import_module(f"lightning_opt.recipes.{script}").main([*argv, "--print_config"])
+    assert info.value.code in (0, None), capsys.readouterr().err
+    return capsys.readouterr().out
+
+
+def test_short_config_flag_takes_shipped_configs(tmp_path, monkeypatch, capsys):
+    """``-c NAME`` is ``--config NAME``: the same shipped config, and a wrong name gets the same list."""
+    monkeypatch.chdir(tmp_path)
+    for script, name in (("gpt2", "gpt2/demo"), ("clt", "clt_demo"), ("spd", "spd_tms_5-2")):
+        long_form = _printed_config(capsys, script, "--config", name)
+        assert "model:" in long_form and "trainer:" in long_form, long_form
+        for form in (["-c", name], [f"-c={name}"], [f"-c{name}"]):
+            assert _printed_config(capsys, script, *form) == long_form, form
+    gpt2 = "lightning_opt.recipes.gpt2"
+    line = _one_error_line(*_cli(monkeypatch, capsys, gpt2, "-c", "gpt2/demoo"))
+    assert line == _one_error_line(*_cli(monkeypatch, capsys, gpt2, "--config", "gpt2/demoo"))
+    assert "'gpt2/demoo' is neither a file nor a shipped config" in line and "gpt2/demo," in line
+
 def test_recipe_mistakes_are_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     gpt2 = "lightning_opt.recipes.gpt2"
