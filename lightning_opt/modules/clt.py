@@ -282,6 +282,14 @@ class CLTModule(TrainingModule):
             )
         if self.resample_every is None:
             return
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(clt.W_enc, DTensor):
+            raise ValueError(
+                "resample_dead_every does not support parameters sharded as DTensors (FSDPGlobalBatchTopKStrategy); "
+                "use GlobalBatchTopKStrategy or DecoderShardingStrategy, or resample_dead_every=None (AuxK, "
+                "aux_coef > 0, also revives dead features)"
+            )
         if sharded and not clt.shard.collective:
             raise ValueError(
                 "resample_dead_every needs a single-process, unsharded CLT or one sharded by "
