@@ -646,6 +646,8 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
         self._verifying: _VerifyingIO | None = None
         self._damaged: set[str] = set()  # files of the folder whose checksum did not match
         self._run_token = ""  # names this run's temporary folder for sharded saves
+        self._own_paths: set[str] = set()  # real paths of the checkpoints this callback saved
+        self._refused = False  # a save would have overwritten another run's checkpoint
         self._stop: StepBoundaryStop | None = None
 
     # -- hooks ----------------------------------------------------------------------------------
@@ -715,6 +717,16 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._arm_stop(trainer)
+        self._refused = False
+        if trainer.is_global_zero and self.dirpath is not None and self._model_key is None:
+            newer = checkpoints_after(self.dirpath, trainer.global_step, skip=self._own_paths)
+            if newer:
+                rank_zero_warn(
+                    f"AsyncCheckpoint: {self.dirpath} holds checkpoints of another run past step "
+                    f"{trainer.global_step} ({', '.join(os.path.basename(p) for p in newer[-3:])}); this run never "
+                    "overwrites them and stops if it comes to save under one of their names. Give it a folder of "
+                    "its own, or resume that run from its last.ckpt"
+                )
         if self._rng_to_restore is not None:
             _set_rng(self._rng_to_restore)
             self._rng_to_restore = None
@@ -797,7 +809,7 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
         self._wait_quietly()
         if not self.config.save_on_exception or self.dirpath is None:
             return
-        if self._lock is None:
+        if self._lock is None or self._refused:
             return  # the folder belongs to another run (or setup never got that far): write nothing
         if self._model_key is not None:
             return  # a sharded save needs every rank, and the others may not have failed
@@ -857,8 +869,13 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
         """Starts a background save of the current state (all ranks must call it). Returns the path."""
         t0 = time.perf_counter()
         path = path or self._path(trainer.global_step)
+        clash = self._clash(trainer, path)
+        if clash is not None:
+            self._refused = True
+            raise RuntimeError(clash)
         # The previous save's buffers are reused: wait for it (and surface its error) first.
         self.wait()
+        self._own_paths.add(os.path.realpath(path))
         self.last_saved_step = trainer.global_step
         self.saves += 1
         if self._model_key is not None:
@@ -879,6 +896,17 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
             "checkpoint/staged_gib": self._staging.bytes / 2**30,
         }
         return path
+
+    def _clash(self, trainer: Trainer, path: str) -> str | None:
+        """Why ``path`` must not be written (it exists and another run wrote it), agreed by every rank."""
+        error = None
+        if trainer.is_global_zero and os.path.lexists(path) and os.path.realpath(path) not in self._own_paths:
+            error = (
+                f"AsyncCheckpoint: {path} exists and another run wrote it; this run stops rather than overwrite "
+                "it (its own earlier checkpoints are kept). Resume that run with ckpt_path=<its last.ckpt>, or give "
+                "this run a folder of its own (AsyncCheckpoint(dirpath=...) or another logger version)"
+            )
+        return trainer.strategy.broadcast(error, src=0)
 
     def _save_sharded(self, trainer: Trainer, path: str) -> None:
         """FSDP / ModelParallel: every rank stages its shards with ``dcp.async_save`` and writes

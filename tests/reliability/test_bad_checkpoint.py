@@ -170,6 +170,30 @@ def test_fresh_run_into_a_folder_with_newer_checkpoints(fault, tmp_path, shard):
     assert resolved and newest_written, "last.ckpt does not resolve to the save just written"
 
 
+def test_fresh_run_never_overwrites_another_runs_checkpoint(fault, tmp_path, shard):
+    """A plain Trainer restarted without ckpt_path into a folder holding the step it is about to save: it
+    warns at the start, stops at that save with an error naming the file, and every file of the earlier run
+    keeps its bytes."""
+    fault("fresh run reaching another run's step", "restart without ckpt_path whose save would overwrite step=6")
+    ckdir = _first_run(tmp_path, shard, TinyLM(), steps=9)  # keeps step=6 and step=9 (keep_last_k=2)
+    old = _fingerprint(ckdir)
+    assert "step=000000006.ckpt" in old
+    cb = AsyncCheckpoint(dirpath=str(ckdir), every_n_steps=3, keep_last_k=2, save_on_train_end=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match=r"step=000000006\.ckpt exists and another run wrote it") as err:
+            trainer(tmp_path / "again", [cb], max_steps=9).fit(TinyLM(), datamodule=_dm(shard))
+    warned = any("never overwrites them" in str(w.message) for w in caught)
+    now = _fingerprint(ckdir)
+    old_kept = all(now.get(n) == h for n, h in old.items() if n != "last.ckpt")  # last: the newest save
+    own = "step=000000003.ckpt" in now and loads(ckdir / "step=000000003.ckpt")["global_step"] == 3
+    ok = warned and old_kept and own
+    fault.trial(ok, data_lost=not old_kept, note=f"warned {warned}, old kept {old_kept}, own step 3 {own}")
+    fault.shown(str(err.value), "another run wrote it")
+    assert old_kept, "a checkpoint of the earlier run was overwritten"
+    assert warned and own, (warned, sorted(now))
+
+
 def test_changed_data_layout_warns_that_resume_is_not_exact(fault, tmp_path, shard):
     fault("data layout changed on resume", "resume with another batch_size than the checkpoint's")
     ckdir = _first_run(tmp_path, shard, TinyLM())
