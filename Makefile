@@ -3,9 +3,9 @@
 # TORCH picks the torch build and TORCH_INDEX an extra index pip may take it from. The default is the CPU build:
 # pip looks at PyTorch's CPU wheel index next to PyPI, finds torch 2.13.0+cpu there and prefers it (a local
 # version label ranks above PyPI's plain 2.13.0, which on Linux is the CUDA build). Where that index cannot be
-# reached (a machine that sees only a PyPI mirror) pip warns, retries for about half a minute and takes what its
-# own configuration offers: a wheel folder or mirror holding 2.13.0+cpu (e.g. find-links in pip.conf), else
-# PyPI's CUDA build, which also runs on a CPU. On a GPU machine: `make demo TORCH=torch TORCH_INDEX=`.
+# reached (a machine that sees only a PyPI mirror; checked once, 10 s at most) pip takes what its own
+# configuration offers: a wheel folder or mirror holding 2.13.0+cpu (e.g. find-links in pip.conf), else PyPI's
+# CUDA build, which also runs on a CPU. On a GPU machine: `make demo TORCH=torch TORCH_INDEX=`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
@@ -16,7 +16,13 @@ PYTEST_ARGS ?= -q
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	@if [ -n "$(TORCH_INDEX)" ] && $(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_INDEX)/', timeout=10)" 2>/dev/null; then \
+		echo "$(PY) -m pip install -q $(TORCH) --extra-index-url $(TORCH_INDEX)"; \
+		$(PY) -m pip install -q "$(TORCH)" --extra-index-url "$(TORCH_INDEX)"; \
+	else \
+		echo "$(TORCH_INDEX) not reachable: $(TORCH) from pip's own indexes"; \
+		$(PY) -m pip install -q "$(TORCH)"; \
+	fi
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
