@@ -139,7 +139,7 @@ class RunSummary(Callback):
                 f"({metrics['segment_tokens']:,} tokens in {metrics['train_time_s']:.1f} s of training)")
         if metrics.get("steady_tokens_per_s") is not None:
             line += (f"  |  steady {rate(metrics['steady_tokens_per_s'])} tokens/s after {metrics['warmup_s']:.1f} s "
-                     f"of warm-up (compile; first {metrics['warmup_steps']} steps)")
+                     f"of warm-up (the first {metrics['warmup_steps']} steps, compilation included)")
         return line
 
     def summary(self, trainer: L.Trainer, pl_module: L.LightningModule, **extra: Any) -> dict[str, Any]:
