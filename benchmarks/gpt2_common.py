@@ -40,7 +40,7 @@ from result_header import device_slug, peak_flops  # noqa: E402
 
 from lightning_opt.data.schedule import BatchGeometry  # noqa: E402
 from lightning_opt.data.shards import read_shard  # noqa: E402
-from lightning_opt.models.gpt2 import GPTConfig, GPTExecution, split_model_config  # noqa: E402
+from lightning_opt.models.gpt2 import GPTConfig, GPTExecution  # noqa: E402
 from lightning_opt.optim.combined import CombinedOptimizer  # noqa: E402
 from lightning_opt.optim.factory import OptimConfig, build_optimizer  # noqa: E402
 from lightning_opt.optim.schedules import ScheduleConfig  # noqa: E402
@@ -626,5 +626,4 @@ def with_model(spec: RunSpec, **model_changes: Any) -> RunSpec:
 
 def yaml_execution(raw: dict[str, Any]) -> GPTExecution:
     """The ``model.execution`` of a recipe YAML that :func:`load_yaml_config` read (``raw``)."""
-    _, legacy = split_model_config(raw["model"].get("model_config", {}))
-    return GPTExecution(**{**legacy, **(raw["model"].get("execution") or {})})
+    return GPTExecution(**(raw["model"].get("execution") or {}))

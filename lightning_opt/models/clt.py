@@ -266,9 +266,7 @@ class CLT(nn.Module):
         self.topk_group: Any = None
         self.sparse_decode_impl = "auto"  # backend of ops.sparse_decode: auto | torch | triton
         # dense decode of top-k activations: activation gradient at the kept entries only (True) or the
-        # plain dense matmul (False). On by default: faster module steps on an H200 at 8192 and 16384
-        # features (40.66 vs 44.45 ms, 69.57 vs 79.51 ms; benchmarks/results/clt_step_nvidia-h200.json,
-        # module vs module_plaingrad)
+        # plain dense matmul (False); on by default, the faster of the two (docs/clt.md)
         self.dense_sparse_grad = True
         # encode through torch.compile in training mode (CLTModule(compile=True) sets it)
         self.compile_encode = False

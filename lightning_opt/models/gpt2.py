@@ -220,47 +220,23 @@ class GPTConfig:
         Accepts a ``GPTConfig``, a dict or a jsonargparse ``Namespace``: LightningCLI saves a model's
         hyperparameters as the parsed config (lists where the dataclass holds tuples), so
         ``GPTConfig.from_dict(checkpoint["hyper_parameters"]["model_config"]) == config`` for the config that
-        made it. Fields the dict predates take their defaults; keys this version does not know are refused.
-        Older checkpoints kept the execution settings in the model config: those keys are skipped here (read
-        them with :meth:`GPTExecution.from_dict`, or :func:`split_model_config`), and so are the retired
-        multi-token-prediction and mixture-of-experts fields at their "off" values (a model that used them is
-        refused: ``benchmarks/gpt2_variants.py`` builds those).
+        made it. Fields the dict lacks take their defaults; keys that are not fields are refused, and
+        :class:`GPTExecution` settings are refused naming where they belong (``model.execution``).
         """
         if isinstance(values, cls):
             return values
-        architecture, _ = split_model_config(values)
+        if hasattr(values, "as_dict"):  # jsonargparse Namespace
+            values = values.as_dict()
+        values = dict(values)
+        execution = sorted(k for k in values if k in GPTExecution.__dataclass_fields__)
+        if execution:
+            raise ValueError(f"model_config holds execution settings {execution}: they are GPTExecution fields; "
+                             "move them under model.execution (GPT2SpeedrunModule(execution=...))")
         names = {f.name for f in fields(cls)}
-        unknown = sorted(k for k in architecture if k not in names)
+        unknown = sorted(k for k in values if k not in names)
         if unknown:
             raise ValueError(f"GPTConfig has no field(s) {unknown}; the config comes from another version or model")
-        return cls(**architecture)
-
-
-# Older checkpoints held these GPTExecution fields inside their model_config (one dataclass held both); they
-# are read back into the execution (split_model_config)
-EXECUTION_KEYS = ("attn_backend", "dropout", "layer_drop", "loss_impl", "loss_chunk_size", "grad_checkpoint",
-                  "head_fp8", "mlp_fp8", "attn_fp8", "fp8_backward_fast_accum")
-# fields older model configs had for architecture variants that now live in benchmarks/gpt2_variants.py, with
-# the values that meant "not used"
-RETIRED_KEYS = {"mtp_heads": 0, "mtp_weight": None, "moe_experts": 0, "moe_top_k": None, "moe_aux_weight": None}
-
-
-def split_model_config(values: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(architecture, execution)`` dicts of a model config as a checkpoint or an older YAML may hold it (a
-    ``GPTConfig``, a dict or a jsonargparse ``Namespace``): the :data:`EXECUTION_KEYS` that older layouts kept
-    in the model config go to the second dict. A retired variant field (:data:`RETIRED_KEYS`) at its "off"
-    value is dropped; in use, it is refused (this library no longer builds that model)."""
-    if isinstance(values, GPTConfig):  # one unpickled from an older checkpoint holds the execution attributes
-        return values.to_dict(), {k: v for k, v in vars(values).items() if k in EXECUTION_KEYS}
-    if hasattr(values, "as_dict"):  # jsonargparse Namespace
-        values = values.as_dict()
-    values = dict(values)
-    execution = {k: values.pop(k) for k in EXECUTION_KEYS if k in values}
-    in_use = {k: values[k] for k, off in RETIRED_KEYS.items() if k in values and off is not None and values[k] != off}
-    if in_use:
-        raise ValueError(f"the model config uses {in_use}: multi-token prediction and mixture-of-experts MLPs are "
-                         "not part of GPTConfig (benchmarks/gpt2_variants.py builds them)")
-    return {k: v for k, v in values.items() if k not in RETIRED_KEYS}, execution
+        return cls(**values)
 
 
 @dataclass

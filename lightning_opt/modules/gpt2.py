@@ -13,7 +13,7 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lightning_opt.callbacks._logging import trainer_logs_next_step
-from lightning_opt.models.gpt2 import GPT, GPTConfig, GPTExecution, split_model_config
+from lightning_opt.models.gpt2 import GPT, GPTConfig, GPTExecution
 from lightning_opt.modules.base import TrainingModule, normalised, register_safe_globals
 from lightning_opt.optim.factory import OptimConfig
 from lightning_opt.optim.schedules import ScheduleConfig
@@ -26,12 +26,12 @@ _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f
 
 def saved_model_config(saved: Any) -> dict[str, Any]:
     """A checkpoint's ``model_config`` (a ``GPTConfig``, or the dict LightningCLI saved) as a normalised dict
-    of every architecture field: fields it predates at their defaults, lists as tuples. Execution settings that
-    older checkpoints kept in the model config are left out (they may differ on resume)."""
+    of every architecture field: fields it lacks at their defaults, lists as tuples. A model config that
+    ``GPTConfig`` refuses is compared as saved, less any execution settings (they may differ on resume)."""
     if not isinstance(saved, GPTConfig):
         try:
             saved = GPTConfig.from_dict(saved)
-        except (TypeError, ValueError):  # a field this version no longer accepts: compare the values as saved
+        except (TypeError, ValueError):  # keys GPTConfig refuses: compare the values as saved
             values = saved.as_dict() if hasattr(saved, "as_dict") else dict(saved)
             saved = {**_FIELD_DEFAULTS, **{k: v for k, v in values.items() if k not in GPTExecution.__dataclass_fields__}}
     return normalised(saved.to_dict() if isinstance(saved, GPTConfig) else saved)
@@ -102,13 +102,7 @@ class GPT2SpeedrunModule(TrainingModule):
     ) -> None:
         super().__init__(optim, schedule)
         # a dict (a checkpoint's hyperparameters as LightningCLI saved them) is normalised: lists become tuples
-        architecture, legacy = split_model_config(model_config) if model_config is not None else ({}, {})
-        self.model_config = GPTConfig.from_dict(architecture)
-        if legacy:
-            # older checkpoints kept the execution settings inside model_config (one dataclass held both): they
-            # are read from there (an execution passed too wins) and saved below in the current layout
-            execution = execution if execution is not None else GPTExecution.from_dict(legacy)
-            model_config = self.model_config
+        self.model_config = GPTConfig.from_dict(model_config if model_config is not None else {})
         self.execution = GPTExecution.from_dict(execution) if execution is not None else GPTExecution()
         execution = self.execution  # the hyperparameters show what this run computes with, defaults included
         check_compile_options(compile, compile_options)

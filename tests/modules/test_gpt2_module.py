@@ -110,31 +110,19 @@ def test_checkpoint_resumes_with_other_execution_options(tmp_path):
     assert GPT2SpeedrunModule.load_from_checkpoint(resumed, execution=GPTExecution()).execution == GPTExecution()
 
 
-def test_checkpoint_with_execution_settings_in_model_config_loads(tmp_path):
-    """The older layout: execution settings (and the retired variant fields at their "off" values) inside
-    model_config, as LightningCLI saved it (a dict), and no execution. It resumes and loads, its settings read
-    into the execution; the architecture is still compared."""
-    from dataclasses import replace
-
+def test_checkpoint_with_execution_settings_in_model_config_is_refused(tmp_path):
+    """A checkpoint whose model_config holds execution settings (and no execution) is refused with an error
+    naming the keys and where they belong; the file is left as it was."""
     ckpt = _one_step_checkpoint(tmp_path)
     state = torch.load(ckpt, weights_only=True)
     hp = state["hyper_parameters"]
     del hp["execution"]
-    hp["model_config"] = {**CFG.to_dict(), "skip_attn_layers": [], "attn_backend": "math", "loss_impl": "chunked",
-                          "loss_chunk_size": 8, "head_fp8": False, "mlp_fp8": False, "attn_fp8": False,
-                          "grad_checkpoint": False, "layer_drop": 0.0, "dropout": 0.0,
-                          "fp8_backward_fast_accum": False, "mtp_heads": 0, "mtp_weight": 0.3, "moe_experts": 0,
-                          "moe_top_k": 1, "moe_aux_weight": 0.01}
+    hp["model_config"] = {**CFG.to_dict(), "attn_backend": "math", "loss_impl": "chunked"}
     torch.save(state, ckpt)
-    loaded = GPT2SpeedrunModule.load_from_checkpoint(ckpt)
-    assert loaded.model_config == CFG
-    assert loaded.execution == GPTExecution(attn_backend="math", loss_impl="chunked", loss_chunk_size=8)
-    assert loaded.hparams["model_config"] == CFG and loaded.hparams["execution"] == loaded.execution
-    trainer2 = _trainer(tmp_path, 2)
-    trainer2.fit(GPT2SpeedrunModule(CFG), _loader(), ckpt_path=ckpt)  # resumed under the default execution
-    assert trainer2.global_step == 2
-    with pytest.raises(ValueError, match=r"another model: .*qk_norm=False vs True"):
-        _trainer(tmp_path, 3).fit(GPT2SpeedrunModule(replace(CFG, qk_norm=True)), _loader(), ckpt_path=ckpt)
+    before = ckpt.read_bytes()
+    with pytest.raises(ValueError, match=r"execution settings \['attn_backend', 'loss_impl'\].*model\.execution"):
+        GPT2SpeedrunModule.load_from_checkpoint(ckpt)
+    assert ckpt.read_bytes() == before
 
 
 def test_number_logs_only_on_logger_steps(tmp_path):
