@@ -15,7 +15,17 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+
+from lightning_opt.callbacks.async_checkpoint import (
+    AsyncCheckpoint,
+    checkpoint_step,
+    checkpoints_after,
+    default_dirpath,
+    intact_checkpoint,
+    newest_intact_checkpoint,
+    refuse_damaged_checkpoint,
+)
 
 
 def device_name(trainer: L.Trainer | None = None) -> str:
@@ -357,8 +367,6 @@ def check_checkpoint_file(path: str | os.PathLike) -> None:
     Damaged means: not a readable archive, or not matching its ``.sha256`` sidecar (when it has one)."""
     import zipfile
 
-    from lightning_opt.callbacks.async_checkpoint import refuse_damaged_checkpoint
-
     p = Path(path)
     if not p.is_file():
         dangling = " (a link to a file that no longer exists)" if p.is_symlink() else ""
@@ -375,8 +383,6 @@ def check_checkpoint_file(path: str | os.PathLike) -> None:
 
 
 def _async_checkpoint(trainer: L.Trainer) -> Any:
-    from lightning_opt.callbacks.async_checkpoint import AsyncCheckpoint
-
     return next((cb for cb in trainer.callbacks if isinstance(cb, AsyncCheckpoint)), None)
 
 
@@ -390,8 +396,6 @@ def checkpoint_folders(trainer: L.Trainer) -> tuple[str | None, list[str]]:
     if cb.config.dirpath is not None:
         own = os.path.abspath(cb.config.dirpath)
         return own, [own]
-    from lightning_opt.callbacks.async_checkpoint import default_dirpath
-
     own = os.path.abspath(default_dirpath(trainer))
     if not trainer.loggers:
         return own, [own]
@@ -406,11 +410,9 @@ def checkpoint_folders(trainer: L.Trainer) -> tuple[str | None, list[str]]:
 
 def _global_step(path: str) -> int:
     """The global step a checkpoint resumes at: from its ``step=N`` name, else from the file (memory-mapped)."""
-    import re
-
-    m = re.fullmatch(r"step=(\d+)(-exception)?\.ckpt", os.path.basename(os.path.realpath(path)))
-    if m:
-        return int(m.group(1))
+    step = checkpoint_step(path)
+    if step is not None:
+        return step
     return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step", 0))
 
 
@@ -427,12 +429,6 @@ def resolve_resume(trainer: L.Trainer, ckpt_path: str | None) -> str | None:
     the newest intact checkpoint of its own folder, with a warning naming both. A run that would write into a
     folder holding checkpoints newer than its start (another run's) is refused before it overwrites them.
     """
-    from lightning_opt.callbacks.async_checkpoint import (
-        checkpoints_after,
-        intact_checkpoint,
-        newest_intact_checkpoint,
-    )
-
     if ckpt_path in ("hpc", "best", "registry"):
         return ckpt_path  # Lightning's own lookups
     own, folders = checkpoint_folders(trainer)
@@ -444,8 +440,6 @@ def resolve_resume(trainer: L.Trainer, ckpt_path: str | None) -> str | None:
             found, skipped = newest_intact_checkpoint(folder)
             if found is not None:
                 if skipped:
-                    from lightning.pytorch.utilities import rank_zero_warn
-
                     rank_zero_warn(f"--ckpt_path last: {', '.join(skipped)} failed the checksum or archive check; "
                                    f"resuming from {found}, the newest intact checkpoint in {folder}")
                 ckpt_path = found

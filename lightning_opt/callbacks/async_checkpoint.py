@@ -300,6 +300,13 @@ def folder_checkpoints(dirpath: str) -> list[tuple[int, str]]:
     return [(step, os.path.join(dirpath, name)) for step, _, name in sorted(out)]
 
 
+def checkpoint_step(path: str) -> int | None:
+    """The global step in a checkpoint's final name (``step=N.ckpt``, ``step=N-exception.ckpt``, through a
+    ``last.ckpt`` link too), or None for another name."""
+    m = _CKPT_RE.fullmatch(os.path.basename(os.path.realpath(path)))
+    return int(m.group(1)) if m else None
+
+
 def _damage_note(path: str) -> str:
     return f"{path} is damaged (its SHA-256 does not match {path}.sha256)"
 
@@ -314,8 +321,7 @@ def intact_checkpoint(path: str, damaged: set[str] | None = None) -> str:
     damaged = set() if damaged is None else damaged
     damaged.add(os.path.basename(real))
     folder = os.path.dirname(real)
-    m = _CKPT_RE.fullmatch(os.path.basename(real))
-    bound = int(m.group(1)) if m else None
+    bound = checkpoint_step(real)
     for step, cand in reversed(folder_checkpoints(folder)):
         if cand == real or (bound is not None and step > bound):
             continue
@@ -1034,9 +1040,6 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
         during a run of skipped steps (NaNSkip) the newest checkpoint from before the step preceding the
         first skip is kept: the last healthy one.
         """
-        written = self.__dict__.setdefault("_written", set())  # basenames this callback wrote
-        if just_written is not None:
-            written.add(os.path.basename(just_written))
         k = self.config.keep_last_k
         if k is None or self.dirpath is None:
             return
@@ -1075,7 +1078,8 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
                 trusted = name not in self._damaged and (os.path.isdir(target) or os.path.exists(f"{target}.sha256"))
                 kept += trusted
                 continue
-            if name in protected or name not in written:  # another run's (or an earlier process's) file
+            own = os.path.realpath(os.path.join(self.dirpath, name)) in self._own_paths
+            if name in protected or not own:  # another run's (or an earlier process's) file
                 continue
             target = os.path.join(self.dirpath, name)
             shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
