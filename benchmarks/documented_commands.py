@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gpus", default="1,2,4", help="GPU counts, comma-separated (those above the GPUs here are skipped)")
     p.add_argument("--cpu-smoke", action="store_true", help="CPU, gloo, tiny: 1 and 2 processes, a few commands")
-    p.add_argument("--only", default=None, help="run only the commands whose name contains this")
+    p.add_argument("--only", default=None,
+                   help="run only the commands whose name contains one of these (comma-separated)")
     p.add_argument("--timeout-s", type=float, default=240.0, help="per command")
     p.add_argument("--deadline-s", type=float, default=480.0, help="start no command after this many seconds")
     p.add_argument("--work-dir", default=None, help="where the runs go (default: a temporary folder, removed)")
@@ -336,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         for gpus in counts:
             for cmd in commands(gpus, args.cpu_smoke, target):
-                if args.only and args.only not in cmd.name:
+                if args.only and not any(part in cmd.name for part in args.only.split(",")):
                     continue
                 row_base = {"name": cmd.name, "gpus": gpus, "doc": cmd.doc, "command": " ".join([cmd.script, *cmd.args])}
                 if not args.cpu_smoke and gpus > available:
