@@ -39,10 +39,8 @@ __all__ = ["CLTModule", "FVUMetric", "L0Metric", "ScalarMean", "replacement_kl"]
 register_safe_globals(CLTConfig, CLTExecution)
 
 _DECODES = ("auto", "dense", "sparse")
-# decode="auto" on CUDA: sparse from this many features per layer. On an H200 (12 x 768, 4096 tokens, k=200;
-# `benchmarks/clt_step.py`, variants ours_dense_sparsegrad / ours_sparse) the dense decode with the gather-dot
-# activation gradient (the model's default) is the faster one at 8192 and 16384 features; sparse from 32768
-# (less memory; the crossover above 16384 is not measured).
+# decode="auto" on CUDA: sparse from this many features per layer; below it the dense decode with the gather-dot
+# activation gradient (the model's default) is the faster one (docs/clt.md, "Performance").
 SPARSE_DECODE_MIN_FEATURES = 24576
 # resample_dead_features: how a token's chance of being drawn follows its loss
 RESAMPLE_WEIGHTINGS = ("loss", "loss_squared", "uniform")
@@ -135,8 +133,8 @@ class CLTModule(TrainingModule):
     Host syncs: none in a training step outside the logging steps on CUDA with Triton and bf16 pre-activations
     (``precision="bf16-mixed"``) for the top-k activations with the dense decode: the one-pass BatchTopK selection
     (``ops._topk_triton.select_16bit_1pass``) has fixed shapes and an exact device-side fallback, and the dense
-    decode's gradient at the kept entries needs no layer bounds on the host (``benchmarks/clt_step.py`` counts
-    them: ``host_syncs_per_step``). One sync per step remains where sizes come from the data: fp32
+    decode's gradient at the kept entries needs no layer bounds on the host (docs/clt.md lists
+    the syncs per path). One sync per step remains where sizes come from the data: fp32
     pre-activations (the candidate step's count), ``decode="sparse"`` (the layer bounds), a GPU without Triton,
     a BatchTopK over ranks (``topk_group``) or a sharded CLT. The first steps of a process run one-time
     self-checks of the Triton kernels (they sync once).
@@ -364,7 +362,7 @@ class CLTModule(TrainingModule):
         if not out_has_indices:
             return False
         if self.decode_mode == "auto":
-            # on CPU decoding k of F features beats the dense matmul; on GPU only for wide layers (measured)
+            # on CPU decoding k of F features beats the dense matmul; on GPU only for wide layers
             return self.device.type == "cpu" or self.clt_config.n_features >= SPARSE_DECODE_MIN_FEATURES
         return self.decode_mode == "sparse"
 
@@ -624,7 +622,7 @@ class CLTModule(TrainingModule):
     @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         # record_function regions ("clt/...") let a profiler attribute device time to the parts of the step
-        # (benchmarks/clt_step.py prints them); without a profiler they cost a few microseconds.
+        # (docs/clt.md); without a profiler they cost next to nothing.
         x, y = batch[0], batch[1]
         n = x.shape[0]
         clt = self.model
