@@ -112,7 +112,7 @@ def test_recipe_mistakes_are_one_line(tmp_path, monkeypatch, capsys):
     assert "cut_train_000000.bin" in line
 
     line = _one_error_line(*_cli(monkeypatch, capsys, "lightning_opt.recipes.spd", "--config", "spd_tms_5-2",
-                                 "--model.train.lr", "-1"))
+                                 "--model.optim.lr", "-1"))
     assert "lr" in line and "must be positive" in line
     line = _one_error_line(*_cli(monkeypatch, capsys, "lightning_opt.recipes.clt", "--config", "clt_demo",
                                  "--model.optim.lr", "-1"))

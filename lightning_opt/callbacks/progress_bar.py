@@ -16,8 +16,7 @@ class LazyProgressBar(TQDMProgressBar):
 
     Lightning converts every metric logged with ``prog_bar=True`` into a Python number after *every*
     batch (micro-batches included), whether or not the bar redraws: one ``.item()``, i.e. one host-device
-    synchronisation per batch, which the sync probe of ``benchmarks/gpt2_speedrun.py``
-    (``--sync-probe-steps``) finds in a compiled GPT-2 124M step with 16 micro-batches. Log such
+    synchronisation per batch (docs/callbacks/lazy_progress_bar.md). Log such
     metrics with ``prog_bar=False`` and name them here: the bar reads them from
     ``trainer.callback_metrics`` (where Lightning keeps the tensors as they are) only when it redraws,
     every ``refresh_rate`` batches; that read is the one sync, documented and rare.

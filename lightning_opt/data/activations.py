@@ -30,6 +30,12 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from lightning_opt._optional import require
+from lightning_opt.data.corpus import cache_root, default_corpus_shards
+from lightning_opt.data.shards import check_vocab, read_shard, resolve_files
+from lightning_opt.models.gpt2 import GPT, GPTConfig
+from lightning_opt.models.targets import load_gpt_checkpoint, train_language_model
+
 __all__ = [
     "MLPActivationCapture",
     "iter_activation_batches",
@@ -136,8 +142,6 @@ def token_windows(
     files: str | os.PathLike | Sequence[str | os.PathLike], seq_len: int, batch_size: int, max_tokens: int | None
 ) -> Iterator[torch.Tensor]:
     """Consecutive, non-overlapping ``[batch_size, seq_len]`` int64 windows from token shards, in order."""
-    from lightning_opt.data.shards import read_shard, resolve_files
-
     paths = resolve_files(files)
     budget = math.inf if max_tokens is None else max_tokens
     per_batch = seq_len * batch_size
@@ -506,65 +510,12 @@ def load_target_model(target: str | nn.Module, cache_dir: str | os.PathLike | No
         return train_demo_target(cache_dir=cache_dir)
     if target == "gpt2-random":
         # GPT-2 small's shape with random weights: end-to-end timing and memory checks without a download
-        from lightning_opt.models.gpt2 import GPT, GPTConfig
-
         torch.manual_seed(0)
         return GPT(GPTConfig())
     if target.startswith("hf:"):
-        from lightning_opt._optional import require
-
         transformers = require("transformers", purpose="a transformers GPT-2 target model")
         return transformers.GPT2LMHeadModel.from_pretrained(target[3:])
-    return _load_gpt_checkpoint(Path(target))
-
-
-def load_checkpoint_file(path: str | os.PathLike, what: str = "checkpoint") -> Any:
-    """``torch.load(path, weights_only=True)``: tensors, plain Python data and our config dataclasses only.
-
-    A file that holds any other object (a pickle whose ``__reduce__`` would call a function, say) is refused
-    with a ``ValueError`` before anything in it runs: loading a file never executes code from it.
-    """
-    import pickle
-
-    from lightning_opt.models.gpt2 import GPTConfig, GPTExecution
-    from lightning_opt.modules.base import register_safe_globals  # also registers OptimConfig, ScheduleConfig
-
-    register_safe_globals(GPTConfig, GPTExecution)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        # torch's message: boilerplate, then what was refused ("Trying to load unsupported GLOBAL posix.system ...")
-        lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-        why = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), lines[-1] if lines else "")
-        raise ValueError(
-            f"{what} {str(path)!r} holds objects other than tensors and plain data ({why}); refusing to "
-            "unpickle it, since that could run code from the file. Use a GPT2SpeedrunModule checkpoint or a "
-            "{'config': GPTConfig.to_dict(), 'model': state_dict} file saved with torch.save"
-        ) from None
-    except (RuntimeError, EOFError, OSError) as err:  # not a torch file, truncated, unreadable
-        raise ValueError(f"{what} {str(path)!r} cannot be read as a torch checkpoint ({err})") from None
-
-
-def _load_gpt_checkpoint(path: Path) -> nn.Module:
-    from lightning_opt.models.gpt2 import GPT, GPTConfig
-
-    if not path.exists():
-        raise FileNotFoundError(f"target checkpoint {path} not found (or use target='demo' / 'hf:gpt2')")
-    ckpt = load_checkpoint_file(path, "target checkpoint")
-    if not isinstance(ckpt, dict):
-        raise ValueError(f"{path} holds a {type(ckpt).__name__}, not a checkpoint dict")
-    if "config" in ckpt and "model" in ckpt:
-        model = GPT(GPTConfig.from_dict(ckpt["config"]))
-        model.load_state_dict(ckpt["model"])
-        return model
-    hp = ckpt.get("hyper_parameters", {})
-    cfg = hp.get("model_config") or hp.get("config")
-    if cfg is None:
-        raise ValueError(f"{path} holds neither {{'config', 'model'}} nor a GPT2SpeedrunModule checkpoint")
-    model = GPT(GPTConfig.from_dict(cfg))
-    sd = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
-    model.load_state_dict(sd)
-    return model
+    return load_gpt_checkpoint(target)
 
 
 def demo_target_path(
@@ -576,13 +527,17 @@ def demo_target_path(
     cache_dir: str | os.PathLike | None = None,
 ) -> Path:
     """Where :func:`train_demo_target` caches the target trained with these settings."""
-    from lightning_opt.data.corpus import cache_root
-    from lightning_opt.models.gpt2 import GPTConfig
-
     cfg = GPTConfig(vocab_size=256, n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=seq_len)
     key = hashlib.sha256(json.dumps([cfg.to_dict(), steps, batch_size]).encode()).hexdigest()[:12]
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / "clt_demo"
     return folder / f"demo_gpt_{key}.pt"
+
+
+def _endless_windows(files: Any, seq_len: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(x, y)`` next-token batches of consecutive windows of ``files``, from the start again at their end."""
+    while True:
+        for w in token_windows(files, seq_len + 1, batch_size, None):
+            yield w[:, :-1], w[:, 1:]
 
 
 def train_demo_target(
@@ -595,37 +550,19 @@ def train_demo_target(
 ) -> nn.Module:
     """A tiny byte-level GPT trained on :func:`~lightning_opt.data.corpus.default_corpus_shards` (CPU, a few
     seconds), cached on disk by its settings so later runs reuse it."""
-    from lightning_opt.data.corpus import default_corpus_shards
-    from lightning_opt.models.gpt2 import GPT, GPTConfig
-
     cfg = GPTConfig(vocab_size=256, n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=seq_len)
     path = demo_target_path(steps, n_layer, n_embd, seq_len, batch_size, cache_dir=cache_dir)
     folder = path.parent
     if path.exists():
-        return _load_gpt_checkpoint(path)  # weights_only: a file planted in the cache cannot run code
+        return load_gpt_checkpoint(path)  # weights_only: a file planted in the cache cannot run code
     train, _ = default_corpus_shards()
     torch.manual_seed(0)
     model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    windows = token_windows(train, seq_len + 1, batch_size, None)
-    model.train()
-    for step in range(steps):
-        try:
-            w = next(windows)
-        except StopIteration:
-            windows = token_windows(train, seq_len + 1, batch_size, None)
-            w = next(windows)
-        lr = 3e-3 * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * (1 - step / steps))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        loss = model(w[:, :-1], w[:, 1:])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    model.eval()
+    final_loss = train_language_model(model, _endless_windows(train, seq_len, batch_size), steps, lr=3e-3,
+                                      lr_at=lambda step: 3e-3 * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * (1 - step / steps)))
     folder.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    torch.save({"config": cfg.to_dict(), "model": model.state_dict(), "final_loss": float(loss)}, tmp)
+    torch.save({"config": cfg.to_dict(), "model": model.state_dict(), "final_loss": final_loss}, tmp)
     os.replace(tmp, path)
     return model
 
@@ -722,8 +659,6 @@ class CLTDataModule(pl.LightningDataModule):
         if files in (None, "builtin"):
             if files is None:
                 return None
-            from lightning_opt.data.corpus import default_corpus_shards
-
             train, val = default_corpus_shards()
             return train if which == "train" else val
         return files
@@ -740,8 +675,6 @@ class CLTDataModule(pl.LightningDataModule):
     def _check_token_ids(self, with_train: bool) -> None:
         """Refuse shards holding token ids the target's input embedding has no row for (every token is
         checked), naming the shard and the target, before the target sees a batch."""
-        from lightning_opt.data.shards import check_vocab, resolve_files
-
         get = getattr(self.target_model, "get_input_embeddings", None)
         emb = get() if callable(get) else getattr(self.target_model, "wte", None)
         if not isinstance(emb, nn.Embedding):
@@ -767,8 +700,6 @@ class CLTDataModule(pl.LightningDataModule):
         ``tokens_per_batch`` (the target's batch of windows), ``train_tokens`` and the storage ``dtype``.
         The weights are hashed once per data module."""
         if self._cache_key is None:
-            from lightning_opt.data.shards import resolve_files
-
             cap = self.prepare()
             train = self._files("train")
             files = [] if train is None else [

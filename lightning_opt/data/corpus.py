@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
+from torch.utils.data import IterableDataset
 
 from lightning_opt.data.shards import read_shard, write_shard
 from lightning_opt.data.tokenizer import ByteTokenizer
@@ -120,3 +122,26 @@ def default_corpus_shards(cache_dir: str | os.PathLike | None = None) -> tuple[P
         json.dump(meta, f, indent=2)
     os.replace(tmp, manifest)
     return train, val
+
+
+class RandomWindows(IterableDataset):
+    """An endless stream of ``(x, y)`` next-token batches: ``batch_size`` windows of ``seq_len + 1`` tokens of
+    ``tokens`` at random starts (numpy generator seeded with ``seed``), ``y`` one token ahead of ``x``."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int) -> None:
+        self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
+
+    def __iter__(self):
+        rng = np.random.default_rng(self.seed)
+        n = len(self.tokens) - self.seq_len - 1
+        while True:
+            starts = rng.integers(0, n, self.batch_size)
+            w = np.stack([np.asarray(self.tokens[s : s + self.seq_len + 1], dtype=np.int64) for s in starts])
+            t = torch.from_numpy(w)
+            yield t[:, :-1], t[:, 1:]
+
+
+def corpus_windows(split: str, seq_len: int, batch_size: int, seed: int) -> RandomWindows:
+    """:class:`RandomWindows` of the default corpus' ``train`` or ``val`` split."""
+    train, val = default_corpus_shards()
+    return RandomWindows(read_shard(train if split == "train" else val), seq_len, batch_size, seed)

@@ -28,7 +28,7 @@ is ``batchtopk_global``, the selection calls
 
 Sparse decode: :meth:`CLT.decode_sparse` takes ``(flat_indices, values)`` (grouped by layer, then token) and
 calls ``lightning_opt.ops.sparse_decode.sparse_decode`` once per source layer with the CSR rows of that layer
-and ``W_dec[l].reshape(F, (L - l) * d_out)``; ``CLT.sparse_decode_impl`` is its backend (``auto``: Triton
+and ``W_dec[l].reshape(F, (L - l) * d_out)``; ``CLTExecution.sparse_decode_impl`` is its backend (``auto``: Triton
 on CUDA, ``embedding_bag`` otherwise).
 
 Sharding: :meth:`CLT.shard_` slices the parameters to a :class:`CLTShardSpec` (this rank's output columns and,
@@ -248,6 +248,23 @@ class CLTOutput(NamedTuple):
     values: torch.Tensor | None
 
 
+@dataclass
+class CLTExecution:
+    """How a :class:`CLT` is computed: settings under which the same weights mean the same model.
+
+    Args:
+        sparse_decode_impl: backend of :func:`~lightning_opt.ops.sparse_decode.sparse_decode`: ``auto``, ``torch``
+            or ``triton``.
+        dense_sparse_grad: the dense decode of top-k activations takes its activation gradient at the kept
+            entries only (``True``, the faster) or through the plain dense matmul (``False``).
+        compile_encode: in training mode, the encoder runs through ``torch.compile`` (``CLTModule(compile=True)``).
+    """
+
+    sparse_decode_impl: str = "auto"
+    dense_sparse_grad: bool = True
+    compile_encode: bool = False
+
+
 class CLT(nn.Module):
     """Cross-layer transcoder. See the module docstring for layouts and the strategies contract.
 
@@ -259,17 +276,12 @@ class CLT(nn.Module):
         (torch.Size([5, 2, 8]), True)
     """
 
-    def __init__(self, config: CLTConfig) -> None:
+    def __init__(self, config: CLTConfig, execution: CLTExecution | None = None) -> None:
         super().__init__()
         self.config = config
+        self.execution = execution if execution is not None else CLTExecution()
         L, d, nf = config.n_layers, config.d_model, config.n_features
         self.topk_group: Any = None
-        self.sparse_decode_impl = "auto"  # backend of ops.sparse_decode: auto | torch | triton
-        # dense decode of top-k activations: activation gradient at the kept entries only (True) or the
-        # plain dense matmul (False); on by default, the faster of the two (docs/clt.md)
-        self.dense_sparse_grad = True
-        # encode through torch.compile in training mode (CLTModule(compile=True) sets it)
-        self.compile_encode = False
         self.shard: CLTShardSpec | None = None  # the part this rank holds (shard_), None: the whole model
         self.W_enc = nn.Parameter(torch.empty(L, d, nf))
         self.b_enc = nn.Parameter(torch.zeros(L, nf))
@@ -452,12 +464,12 @@ class CLT(nn.Module):
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Pre-activations ``[L, N, F]`` of raw inputs ``x`` ``[N, L, d_model]``.
 
-        In training mode with ``compile_encode`` set, the normalisation and the batched encoder matmul run as
-        one ``torch.compile``'d region (``fullgraph``, static shapes); evaluation stays eager (its batch
+        In training mode with ``execution.compile_encode`` set, the normalisation and the batched encoder matmul
+        run as one ``torch.compile``'d region (``fullgraph``, static shapes); evaluation stays eager (its batch
         shapes vary).
         """
         self._check_input(x)
-        fn = _compiled_encode() if self.compile_encode and self.training else _encode
+        fn = _compiled_encode() if self.execution.compile_encode and self.training else _encode
         return fn(x, self.W_enc, self.b_enc, self.in_shift, self.in_scale, self.config.normalization != "none")
 
     @property
@@ -546,7 +558,7 @@ class CLT(nn.Module):
             dense = scatter_dense(indices, values, torch.empty(L, n_tokens, nf, device="meta"))
             return self.decode(dense)
         W = list(self.W_dec)
-        return _sparse_decode_layers(indices, values, W, n_tokens, nf, self.sparse_decode_impl,
+        return _sparse_decode_layers(indices, values, W, n_tokens, nf, self.execution.sparse_decode_impl,
                                      layer_bounds) + self.b_dec
 
     def forward(self, x: torch.Tensor, dense: bool | None = None) -> CLTOutput:
@@ -576,7 +588,7 @@ class CLT(nn.Module):
             return CLTOutput(recon, pre, None, idx, vals)
         if acts is None:
             acts = scatter_dense(idx, vals, pre)
-        if (idx is not None and self.dense_sparse_grad and self.config.decoder_tying == "untied"
+        if (idx is not None and self.execution.dense_sparse_grad and self.config.decoder_tying == "untied"
                 and (self.shard is None or not self.shard.collective)):
             # not with a decoder group: decode routes dense activations through the sparse path
             return CLTOutput(self._decode_dense_sparse_grad(acts, idx, vals), pre, acts, idx, vals)

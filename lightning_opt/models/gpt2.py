@@ -286,7 +286,7 @@ class GPTExecution:
             scale 1). The attention itself (softmax(QK^T)V) stays in the compute dtype.
         fp8_backward_fast_accum: fast accumulation (``torch._scaled_mm(use_fast_accum=True)``) in the backward
             FP8 matmuls of ``head_fp8`` / ``mlp_fp8`` / ``attn_fp8`` (the forward ones always accumulate fast);
-            ``False`` promotes partial sums to float32. Within noise in tokens/s on an H100 (+0.4%).
+            ``False`` promotes partial sums to float32 (docs/gpt2.md gives the measured effect).
     """
 
     attn_backend: str = "auto"
@@ -828,8 +828,8 @@ class GPT(nn.Module):
     computed and regularised in training (:class:`GPTExecution`, defaults when ``None``).
 
     Subclasses extend it through :meth:`hidden_states` (the final-norm hidden states) and :meth:`hidden_loss`
-    (the loss of hidden states against targets), as ``benchmarks/gpt2_variants.py`` does for multi-token
-    prediction and mixture-of-experts MLPs.
+    (the loss of hidden states against targets), e.g. for multi-token prediction or mixture-of-experts
+    MLPs (docs/gpt2.md).
 
     Example:
         >>> model = GPT(GPTConfig(vocab_size=256, n_layer=2, n_head=2, n_embd=32, block_size=64))

@@ -35,8 +35,6 @@ CIFnType = Literal["mlp", "vector_mlp", "shared_mlp"]
 SigmoidType = Literal["leaky_hard", "hard", "lower_leaky_hard", "upper_leaky_hard", "sigmoid"]
 SamplingType = Literal["continuous", "binomial"]
 OutputLossType = Literal["mse", "kl"]
-CompileMode = Literal["none", "full", "regional"]
-COMPILE_MODES = ("none", "full", "regional")
 _CI_FNS = ("mlp", "vector_mlp", "shared_mlp")
 _SIGMOIDS = ("leaky_hard", "hard", "lower_leaky_hard", "upper_leaky_hard", "sigmoid")
 

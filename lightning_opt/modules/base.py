@@ -1,7 +1,10 @@
-"""What every lightning-opt LightningModule shares: optimizers, schedules, token counting."""
+"""What every lightning-opt LightningModule shares: optimizer, schedule and compile settings, token counting."""
 
 from __future__ import annotations
 
+import os
+import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning as L
@@ -10,19 +13,70 @@ import torch.nn as nn
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_opt._serialization import register_safe_globals
+from lightning_opt.callbacks.async_checkpoint import refuse_damaged_checkpoint
 from lightning_opt.optim.combined import CombinedOptimizer
 from lightning_opt.optim.factory import OptimConfig, build_optimizer
 from lightning_opt.optim.schedules import ScheduleConfig, ScheduleLR
 
+__all__ = ["CompileConfig", "TrainingModule", "as_config", "register_safe_globals"]
 
-def register_safe_globals(*classes: type) -> None:
-    """Let ``torch.load(weights_only=True)`` (Lightning's default) read checkpoints holding these configs."""
-    add = getattr(torch.serialization, "add_safe_globals", None)
-    if add is not None:
-        add(list(classes))
+COMPILE_MODES = ("none", "full", "regional")
 
 
-register_safe_globals(OptimConfig, ScheduleConfig)
+@dataclass
+class CompileConfig:
+    """How a module runs its training computation through ``torch.compile``: one type for every module (a recipe's
+    ``model.compile``). ``compile: true`` / ``false`` in a config mean ``mode: full`` / ``none``.
+
+    Args:
+        mode: ``none`` (eager), ``full`` (the module's compiled regions: the whole GPT; the CLT's encoder and loss
+            terms; SPD's loss computation) or ``regional`` (SPD only: the target's repeated blocks, the masked
+            layers and the KL loss compiled once each; see ``docs/spd.md``).
+        backend: the ``torch.compile`` backend (``inductor``; ``eager`` traces with dynamo only, for finding
+            graph breaks without code generation).
+        options: inductor settings (``torch.compile(options=...)``), e.g. ``{"coordinate_descent_tuning": true}``;
+            names inductor does not have are refused, and options with ``mode: none`` warn that they do nothing.
+    """
+
+    mode: str = "none"
+    backend: str = "inductor"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.mode, bool):
+            self.mode = "full" if self.mode else "none"
+        if self.mode not in COMPILE_MODES:
+            raise ValueError(f"compile.mode={self.mode!r} is unknown; choose one of {COMPILE_MODES} (or true / false)")
+        self.options = dict(self.options or {})
+        if not self.options:
+            return
+        if self.mode == "none":
+            warnings.warn(f"compile.options={self.options!r} take effect only with compile.mode full or regional; "
+                          "this run compiles nothing", stacklevel=3)
+        from torch._inductor import config as inductor_config  # loads inductor: only when options are given
+
+        unknown = sorted(k for k in self.options if k not in inductor_config.get_config_copy())
+        if unknown:
+            raise ValueError(
+                f"compile.options: {unknown} are not torch._inductor.config settings in torch {torch.__version__}; "
+                "see torch._inductor.config (e.g. coordinate_descent_tuning, max_autotune)"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    @classmethod
+    def of(cls, value: Any) -> CompileConfig:
+        """``value`` as a :class:`CompileConfig`: ``None`` gives eager, a bool ``full`` / ``none``, a string that mode,
+        a dict its fields."""
+        if isinstance(value, (bool, str)):
+            return cls(mode=value)
+        return as_config(cls, value)
+
+
+register_safe_globals(OptimConfig, ScheduleConfig, CompileConfig)
 
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -123,6 +177,8 @@ def report_replanned_schedule(module: L.LightningModule) -> None:
 class TrainingModule(L.LightningModule):
     """Base class: builds optimizers from :class:`OptimConfig` and a per-step schedule.
 
+    ``compile`` (:class:`CompileConfig`) says how the subclass compiles its training computation.
+
     Subclasses set ``self.model`` and may override :meth:`optimizer_roles` to say which parameters are
     hidden matrices (Muon), embeddings and the head. Several optimizers are wrapped in one
     :class:`CombinedOptimizer`, so automatic optimization, gradient clipping and accumulation keep working.
@@ -135,10 +191,17 @@ class TrainingModule(L.LightningModule):
 
     model: nn.Module
 
-    def __init__(self, optim: OptimConfig | None = None, schedule: ScheduleConfig | None = None) -> None:
+    compile_modes: tuple[str, ...] = ("none", "full")
+
+    def __init__(self, optim: OptimConfig | None = None, schedule: ScheduleConfig | None = None,
+                 compile: CompileConfig | bool | None = None) -> None:
         super().__init__()
         self.optim_config = as_config(OptimConfig, optim)
         self.schedule_config = as_config(ScheduleConfig, schedule)
+        self.compile_config = CompileConfig.of(compile)
+        if self.compile_config.mode not in self.compile_modes:
+            raise ValueError(f"compile.mode={self.compile_config.mode!r} is not one of {type(self).__name__}'s "
+                             f"modes {self.compile_modes}")
         self.tokens_seen = 0
 
     @classmethod
@@ -148,11 +211,7 @@ class TrainingModule(L.LightningModule):
         """Lightning's ``load_from_checkpoint``, reading the file with ``weights_only=True`` by default (torch
         before 2.6 defaults to unpickling anything): tensors, plain data and our registered configs only. A file
         that does not match its ``.sha256`` sidecar (written by ``AsyncCheckpoint``) is refused."""
-        import os
-
         if isinstance(checkpoint_path, (str, os.PathLike)) and os.path.isfile(checkpoint_path):
-            from lightning_opt.callbacks.async_checkpoint import refuse_damaged_checkpoint
-
             refuse_damaged_checkpoint(checkpoint_path)
         return super().load_from_checkpoint(checkpoint_path, *args, weights_only=weights_only, **kwargs)
 

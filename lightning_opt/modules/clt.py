@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from lightning_opt.callbacks._logging import trainer_logs_next_step
 from lightning_opt.models.clt import (
     CLT,
     CLTConfig,
+    CLTExecution,
     CLTOutput,
     auxk_loss,
     clip_grad_norm_,
@@ -27,19 +29,18 @@ from lightning_opt.models.clt import (
     tanh_sparsity_penalty,
     tanh_sparsity_penalty_sparse,
 )
-from lightning_opt.modules.base import TrainingModule, as_config, register_safe_globals
+from lightning_opt.modules.base import CompileConfig, TrainingModule, as_config, register_safe_globals
 from lightning_opt.optim.factory import OptimConfig
 from lightning_opt.optim.schedules import ScheduleConfig
 
 __all__ = ["CLTModule", "FVUMetric", "L0Metric", "ScalarMean", "replacement_kl"]
 
-register_safe_globals(CLTConfig)  # a module made in Python saves its CLTConfig in the checkpoint's hyperparameters
+# a module made in Python saves its configs in the checkpoint's hyperparameters
+register_safe_globals(CLTConfig, CLTExecution)
 
 _DECODES = ("auto", "dense", "sparse")
-# decode="auto" on CUDA: sparse from this many features per layer. On an H200 (12 x 768, 4096 tokens, k=200;
-# `benchmarks/clt_step.py`, variants ours_dense_sparsegrad / ours_sparse) the dense decode with the gather-dot
-# activation gradient (the model's default) is the faster one at 8192 and 16384 features; sparse from 32768
-# (less memory; the crossover above 16384 is not measured).
+# decode="auto" on CUDA: sparse from this many features per layer; below it the dense decode with the gather-dot
+# activation gradient (the model's default) is the faster one (docs/clt.md, "Performance").
 SPARSE_DECODE_MIN_FEATURES = 24576
 # resample_dead_features: how a token's chance of being drawn follows its loss
 RESAMPLE_WEIGHTINGS = ("loss", "loss_squared", "uniform")
@@ -132,8 +133,8 @@ class CLTModule(TrainingModule):
     Host syncs: none in a training step outside the logging steps on CUDA with Triton and bf16 pre-activations
     (``precision="bf16-mixed"``) for the top-k activations with the dense decode: the one-pass BatchTopK selection
     (``ops._topk_triton.select_16bit_1pass``) has fixed shapes and an exact device-side fallback, and the dense
-    decode's gradient at the kept entries needs no layer bounds on the host (``benchmarks/clt_step.py`` counts
-    them: ``host_syncs_per_step``). One sync per step remains where sizes come from the data: fp32
+    decode's gradient at the kept entries needs no layer bounds on the host (docs/clt.md lists
+    the syncs per path). One sync per step remains where sizes come from the data: fp32
     pre-activations (the candidate step's count), ``decode="sparse"`` (the layer bounds), a GPU without Triton,
     a BatchTopK over ranks (``topk_group``) or a sharded CLT. The first steps of a process run one-time
     self-checks of the Triton kernels (they sync once).
@@ -157,7 +158,10 @@ class CLTModule(TrainingModule):
         decode: ``dense``, ``sparse`` (top-k activations only) or ``auto`` (sparse on CPU; on GPU sparse from
             ``SPARSE_DECODE_MIN_FEATURES`` features per layer, dense below).
         eval_replacement: compute the replacement model's KL / agreement at validation.
-        compile: ``torch.compile`` (``fullgraph``, ``dynamic=False``) the two regions of the training step that
+        execution: how the CLT is computed (:class:`~lightning_opt.models.clt.CLTExecution`: the sparse decode's
+            backend, the dense decode's sparse activation gradient); its ``compile_encode`` follows ``compile``.
+        compile: ``True`` or a :class:`~lightning_opt.modules.base.CompileConfig` with ``mode: full``:
+            ``torch.compile`` (``fullgraph``, ``dynamic=False``) the two regions of the training step that
             have static shapes: the encoder (input normalisation + batched encoder matmul, in training mode) and
             the loss terms (target normalisation, MSE, tanh sparsity penalty, pre-activation loss). The top-k
             selection and the decode between them stay eager (Triton kernels; on the paths with a host sync, sizes
@@ -193,14 +197,15 @@ class CLTModule(TrainingModule):
         dead_tokens: int = 1_000_000,
         decode: str = "auto",
         eval_replacement: bool = True,
-        compile: bool = False,
+        execution: CLTExecution | None = None,
+        compile: CompileConfig | bool | None = None,
         resample_dead_every: int | None = None,
         resample_encoder_scale: float | None = None,
         resample_seed: int = 0,
         resample_weighting: Literal["loss", "loss_squared", "uniform"] = "loss",
     ) -> None:
         super().__init__(optim or OptimConfig(lr=2e-4, betas=(0.9, 0.999), weight_decay=0.0),
-                         schedule or ScheduleConfig(name="constant"))
+                         schedule or ScheduleConfig(name="constant"), compile)
         if clt is None:
             raise ValueError("CLTModule needs a CLTConfig (clt=...); set n_layers and d_model to the target's")
         if decode not in _DECODES:
@@ -214,8 +219,6 @@ class CLTModule(TrainingModule):
             raise ValueError("dead_tokens and aux_k must be positive")
         if aux_max_dead is not None and aux_max_dead < aux_k:
             raise ValueError(f"aux_max_dead={aux_max_dead} must be >= aux_k={aux_k} (or None for all features)")
-        if not isinstance(compile, bool):
-            raise ValueError(f"compile={compile!r} must be true or false")
         if resample_dead_every is not None and (isinstance(resample_dead_every, bool)
                                                 or not isinstance(resample_dead_every, int) or resample_dead_every <= 0):
             raise ValueError(f"resample_dead_every={resample_dead_every!r} must be a positive int (steps) or None")
@@ -231,9 +234,11 @@ class CLTModule(TrainingModule):
                 "shared by the features of every source layer, so one feature's decoder cannot be re-initialised"
             )
         self.clt_config = clt
-        self.model = CLT(clt)
-        self.compile_clt = compile
-        self.model.compile_encode = compile
+        if self.compile_config.backend != "inductor" or self.compile_config.options:
+            raise ValueError("CLTModule compiles with inductor's defaults: leave compile.backend and compile.options "
+                             "unset (compile: true)")
+        execution = as_config(CLTExecution, execution)
+        self.model = CLT(clt, dataclasses.replace(execution, compile_encode=self.compile_config.enabled))
         if resample_encoder_scale is None:
             resample_encoder_scale = 0.2 if clt.activation in ("relu", "jumprelu") else 1.0
         self.resample_every, self.resample_encoder_scale = resample_dead_every, resample_encoder_scale
@@ -269,12 +274,12 @@ class CLTModule(TrainingModule):
         # after the strategy's setup: a sharding strategy has set the model's shard spec by now
         clt = self.model
         sharded = clt.shard is not None
-        if self.compile_clt and sharded:
+        if self.compile_config.enabled and sharded:
             raise ValueError(
                 "compile=True does not support a sharded CLT (DecoderShardingStrategy: the forward issues "
                 "collectives between the compiled regions and decodes a slice of the outputs); use compile=False"
             )
-        if self.compile_clt and clt.topk_group is not None:
+        if self.compile_config.enabled and clt.topk_group is not None:
             raise ValueError(
                 "compile=True does not support a BatchTopK over ranks (topk_group set, e.g. GlobalBatchTopK): "
                 "each rank keeps a different number of entries per step, so the static-shape loss region would "
@@ -357,7 +362,7 @@ class CLTModule(TrainingModule):
         if not out_has_indices:
             return False
         if self.decode_mode == "auto":
-            # on CPU decoding k of F features beats the dense matmul; on GPU only for wide layers (measured)
+            # on CPU decoding k of F features beats the dense matmul; on GPU only for wide layers
             return self.device.type == "cpu" or self.clt_config.n_features >= SPARSE_DECODE_MIN_FEATURES
         return self.decode_mode == "sparse"
 
@@ -617,7 +622,7 @@ class CLTModule(TrainingModule):
     @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         # record_function regions ("clt/...") let a profiler attribute device time to the parts of the step
-        # (benchmarks/clt_step.py prints them); without a profiler they cost a few microseconds.
+        # (docs/clt.md); without a profiler they cost next to nothing.
         x, y = batch[0], batch[1]
         n = x.shape[0]
         clt = self.model
@@ -627,7 +632,7 @@ class CLTModule(TrainingModule):
         with record_function("clt/loss"):
             lam = self.sparsity_lambda()
             log = self._should_log()
-            terms = _compiled_loss_terms() if self.compile_clt else _loss_terms
+            terms = _compiled_loss_terms() if self.compile_config.enabled else _loss_terms
             # the penalty whenever it has a weight, also while the ramp holds it at 0: the same terms every
             # step (one compiled graph)
             yn, mse, sp, pa = terms(clt, self._penalty_view(out), y, n, self.sparsity_c, self.sparsity_coef > 0,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Any
 
 import torch
@@ -14,7 +13,7 @@ from typing_extensions import override
 
 from lightning_opt.callbacks._logging import trainer_logs_next_step
 from lightning_opt.models.gpt2 import GPT, GPTConfig, GPTExecution
-from lightning_opt.modules.base import TrainingModule, normalised, register_safe_globals
+from lightning_opt.modules.base import CompileConfig, TrainingModule, normalised, register_safe_globals
 from lightning_opt.optim.factory import OptimConfig
 from lightning_opt.optim.schedules import ScheduleConfig
 
@@ -37,26 +36,6 @@ def saved_model_config(saved: Any) -> dict[str, Any]:
     return normalised(saved.to_dict() if isinstance(saved, GPTConfig) else saved)
 
 
-def check_compile_options(compile: bool, options: dict[str, Any] | None) -> None:
-    """Refuse inductor options that inductor does not have, before any training starts (torch would only fail at
-    the first forward, after the data and model are set up); warn that they do nothing when compile is off (a
-    config that ships options, such as the classic one, still runs eagerly with ``compile: false``)."""
-    if not options:
-        return
-    if not compile:
-        warnings.warn(f"compile_options={options!r} take effect only with compile: true; this run compiles nothing",
-                      stacklevel=2)
-    from torch._inductor import config as inductor_config
-
-    known = set(inductor_config.get_config_copy())
-    unknown = sorted(k for k in options if k not in known)
-    if unknown:
-        raise ValueError(
-            f"compile_options: {unknown} are not torch._inductor.config settings in torch {torch.__version__}; "
-            "see torch._inductor.config (e.g. coordinate_descent_tuning, max_autotune)"
-        )
-
-
 class GPT2SpeedrunModule(TrainingModule):
     """Train a :class:`~lightning_opt.models.gpt2.GPT` on ``(x, y)`` token batches.
 
@@ -70,10 +49,9 @@ class GPT2SpeedrunModule(TrainingModule):
         execution: how the model is computed and regularised in training (attention kernel, FP8 matmuls, loss
             kernel, activation checkpointing, dropout, LayerDrop; :class:`~lightning_opt.models.gpt2.GPTExecution`):
             saved in the hyperparameters, free to change when a checkpoint resumes or loads.
-        compile: wrap the model in ``torch.compile``.
-        compile_options: inductor settings for that compile (``torch.compile(options=...)``), e.g.
-            ``{"coordinate_descent_tuning": True}``: longer compile, faster kernels. Used only with ``compile=True``
-            (otherwise a warning says they do nothing); names that inductor does not have are refused.
+        compile: wrap the model in ``torch.compile`` (``dynamic=False``): ``True`` or a
+            :class:`~lightning_opt.modules.base.CompileConfig` (``mode: full``, its ``backend`` and inductor
+            ``options``, e.g. ``{"coordinate_descent_tuning": True}``: longer compile, faster kernels).
         init_from: start from Hugging Face GPT-2 weights (fine-tuning): a local directory with ``config.json``
             and ``model.safetensors`` (or ``pytorch_model.bin``) or a hub id such as ``gpt2`` (needs the ``hf``
             extra); see :meth:`~lightning_opt.models.gpt2.GPT.from_pretrained`. ``model_config`` must be the
@@ -96,20 +74,16 @@ class GPT2SpeedrunModule(TrainingModule):
         optim: OptimConfig | None = None,
         schedule: ScheduleConfig | None = None,
         execution: GPTExecution | None = None,
-        compile: bool = False,
-        compile_options: dict[str, Any] | None = None,
+        compile: CompileConfig | bool | None = None,
         init_from: str | None = None,
     ) -> None:
-        super().__init__(optim, schedule)
+        super().__init__(optim, schedule, compile)
         # a dict (a checkpoint's hyperparameters as LightningCLI saved them) is normalised: lists become tuples
         self.model_config = GPTConfig.from_dict(model_config if model_config is not None else {})
         self.execution = GPTExecution.from_dict(execution) if execution is not None else GPTExecution()
         execution = self.execution  # the hyperparameters show what this run computes with, defaults included
-        check_compile_options(compile, compile_options)
         self.save_hyperparameters()
         self.model = GPT(self.model_config, self.execution)
-        self.compile_model = compile
-        self.compile_options = dict(compile_options) if compile_options else None
         self.init_from = init_from
         self._init_loaded = init_from is None  # HF weights are read at the first setup, unless a checkpoint came
         self.val_loss = MeanMetric()
@@ -136,8 +110,9 @@ class GPT2SpeedrunModule(TrainingModule):
 
     @override
     def configure_model(self) -> None:
-        if self.compile_model and not getattr(self, "_compiled", False):
-            self.model.compile(dynamic=False, options=self.compile_options)
+        cc = self.compile_config
+        if cc.enabled and not getattr(self, "_compiled", False):
+            self.model.compile(dynamic=False, backend=cc.backend, options=cc.options or None)
             self._compiled = True
 
     @override

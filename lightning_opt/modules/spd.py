@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import fnmatch
 import functools
 import itertools
 import json
@@ -18,16 +19,22 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.nn.functional import all_reduce
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
+from lightning_opt._optional import require
+from lightning_opt.data.activations import train_demo_target
+from lightning_opt.data.corpus import corpus_windows
 from lightning_opt.models import spd as S
+from lightning_opt.models.gpt2 import GPT, GPTConfig
+from lightning_opt.models.targets import load_checkpoint_file, load_gpt_checkpoint, train_language_model
 from lightning_opt.models.toy import (
+    ResidMLP,
     ResidMLPConfig,
     SparseFeatureDataset,
     TMSConfig,
@@ -35,7 +42,16 @@ from lightning_opt.models.toy import (
     train_resid_mlp,
     train_tms,
 )
-from lightning_opt.optim.schedules import ScheduleConfig, ScheduleLR
+from lightning_opt.modules.base import (
+    CompileConfig,
+    TrainingModule,
+    as_config,
+    check_checkpoint_matches,
+    check_resume_length,
+    register_safe_globals,
+)
+from lightning_opt.optim.factory import OptimConfig
+from lightning_opt.optim.schedules import ScheduleConfig
 
 _TARGETS = ("tms", "resid_mlp", "gpt", "hf_gpt2")
 DEMO = "demo"  # SPDTargetConfig.checkpoint: the cached demo GPT of lightning_opt.data.activations.train_demo_target
@@ -131,8 +147,6 @@ class SPDTargetConfig:
         if not train and self.kind == "tms" and not self.checkpoint:
             return TMSModel(TMSConfig(**self.model)).untie_().requires_grad_(False).eval()  # train_tms' result
         if not train and self.kind == "resid_mlp" and not self.checkpoint:
-            from lightning_opt.models.toy import ResidMLP
-
             return ResidMLP(ResidMLPConfig(**self.model), seed=self.seed).requires_grad_(False).eval()
         if not train and self.kind == "gpt" and self.train_steps and self.checkpoint is None and self.pretrained is None:
             return _build_gpt(dataclasses.replace(self, train_steps=0))
@@ -148,8 +162,6 @@ class SPDTargetConfig:
         if self.kind == "resid_mlp":
             cfg = ResidMLPConfig(**self.model)
             if self.checkpoint:
-                from lightning_opt.models.toy import ResidMLP
-
                 m = ResidMLP(cfg, seed=self.seed)
                 m.load_state_dict(torch.load(self.checkpoint, map_location="cpu", weights_only=True))
                 return m.requires_grad_(False).eval()
@@ -270,49 +282,38 @@ _RECON_TERMS = (
 _COEFFS = ("faithfulness", "importance_minimality", *_RECON_TERMS)
 
 
+# SPDTrainConfig keys whose settings live in the module's shared configs (the same for every module)
+_SHARED_KEYS = {
+    "lr": "model.optim.lr", "weight_decay": "model.optim.weight_decay", "schedule": "model.schedule.name",
+    "warmup_frac": "model.schedule.warmup_steps (steps)", "final_lr_frac": "model.schedule.min_ratio",
+    "compile": "model.compile.mode", "compile_backend": "model.compile.backend", "compile_options": "model.compile.options",
+}
+
+
 @dataclass
 class SPDTrainConfig:
-    """Optimizer, schedule, warmup, precision and compilation.
+    """SPD's own training settings: the faithfulness warmup, precision, data and metrics. The optimizer, the
+    learning-rate schedule and compilation are the module's ``optim``, ``schedule`` and ``compile``, as for every
+    lightning-opt module.
 
     Args:
-        lr / weight_decay: AdamW over V, U and the CI functions.
-        schedule: ``cosine`` (to ``final_lr_frac``) or ``constant``; ``warmup_frac`` of steps linear warmup.
         faithfulness_warmup_steps / _lr / _weight_decay: AdamW on ``||W - V U||^2`` alone before training,
             so the components start out summing to the target.
         autocast_bf16: run the loss computation under bf16 autocast (the weight deltas ``W - V U`` stay in
             float32).
-        compile: ``none`` (eager), ``full`` (``torch.compile`` of the whole loss computation, forward + all
-            terms, in three compiled parts: before PGD, PGD, the total; backward compiled by AOTAutograd with
-            them) or ``regional``
-            (:meth:`~lightning_opt.models.spd.SPDModel.compile_regions`: the target's repeated blocks, the masked
-            linear layers and the KL loss compiled once each and reused: a fraction of the compile time of
-            ``full``). ``True`` / ``False`` mean ``full`` / ``none``.
-        compile_backend: the ``torch.compile`` backend (``inductor``; ``eager`` traces with dynamo only, for
-            checking graph breaks without code generation).
-        compile_options: inductor options for ``torch.compile`` (its ``options``; ``full`` and ``regional``
-            alike), e.g. ``{"triton.autotune_pointwise": false}`` (pointwise kernels take their heuristic launch
-            configuration instead of benchmarking several on their first call: a shorter cold compile) or
-            ``{"triton.cudagraphs": true}`` (the compiled graphs replay as CUDA graphs: fewer launches). Empty:
-            inductor's defaults.
         ci_threshold: importance above which a subcomponent counts as active for CI-L0.
         identity_patterns: layers whose single-feature importances should be an identity (toy
             models), for ``identity_ci_error``.
         eval_batches: batches averaged for the final metrics.
+        batch_size: batch size of the data a toy or demo target brings.
         metrics_path: also write the final metrics (``final_metrics``) to this JSON file.
+        seed: seed of the components' initialisation and of the data a toy or demo target brings.
     """
 
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    schedule: str = "cosine"
-    warmup_frac: float = 0.0
-    final_lr_frac: float = 0.0
     faithfulness_warmup_steps: int = 200
     faithfulness_warmup_lr: float = 0.01
     faithfulness_warmup_weight_decay: float = 0.1
     autocast_bf16: bool = False
-    compile: bool | S.CompileMode = "none"
-    compile_backend: str = "inductor"
-    compile_options: dict[str, bool | int | float | str] = field(default_factory=dict)
     ci_threshold: float = 0.1
     identity_patterns: list[str] = field(default_factory=list)
     eval_batches: int = 4
@@ -321,30 +322,22 @@ class SPDTrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.schedule not in ("cosine", "constant"):
-            raise ValueError(f"SPDTrainConfig.schedule={self.schedule!r}; choose 'cosine' or 'constant'")
-        if not 0 <= self.warmup_frac < 1 or not 0 <= self.final_lr_frac <= 1:
-            raise ValueError("warmup_frac must be in [0, 1) and final_lr_frac in [0, 1]")
-        if self.lr <= 0 or self.batch_size <= 0:
-            raise ValueError("lr and batch_size must be positive")
-        if isinstance(self.compile, bool):
-            self.compile = "full" if self.compile else "none"
-        if self.compile not in S.COMPILE_MODES:
-            raise ValueError(f"SPDTrainConfig.compile={self.compile!r}; choose one of {S.COMPILE_MODES}")
+        if self.batch_size <= 0:
+            raise ValueError(f"SPDTrainConfig.batch_size={self.batch_size} must be positive")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SPDTrainConfig:
+        """The config from a dict; a key of the shared configs is refused naming where it goes."""
+        shared = {k: _SHARED_KEYS[k] for k in values if k in _SHARED_KEYS}
+        if shared:
+            raise ValueError("model.train holds " + ", ".join(f"{k} (set {v})" for k, v in shared.items())
+                             + ": the optimizer, schedule and compile settings are the module's optim, schedule "
+                             "and compile sections, as in every lightning-opt recipe")
+        return cls(**values)
 
 
-def _as(cls: type, value: Any) -> Any:
-    return value if isinstance(value, cls) else cls(**(value or {}))
-
-
-def _register_safe_globals() -> None:
-    from lightning_opt.modules.base import register_safe_globals
-
-    # a module made in Python saves these configs in its checkpoint's hyperparameters
-    register_safe_globals(SPDTargetConfig, PGDConfig, SPDLossConfig, SPDTrainConfig, S.SPDConfig, S.ComponentPattern)
-
-
-_register_safe_globals()
+# a module made in Python saves these configs in its checkpoint's hyperparameters
+register_safe_globals(SPDTargetConfig, PGDConfig, SPDLossConfig, SPDTrainConfig, S.SPDConfig, S.ComponentPattern)
 
 # set while SPDModule.load_from_checkpoint builds a module: the target's trained weights come from the checkpoint
 _LOADING_CHECKPOINT: contextvars.ContextVar[bool] = contextvars.ContextVar("spd_loading_checkpoint", default=False)
@@ -365,14 +358,23 @@ class _SkipFirst(IterableDataset):
 # --------------------------------------------------------------------------------------------------
 
 
-class SPDModule(L.LightningModule):
+class SPDModule(TrainingModule):
     """Decompose a frozen target with SPD.
 
     Args:
         target: an ``nn.Module`` to decompose, or an :class:`SPDTargetConfig` (built in ``__init__``).
         spd: patterns, C, CI functions, sigmoids (:class:`~lightning_opt.models.spd.SPDConfig`).
         loss: loss coefficients (:class:`SPDLossConfig`).
-        train: optimizer / schedule / precision (:class:`SPDTrainConfig`).
+        train: faithfulness warmup, precision, data and metrics (:class:`SPDTrainConfig`).
+        optim: the optimizer over the components and the CI functions (default AdamW, lr 1e-3, betas
+            (0.9, 0.999), no weight decay; matrices only decay).
+        schedule: the learning-rate schedule over ``Trainer(max_steps)`` (default cosine to 0, no warmup).
+        compile: ``mode`` ``full`` (``torch.compile`` of the loss computation, forward and every term, in three
+            compiled parts: before PGD, PGD, the total; backward compiled by AOTAutograd with them) or ``regional``
+            (:meth:`~lightning_opt.models.spd.SPDModel.compile_regions`: the target's repeated blocks, the masked
+            linear layers and the KL loss compiled once each and reused: a fraction of the compile time of
+            ``full``), with ``backend`` and inductor ``options``
+            (:class:`~lightning_opt.modules.base.CompileConfig`).
 
     Example:
         >>> module = SPDModule(SPDTargetConfig("tms", {"n_features": 5, "n_hidden": 2}),
@@ -380,22 +382,28 @@ class SPDModule(L.LightningModule):
         >>> L.Trainer(max_steps=10_000).fit(module)  # toy targets bring their own data
     """
 
+    compile_modes = ("none", "full", "regional")
+
     def __init__(
         self,
         target: SPDTargetConfig | nn.Module | None = None,
         spd: S.SPDConfig | None = None,
         loss: SPDLossConfig | None = None,
         train: SPDTrainConfig | None = None,
+        optim: OptimConfig | None = None,
+        schedule: ScheduleConfig | None = None,
+        compile: CompileConfig | bool | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(optim or OptimConfig(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0),
+                         schedule or ScheduleConfig(name="cosine", min_ratio=0.0), compile)
         # a target given as an nn.Module is not a hyperparameter: load_from_checkpoint(path, target=model) then
         self.save_hyperparameters(ignore=["target"] if isinstance(target, nn.Module) else None)
-        self.target_cfg = target if isinstance(target, nn.Module) else _as(SPDTargetConfig, target)
+        self.target_cfg = target if isinstance(target, nn.Module) else as_config(SPDTargetConfig, target)
         if spd is None:
             raise ValueError("SPDModule needs spd=SPDConfig(components=[...]) saying which modules to decompose")
-        self.spd_cfg = _as(S.SPDConfig, spd)
-        self.loss_cfg = _as(SPDLossConfig, loss)
-        self.train_cfg = _as(SPDTrainConfig, train)
+        self.spd_cfg = as_config(S.SPDConfig, spd)
+        self.loss_cfg = as_config(SPDLossConfig, loss)
+        self.train_cfg = as_config(SPDTrainConfig, train)
         torch.manual_seed(self.train_cfg.seed)
         model = target if isinstance(target, nn.Module) else self.target_cfg.build(train=not _LOADING_CHECKPOINT.get())
         torch.manual_seed(self.train_cfg.seed)
@@ -407,6 +415,11 @@ class SPDModule(L.LightningModule):
         # PGD ascent steps of this step under loss.pgd.n_steps_schedule (None: loss.pgd.n_steps); set by
         # training_step outside the compiled region, so a compiled loss sees a new value only when it changes
         self.pgd_steps_now: int | None = None
+
+    @property
+    def model(self) -> S.SPDModel:
+        """The decomposition (components, CI functions and the frozen target): what the optimizer trains."""
+        return self.spd
 
     @classmethod
     @override
@@ -432,7 +445,7 @@ class SPDModule(L.LightningModule):
         if (isinstance(cfg, SPDTargetConfig) and cfg.kind == "gpt" and cfg.checkpoint in (None, DEMO)
                 and cfg.pretrained is None):
             # the byte-level GPTs trained on the offline corpus read its windows
-            return _RandomWindows(_demo_tokens(split), cfg.seq_len, self.train_cfg.batch_size, seed)
+            return corpus_windows(split, cfg.seq_len, self.train_cfg.batch_size, seed)
         raise ValueError(
             "this target brings no data of its own: pass a datamodule or dataloaders to the Trainer (e.g. "
             "lightning_opt.data.TokenShardDataModule yielding (x, y) token batches; in the recipe a `data:` "
@@ -470,8 +483,6 @@ class SPDModule(L.LightningModule):
         """All-reduce the importance sums (differentiably) so the loss is the global one under DDP."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return sums, n
-        from torch.distributed.nn.functional import all_reduce
-
         keys = list(sums)
         flat = all_reduce(torch.cat([sums[k] for k in keys]))
         count = torch.tensor(float(n), device=flat.device)
@@ -572,7 +583,7 @@ class SPDModule(L.LightningModule):
         (their gradient, a vector over positions, is never read), the adversarial ones of the ascent stay as
         they are. Every masked pass then hands the compiled layer tensors of one kind, and each layer shape
         compiles two variants fewer. Elsewhere the masks pass through unchanged."""
-        if dms is None or self.train_cfg.compile != "regional" or not torch.is_grad_enabled():
+        if dms is None or self.compile_config.mode != "regional" or not torch.is_grad_enabled():
             return dms
         return {k: v.contiguous() if v.requires_grad else v.detach().contiguous().requires_grad_(True)
                 for k, v in dms.items()}
@@ -601,7 +612,7 @@ class SPDModule(L.LightningModule):
         # the ascent's passes take the components detached: the gradient wanted there is the sources' alone, and a
         # compiled backward (``full``) computes one for every input that requires one. Not under ``regional``:
         # there the masked layers would compile one more variant per layer shape
-        frozen = self.train_cfg.compile != "regional"
+        frozen = self.compile_config.mode != "regional"
 
         def loss_with(g: dict[str, Tensor], ascent: bool = False) -> Tensor:
             masks, dms = {}, {} if use_delta else None
@@ -643,18 +654,18 @@ class SPDModule(L.LightningModule):
             self.apply_compile()
 
     def apply_compile(self) -> list[str]:
-        """Compile as ``train.compile`` says (once; later calls change nothing): ``full`` compiles the three
+        """Compile as ``compile`` says (once; later calls change nothing): ``full`` compiles the three
         parts of :meth:`compute_losses` (see :meth:`_compose_losses`) each with ``torch.compile``, ``regional`` compiles the repeated pieces in place
         (:meth:`~lightning_opt.models.spd.SPDModel.compile_regions`). Returns what was compiled."""
-        tc = self.train_cfg
-        if tc.compile == "full" and self._loss_fn == self.compute_losses:
-            opts = {"options": dict(tc.compile_options)} if tc.compile_options else {}
-            main, pgd, final = (torch.compile(f, backend=tc.compile_backend, **opts)
+        cc = self.compile_config
+        if cc.mode == "full" and self._loss_fn == self.compute_losses:
+            opts = {"options": dict(cc.options)} if cc.options else {}
+            main, pgd, final = (torch.compile(f, backend=cc.backend, **opts)
                                 for f in (self._main_terms, self._pgd_terms, self._final_terms))
             self._loss_fn = functools.partial(self._compose_losses, main=main, pgd=pgd, final=final)
-        elif tc.compile == "regional":
-            return self.spd.compile_regions(tc.compile_backend, options=tc.compile_options)
-        return ["compute_losses"] if tc.compile == "full" else []
+        elif cc.mode == "regional":
+            return self.spd.compile_regions(cc.backend, options=cc.options)
+        return ["compute_losses"] if cc.mode == "full" else []
 
     def losses(self, batch: Any, frac: Tensor | float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
         """:meth:`compute_losses` as the training step runs it (compiled after :meth:`apply_compile`)."""
@@ -681,8 +692,6 @@ class SPDModule(L.LightningModule):
         return float(loss.detach())
 
     def _config_record(self) -> dict[str, Any]:
-        import dataclasses
-
         return {"spd": dataclasses.asdict(self.spd_cfg)}
 
     @override
@@ -693,8 +702,6 @@ class SPDModule(L.LightningModule):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        from lightning_opt.modules.base import check_checkpoint_matches, check_resume_length
-
         theirs = checkpoint.get("lightning_opt_config") or {}
         if theirs.get("target_is_module") and not isinstance(self.target_cfg, nn.Module):
             raise ValueError(
@@ -707,35 +714,19 @@ class SPDModule(L.LightningModule):
         self._restored = True
 
     @override
-    def on_train_start(self) -> None:
-        from lightning_opt.modules.base import report_replanned_schedule
-
-        report_replanned_schedule(self)
-
-    @override
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         max_steps = max(int(self.trainer.max_steps), 1) if self._trainer is not None else 1
         self._frac.fill_(self.global_step / max_steps)
         pgd = self.loss_cfg.pgd
         self.pgd_steps_now = pgd.steps_at(self.global_step) if pgd.n_steps_schedule else None
         total, terms = self.losses(batch, self._frac)
+        x = self.batch_inputs(batch)
+        # tokens of a language model's batch, samples of a toy model's
+        self.count_tokens(x.shape[:-1].numel() if x.is_floating_point() else x.numel())
         self.log("train/loss", total)  # no prog_bar: a per-batch sync in Lightning (see LazyProgressBar)
         for k, v in terms.items():
             self.log(f"train/{k}", v)
         return total
-
-    @override
-    def configure_optimizers(self) -> Any:
-        tc = self.train_cfg
-        params = self.spd.component_parameters() + self.spd.ci_parameters()
-        # the fused kernel (one launch for every parameter) where every parameter is on a GPU
-        fused = all(p.is_cuda for p in params)
-        opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, fused=fused or None)
-        total = max(int(self.trainer.max_steps), 1) if self.trainer.max_steps and self.trainer.max_steps > 0 else 1
-        mult = ScheduleConfig(name=tc.schedule, warmup_steps=int(tc.warmup_frac * total), total_steps=total,
-                              min_ratio=tc.final_lr_frac)
-        sched = ScheduleLR(opt, mult)  # a resume with another max_steps follows the new plan (docs/optim.md)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     @override
     def on_fit_end(self) -> None:
@@ -873,8 +864,6 @@ class SPDModule(L.LightningModule):
         eye = torch.eye(cfg.n_features, device=device) * 0.75
         _, inputs = spd.target_forward(eye)
         ci = spd.causal_importances(inputs).lower
-        import fnmatch
-
         for n, g in ci.items():
             if any(fnmatch.fnmatchcase(n, p) for p in self.train_cfg.identity_patterns):
                 parts = S.identity_ci_breakdown(g)
@@ -894,45 +883,7 @@ class SPDModule(L.LightningModule):
 # --------------------------------------------------------------------------------------------------
 
 
-def _demo_tokens(split: str = "train") -> Any:
-    from lightning_opt.data.corpus import default_corpus_shards
-
-    train_path, val_path = default_corpus_shards()
-    path = train_path if split == "train" else val_path
-    try:
-        from lightning_opt.data import read_shard
-
-        return read_shard(path)
-    except ImportError:  # pragma: no cover - older data package
-        import numpy as np
-
-        return np.fromfile(path, dtype=np.uint16, offset=256 * 4)
-
-
-class _RandomWindows(torch.utils.data.IterableDataset):
-    def __init__(self, tokens: Any, seq_len: int, batch_size: int, seed: int) -> None:
-        self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
-
-    def __iter__(self):
-        import numpy as np
-
-        rng = np.random.default_rng(self.seed)
-        n = len(self.tokens) - self.seq_len - 1
-        while True:
-            starts = rng.integers(0, n, self.batch_size)
-            w = np.stack([np.asarray(self.tokens[s : s + self.seq_len + 1], dtype=np.int64) for s in starts])
-            t = torch.from_numpy(w)
-            yield t[:, :-1], t[:, 1:]
-
-
-def _demo_corpus_loader(seq_len: int, batch_size: int, seed: int) -> DataLoader:
-    return DataLoader(_RandomWindows(_demo_tokens(), seq_len, batch_size, seed), batch_size=None)
-
-
 def _build_gpt(cfg: SPDTargetConfig) -> nn.Module:
-    from lightning_opt.data.activations import load_checkpoint_file, load_target_model, train_demo_target
-    from lightning_opt.models.gpt2 import GPT, GPTConfig
-
     if cfg.pretrained is not None:
         config = GPTConfig(**cfg.model) if cfg.model else None
         return GPT.from_pretrained(cfg.pretrained, config).requires_grad_(False).eval()
@@ -944,28 +895,19 @@ def _build_gpt(cfg: SPDTargetConfig) -> nn.Module:
         state = load_checkpoint_file(cfg.checkpoint, "SPD target checkpoint")  # weights only: runs no code
         if isinstance(state, dict) and ({"config", "model"} <= state.keys() or "state_dict" in state):
             # a recipe checkpoint: the GPT's config travels with its weights
-            return load_target_model(cfg.checkpoint).requires_grad_(False).eval()
+            return load_gpt_checkpoint(cfg.checkpoint).requires_grad_(False).eval()
     kw = {"vocab_size": 256, "n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": cfg.seq_len, **cfg.model}
     model = GPT(GPTConfig(**kw))
     if cfg.checkpoint:
         model.load_state_dict(state)
     elif cfg.train_steps > 0:
         torch.manual_seed(cfg.seed)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.train_lr, weight_decay=0.0)
-        it = iter(_demo_corpus_loader(cfg.seq_len, cfg.train_batch_size, cfg.seed))
-        model.train()
-        for _ in range(cfg.train_steps):
-            xb, yb = next(it)
-            loss = model(xb, yb)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+        batches = iter(corpus_windows("train", cfg.seq_len, cfg.train_batch_size, cfg.seed))
+        train_language_model(model, batches, cfg.train_steps, cfg.train_lr)
     return model.requires_grad_(False).eval()
 
 
 def _build_hf_gpt2(cfg: SPDTargetConfig) -> nn.Module:
-    from lightning_opt._optional import require
-
     transformers = require("transformers", purpose="SPD on a Hugging Face GPT-2")
     if cfg.checkpoint:
         model = transformers.GPT2LMHeadModel.from_pretrained(cfg.checkpoint)

@@ -42,6 +42,7 @@ import math
 import torch
 
 from lightning_opt._optional import triton_runs_on
+from lightning_opt.ops._keys import order_keys16
 
 try:  # optional dependency (the "triton" extra / the CUDA wheels of torch)
     import triton
@@ -64,7 +65,6 @@ _BINS = 1 << 16
 # flight; 4096 x 8 (54 registers) holds 4 programs (32 warps) with the same 32 KiB, so a program's scan and stores
 # overlap fewer other programs' loads; 4096 x 4 (96) holds 5 programs, 20 KiB; 8192 x 8 (106) and 16384 x 16 (115)
 # hold 2 and 1; 1024 x 4 (31) holds 16 programs of 2 KiB (twice the per-program work per byte).
-# benchmarks/clt_step.py's select_sweep / stash_sweep time every shape in interleaved rounds to confirm it.
 STASH_BLOCK = 2048
 STASH_WARPS = 8
 _VEC = 8  # entries per thread chunk of the stash pass (one 16-byte load of 16-bit scores)
@@ -486,9 +486,7 @@ def _keep_candidates(idx: torch.Tensor, val: torch.Tensor, rows: int, m: int, n_
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """From the candidates (flat order): the kept flat indices (``rows * n_keep``, ascending) and whether some
     row has fewer than ``n_keep`` candidates (then the indices are meaningless). No host sync."""
-    from lightning_opt.ops.topk import _order_keys16
-
-    key = _order_keys16(val)
+    key = order_keys16(val)
     if rows > 1:
         key = key + (torch.div(idx, m, rounding_mode="floor").to(torch.int32) << 16)
     return _keep_by_keys(key, idx, rows, n_keep)

@@ -172,9 +172,8 @@ def fp8_linear(
             mean loss over N rows).
         backward_fast_accum: ``torch._scaled_mm``'s ``use_fast_accum`` for the two backward matmuls. Hopper's
             FP8 tensor cores accumulate in reduced precision unless partial sums are promoted to float32 at
-            intervals; fast accumulation skips the promotion (+0.4% tokens/s in the speedrun recipe on an
-            H100, within noise: ``fp8mm64-fastacc`` of benchmarks/gpt2_step_profile.py). The forward matmul
-            always accumulates fast.
+            intervals; fast accumulation skips the promotion (docs/gpt2.md gives its measured effect). The forward
+            matmul always accumulates fast.
     """
     k = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != k:

@@ -35,7 +35,7 @@ falls back with a warning if it disagrees.
 Every path gives the same indices; the keyword arguments of :func:`batch_topk_rows` (``select_backend``,
 ``candidates_backend``, ``threshold_method``, validated by :func:`check_topk_options`) choose among them for
 measurements and tests. ``"auto"`` picks the one-pass Triton selection where it runs (no host sync), and the
-fastest measured choice of the other steps elsewhere (``benchmarks/clt_step.py`` times every path side by side).
+fastest choice of the other steps elsewhere (docs/clt.md compares the paths).
 ``triton_block`` and
 ``triton_num_warps`` set the Triton passes' launch shape (same indices for every shape; ``None``: the path's
 default).
@@ -47,6 +47,8 @@ import math
 from typing import Literal, get_args
 
 import torch
+
+from lightning_opt.ops._keys import order_keys16 as _order_keys16  # noqa: F401  (ops.global_topk imports it here)
 
 __all__ = [
     "batch_topk_rows",
@@ -63,7 +65,7 @@ _SEED = 0x7A9B
 CandidatesBackend = Literal["auto", "torch", "triton"]
 # threshold step: "histogram" (order-key histogram: no sort, no extra sync), "topk" (a top-k over the candidates)
 # or "auto" (top-k for one row and on CPU, histogram for several rows on CUDA): with one row both have no extra
-# sync and the top-k was faster on an H200 (2.08 vs 2.44 ms at 4096 x 12 x 8192 bf16, docs/clt.md)
+# sync and the top-k is the faster (docs/clt.md)
 ThresholdMethod = Literal["auto", "histogram", "topk"]
 # whole selection for bf16/fp16: "auto" (the one-pass Triton selection when it passes its self-check, else the
 # candidate + threshold steps), "triton" (the one-pass Triton selection: no host sync), "triton_2pass" (the
@@ -342,13 +344,6 @@ def _order_keys(v: torch.Tensor) -> torch.Tensor:
     b = v.view(ints).to(torch.int64) & full
     key = torch.where(b >= top, full - b, b + top)
     return torch.where(b == top, top, key)
-
-
-def _order_keys16(v: torch.Tensor) -> torch.Tensor:
-    """Int32 keys in ``[0, 2**16)`` with the order of 16-bit float values (``-0`` and ``+0`` tie)."""
-    bits = (v + 0).view(torch.int16)  # + 0 turns -0 into +0
-    # negative values: flip the magnitude bits (larger magnitude, smaller key); then shift the sign up
-    return (bits ^ ((bits >> 15) & 0x7FFF)).to(torch.int32) + 0x8000
 
 
 def _hist_cut(bins: torch.Tensor, valid: torch.Tensor | None, rows: int, row: torch.Tensor,

@@ -80,8 +80,7 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7, coefficien
 
     bfloat16 on GPUs, float32 on CPU (CPUs have no fast bf16 matmul). ``coefficients``: ``"jordan"`` (the same
     quintic every step) or ``"polar_express"`` (a quintic per step, :func:`polar_express_coefficients`:
-    0.44-0.66 of the fixed quintic's distance to ``U V^T`` after five steps on test spectra,
-    ``benchmarks/muon_orthogonality.py``; same cost).
+    closer to ``U V^T`` after five steps than the fixed quintic at the same cost; docs/optim.md).
     """
     if coefficients not in NS_COEFFICIENTS:
         raise ValueError(f"newton_schulz coefficients={coefficients!r}: choose one of {NS_COEFFICIENTS}")
@@ -186,16 +185,13 @@ class Muon(Optimizer):
                                      "Give vectors and scalars to AdamW (see lightning_opt.optim.build_optimizer).")
 
     def load_state_dict(self, state_dict) -> None:
-        """Load, then fill the options a checkpoint from an older version lacks from this optimizer's own
-        (torch keeps only the saved group keys). Such a checkpoint trained with its full momentum: a configured
-        warmup counts as done, it does not restart mid-run."""
+        """Load; a state without every Muon option (torch keeps only the saved group keys) is refused."""
+        missing = sorted({k for g in state_dict.get("param_groups", []) for k in [*self.defaults, "steps_done"]
+                          if k not in g})
+        if missing:
+            raise ValueError(f"this Muon optimizer state lacks {missing}: it was not written by this Muon; start "
+                             "the optimizer fresh (load the weights only) or resume with the version that wrote it")
         super().load_state_dict(state_dict)
-        for group in self.param_groups:
-            had_steps = "steps_done" in group
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
-            if not had_steps:
-                group["steps_done"] = group["momentum_warmup_steps"]
 
     def _normuon(self, p: torch.Tensor, update: torch.Tensor, beta2: float) -> torch.Tensor:
         """Per-neuron second-moment normalisation of one orthogonalised update, its Frobenius norm kept."""
@@ -222,7 +218,7 @@ class Muon(Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            # every group has these keys: the defaults at construction, load_state_dict fills older checkpoints
+            # every group has these keys: the defaults at construction, checked by load_state_dict
             mom = momentum_at(group["steps_done"], group["momentum"], group["momentum_start"],
                               group["momentum_warmup_steps"])
             group["steps_done"] += 1

@@ -130,10 +130,12 @@ class ScheduleLR(LambdaLR):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = dict(state_dict)
-        lambdas = state.pop("lr_lambdas", None) or []
-        saved_total = state.pop("total_steps", None)
-        if saved_total is None:  # written by a LambdaLR whose lambda was the ScheduleConfig (its fields)
-            saved_total = next((d.get("total_steps") for d in lambdas if isinstance(d, dict)), None)
+        state.pop("lr_lambdas", None)
+        if "total_steps" not in state:
+            raise ValueError("this learning-rate scheduler state has no total_steps: it was not written by ScheduleLR; "
+                             "resume without the scheduler state (load the weights only) or with the scheduler that "
+                             "wrote it")
+        saved_total = state.pop("total_steps")
         for key in ("schedule", "replanned"):
             state.pop(key, None)
         state["lr_lambdas"] = [None] * len(self.lr_lambdas)

@@ -22,21 +22,16 @@ See ``docs/spd.md``.
 from __future__ import annotations
 
 import shutil
-import time
 import warnings
 from pathlib import Path
 
-import lightning as L
+import matplotlib
 import torch
 
-from lightning_opt.cli import (
-    RecipeCLI,
-    check_checkpoint_file,
-    device_name,
-    print_logger_paths,
-    run_dir,
-    write_metrics,
-)
+from lightning_opt._errors import run_console
+from lightning_opt.cli import RecipeCLI, build_recipe_cli, run_dir, run_recipe, write_metrics
+from lightning_opt.models import spd as S
+from lightning_opt.models.toy import ResidMLPConfig, TMSConfig
 from lightning_opt.modules.spd import SPDModule
 
 
@@ -44,13 +39,8 @@ def plot_decomposition(model: SPDModule, path: Path) -> Path | None:
     """Components vs features for toy targets: single-feature causal importances of each layer
     (rows: features, columns: subcomponents, best-matched order), and for TMS the target's feature
     directions next to the subcomponents of ``linear1``."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from lightning_opt.models import spd as S
-    from lightning_opt.models.toy import ResidMLPConfig, TMSConfig
+    import matplotlib.pyplot as plt  # after choosing the file-only backend
 
     cfg = getattr(model.spd.target, "config", None)
     if not isinstance(cfg, (TMSConfig, ResidMLPConfig)):
@@ -120,49 +110,33 @@ class SPDRecipeCLI(RecipeCLI):
 
 
 def main(args: list[str] | None = None) -> dict:
-    # LightningCLI (jsonargparse) parses the config and the overrides: it instantiates only the classes the
-    # typed arguments allow (a logger must be a Logger, a callback a Callback). args=None reads sys.argv.
-    cli = SPDRecipeCLI(SPDModule, args=args, run=False, save_config_kwargs={"overwrite": True})
-    trainer, model, config = cli.trainer, cli.model, cli.config
-    data = cli.datamodule  # a `data:` section (token shards for a language model); toy targets bring their own
+    cli, summary = build_recipe_cli(SPDModule, None, args, cli_class=SPDRecipeCLI)
+    model, data = cli.model, cli.datamodule  # a `data:` section (token shards for a language model), or none
     block = getattr(getattr(model.spd.target, "config", None), "block_size", None)
     seq_len = getattr(data, "seq_len", None)
     if block is not None and seq_len is not None and seq_len > block:
         raise ValueError(f"data seq_len={seq_len} exceeds the target's context block_size={block}; lower the "
                          "data's seq_len")
-    plot_copy = config.get("plot_path")
-    ckpt_path = config.get("ckpt_path")
-    if ckpt_path not in (None, "last", "hpc", "best", "registry"):
-        check_checkpoint_file(ckpt_path)
-    t0 = time.perf_counter()
     with warnings.catch_warnings():
         # the frozen target model stays in eval mode by design (no dropout or norm statistics to update)
         warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
         if data is None:  # toy targets bring their training batches and have no validation set by design
             warnings.filterwarnings("ignore", message="You defined a `validation_step` but have no `val_dataloader`")
-        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
-    metrics = {
-        **model.final_metrics,
-        "steps": trainer.global_step,
-        "train_time_s": time.perf_counter() - t0,
-        "device": device_name(trainer),
-        "seed": model.train_cfg.seed,
-        "target_seed": getattr(model.target_cfg, "seed", None),
-        "versions": {"torch": torch.__version__, "lightning": L.__version__},
-    }
-    path = run_dir(trainer) / config.get("metrics_file", "metrics.json")
+        metrics = run_recipe(cli, summary, recipe="spd", seed=model.train_cfg.seed,
+                             target_seed=getattr(model.target_cfg, "seed", None))
+    trainer = cli.trainer
+    metrics.update(model.final_metrics)
+    path = run_dir(trainer) / cli.config.get("metrics_file", "metrics.json")
     write_metrics(path, metrics)
     if trainer.is_global_zero:
         plot = plot_decomposition(model, run_dir(trainer) / "components.png")
+        plot_copy = cli.config.get("plot_path")
         if plot is not None and plot_copy:
             # a second copy at a chosen path (the run dir can be too deep for a GPU machine's file return)
             Path(plot_copy).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(plot, plot_copy)
-    if trainer.is_global_zero:
         keys = [k for k in ("mmcs", "ml2r", "ci_l0", "recon/stochastic", "ce/ci", "kl/ci") if k in metrics]
-        print("  ".join(f"{k} {metrics[k]:.4f}" for k in keys))
-        print_logger_paths(trainer)
-        print(f"metrics: {path}")
+        print("final " + "  ".join(f"{k} {metrics[k]:.4f}" for k in keys))
     return metrics
 
 
@@ -170,8 +144,6 @@ def cli() -> None:
     """The ``lightning-opt-spd`` console script: ``main`` on the command line. A user's mistake (a wrong flag or value, a
     missing file) prints one ``error: ...`` line and exits with status 2 (``LIGHTNING_OPT_TRACEBACK=1`` shows its
     traceback); a bug raises with its traceback."""
-    from lightning_opt._errors import run_console
-
     run_console(main)
 
 

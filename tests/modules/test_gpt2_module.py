@@ -6,6 +6,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_opt.models.gpt2 import GPTConfig, GPTExecution
+from lightning_opt.modules.base import CompileConfig
 from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
 from lightning_opt.optim.combined import CombinedOptimizer
 from lightning_opt.optim.factory import OptimConfig
@@ -243,20 +244,22 @@ def test_checkpoint_from_before_a_new_model_field_resumes(tmp_path):
 
 
 def test_compile_options_reach_inductor_and_bad_ones_are_refused(tmp_path):
-    with pytest.warns(UserWarning, match="take effect only with compile: true"):
-        GPT2SpeedrunModule(CFG, compile=False, compile_options={"coordinate_descent_tuning": True})
+    with pytest.warns(UserWarning, match="take effect only with compile.mode full or regional"):
+        GPT2SpeedrunModule(CFG, compile=CompileConfig(options={"coordinate_descent_tuning": True}))
     with pytest.raises(ValueError, match="not torch._inductor.config"):  # a misspelt name fails with compile off too
-        GPT2SpeedrunModule(CFG, compile=False, compile_options={"coordinate_descent_tunning": True})
+        GPT2SpeedrunModule(CFG, compile={"options": {"coordinate_descent_tunning": True}})
     with pytest.raises(ValueError, match=r"\['coordinate_descent_tunning'\] are not torch._inductor.config"):
-        GPT2SpeedrunModule(CFG, compile=True, compile_options={"coordinate_descent_tunning": True})
+        GPT2SpeedrunModule(CFG, compile=CompileConfig("full", options={"coordinate_descent_tunning": True}))
+    with pytest.raises(ValueError, match="compile.mode='regional' is not one of GPT2SpeedrunModule's modes"):
+        GPT2SpeedrunModule(CFG, compile="regional")
     torch.manual_seed(0)
-    module = GPT2SpeedrunModule(CFG, OptimConfig(name="adamw", lr=3e-3), compile=True,
-                                compile_options={"coordinate_descent_tuning": True})
+    compile = CompileConfig("full", options={"coordinate_descent_tuning": True})
+    module = GPT2SpeedrunModule(CFG, OptimConfig(name="adamw", lr=3e-3), compile=compile)
     trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, default_root_dir=tmp_path, enable_model_summary=False)
     trainer.fit(module, _loader())
-    assert module.compile_options == {"coordinate_descent_tuning": True}
-    assert module.hparams["compile_options"] == {"coordinate_descent_tuning": True}  # saved with checkpoints
+    assert module.compile_config.options == {"coordinate_descent_tuning": True}
+    assert module.hparams["compile"] == compile  # saved with checkpoints
     # the compiled forward ran (a graph was captured) and the run trained
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
     assert module.tokens_seen == 3 * 8 * 16

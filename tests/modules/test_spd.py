@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from lightning_opt.models import spd as S
 from lightning_opt.models.toy import TMSConfig, train_tms
 from lightning_opt.modules.spd import PGDConfig, SPDLossConfig, SPDModule, SPDTargetConfig, SPDTrainConfig
+from lightning_opt.optim.factory import OptimConfig
 
 torch.set_num_threads(1)
 
@@ -31,7 +32,7 @@ def _target():
     return copy.deepcopy(_TMS)
 
 
-def _module(loss: SPDLossConfig | None = None, **train) -> SPDModule:
+def _module(loss: SPDLossConfig | None = None, lr: float = 1e-3, **train) -> SPDModule:
     train.setdefault("batch_size", 256)
     train.setdefault("faithfulness_warmup_steps", 50)
     train.setdefault("identity_patterns", ["linear1", "linear2"])
@@ -41,6 +42,7 @@ def _module(loss: SPDLossConfig | None = None, **train) -> SPDModule:
         spd=S.SPDConfig(components=[{"pattern": "linear1", "C": 10}, {"pattern": "linear2", "C": 10}]),
         loss=loss or SPDLossConfig(),
         train=SPDTrainConfig(**train),
+        optim=OptimConfig(lr=lr, betas=(0.9, 0.999), weight_decay=0.0),
     )
 
 

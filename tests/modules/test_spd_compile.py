@@ -14,6 +14,7 @@ import torch._dynamo
 
 from lightning_opt.models import spd as S
 from lightning_opt.models.gpt2 import GPT, GPTConfig
+from lightning_opt.modules.base import CompileConfig
 from lightning_opt.modules.spd import PGDConfig, SPDLossConfig, SPDModule, SPDTrainConfig
 
 torch.set_num_threads(1)
@@ -40,7 +41,8 @@ def _module(compile: str = "none", backend: str = "inductor", **loss) -> SPDModu
         spd=S.SPDConfig(components=[{"pattern": "blocks.2.mlp.c_fc", "C": 8}, {"pattern": "blocks.2.mlp.c_proj", "C": 8}],
                         ci_fn="shared_mlp", ci_hidden=[16]),
         loss=SPDLossConfig(**kw),
-        train=SPDTrainConfig(faithfulness_warmup_steps=0, compile=compile, compile_backend=backend),
+        train=SPDTrainConfig(faithfulness_warmup_steps=0),
+        compile=CompileConfig(mode=compile, backend=backend),
     )
 
 
@@ -177,11 +179,16 @@ def test_prefix_replay_reuses_exactly_the_blocks_before_the_decomposed_layer():
 
 
 def test_compile_mode_is_a_typed_config_value():
-    assert SPDTrainConfig(compile=True).compile == "full"
-    assert SPDTrainConfig(compile=False).compile == "none"
-    assert SPDTrainConfig(compile="regional").compile == "regional"
-    with pytest.raises(ValueError, match="compile='everything'"):
-        SPDTrainConfig(compile="everything")
+    assert CompileConfig.of(True).mode == "full"
+    assert CompileConfig.of(False).mode == "none"
+    assert CompileConfig.of({"mode": "regional"}).mode == "regional"
+    with pytest.raises(ValueError, match="compile.mode='everything'"):
+        CompileConfig(mode="everything")
+
+
+def test_old_train_keys_are_refused_naming_their_section():
+    with pytest.raises(ValueError, match=r"compile \(set model.compile.mode\).*lr \(set model.optim.lr\)"):
+        SPDTrainConfig.from_dict({"compile": "full", "lr": 1e-3})
 
 
 def test_recipe_trains_and_resumes_with_regional_compile(tmp_path):
@@ -195,7 +202,7 @@ def test_recipe_trains_and_resumes_with_regional_compile(tmp_path):
         "--model.target.model", "{n_layer: 3, n_embd: 32}", "--model.target.train_steps", "5",
         "--model.target.train_batch_size", "4", "--model.target.seq_len", "32",
         "--model.spd.components", '[{pattern: "blocks.1.mlp.c_fc", C: 16}, {pattern: "blocks.1.mlp.c_proj", C: 16}]',
-        "--model.spd.ci_hidden", "[16]", "--model.train.compile_backend", "eager",
+        "--model.spd.ci_hidden", "[16]", "--model.compile.backend", "eager",
         "--model.train.autocast_bf16", "false", "--model.train.faithfulness_warmup_steps", "2",
         "--model.train.eval_batches", "1", "--data.init_args.train_files", "builtin",
         "--data.init_args.val_files", "builtin", "--data.init_args.seq_len", "32", "--data.init_args.batch_size", "2",
@@ -212,5 +219,5 @@ def test_recipe_trains_and_resumes_with_regional_compile(tmp_path):
     for k in ("kl/ci", "ce/ci", "kl/stochastic"):
         assert torch.isfinite(torch.tensor(resumed[k])), k
     loaded = SPDModule.load_from_checkpoint(ckpt)
-    assert loaded.train_cfg.compile == "regional" and loaded.train_cfg.compile_backend == "eager"
+    assert loaded.compile_config.mode == "regional" and loaded.compile_config.backend == "eager"
     torch._dynamo.reset()

@@ -138,3 +138,15 @@ def test_schedule_config_rejects_unknown_anneal_and_ratios():
         ScheduleConfig(name="one_cycle", anneal="exp")
     with pytest.raises(ValueError, match="start_ratio"):
         ScheduleConfig(name="one_cycle", start_ratio=2.0)
+
+
+def test_schedule_lr_refuses_a_state_it_did_not_write():
+    """A plain LambdaLR's state has no planned total: one error that says to load the weights only."""
+    from lightning_opt.optim.schedules import ScheduleLR
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    plain = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    sched = ScheduleLR(opt, ScheduleConfig(name="constant", total_steps=10))
+    with pytest.raises(ValueError, match="no total_steps: it was not written by ScheduleLR"):
+        sched.load_state_dict(plain.state_dict())
+    sched.load_state_dict(ScheduleLR(opt, ScheduleConfig(name="constant", total_steps=10)).state_dict())

@@ -63,7 +63,7 @@ def test_classic_config_parses_and_runs_shrunk(tmp_path, monkeypatch):
 
 
 def test_classic_config_takes_compile_options_and_saves_them(tmp_path, monkeypatch):
-    """``model.compile_options`` on the classic config reach the module and the run's config.yaml."""
+    """``model.compile.options`` on the classic config reach the module and the run's config.yaml."""
     from lightning_opt.cli import build_recipe_cli
     from lightning_opt.data.datamodule import TokenShardDataModule
     from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
@@ -73,11 +73,11 @@ def test_classic_config_takes_compile_options_and_saves_them(tmp_path, monkeypat
         "--config", str(CONFIGS / "gpt2/gpt2-124m-classic.yaml"), *_SHRUNK[:6], "--data.val_tokens", "1024",
         "--model.model_config.block_size", "64", "--data.seq_len", "64", "--data.batch_size", "2",
         "--trainer.max_steps", "0", "--trainer.enable_progress_bar", "false",
-        "--model.compile_options", '{"coordinate_descent_tuning": true}',
+        "--model.compile.options", '{"max_autotune": true}',
     ], cli_class=_recipe().GPT2RecipeCLI)
-    assert cli.model.compile_model and cli.model.compile_options == {"coordinate_descent_tuning": True}
+    assert cli.model.compile_config.enabled and cli.model.compile_config.options == {"max_autotune": True}
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)  # no step: writes config.yaml, compiles nothing
-    assert _saved_config(tmp_path)["model"]["compile_options"] == {"coordinate_descent_tuning": True}
+    assert _saved_config(tmp_path)["model"]["compile"]["options"] == {"max_autotune": True}
 
 
 def _saved_config(tmp_path) -> dict:

@@ -60,7 +60,7 @@ _SPD_GPT2_LAYER = [
     "--model.target.model", "{n_layer: 2, n_embd: 32}", "--model.target.train_steps", "5",
     "--model.target.train_batch_size", "4", "--model.target.seq_len", "32",
     "--model.spd.components", '[{pattern: "blocks.1.mlp.c_fc", C: 16}, {pattern: "blocks.1.mlp.c_proj", C: 16}]',
-    "--model.spd.ci_hidden", "[16]", "--model.train.compile", "false", "--model.train.autocast_bf16", "false",
+    "--model.spd.ci_hidden", "[16]", "--model.compile", "false", "--model.train.autocast_bf16", "false",
     "--model.train.faithfulness_warmup_steps", "2", "--model.train.eval_batches", "1",
     "--data.init_args.train_files", "builtin", "--data.init_args.val_files", "builtin",
     "--data.init_args.seq_len", "32", "--data.init_args.batch_size", "2", "--data.init_args.val_tokens", "256",

@@ -20,7 +20,7 @@ from tests.reliability._recipes import COMMON, RECIPES, recipe_main, run_bad
 # (fault kind, recipe, args, every one of these must be in the message)
 CASES = [
     ("negative lr", "gpt2", ["--model.optim.lr", "-1"], ["lr=-1.0 must be positive"]),
-    ("negative lr", "spd", ["--model.train.lr", "-1"], ["lr", "must be positive"]),
+    ("negative lr", "spd", ["--model.optim.lr", "-1"], ["lr", "must be positive"]),
     ("negative lr", "clt", ["--model.optim.lr", "-1"], ["lr=-1.0 must be positive"]),
     ("k > features", "clt", ["--model.clt.k", "100000"], ["k=100000", "lower k or raise n_features"]),
     ("k > features", "clt", ["--model.clt.activation", "topk", "--model.clt.k", "513"], ["k=513", "lower k"]),
