@@ -31,9 +31,9 @@ rule, sha256 of each shard); ``<out>/corpora_manifest.json`` merges the manifest
 three also writes ``benchmarks/results/corpora_manifest.json`` and ``docs/benchmarks/corpora.md``.
 Refuses to overwrite without ``--overwrite``. Runs on CPU::
 
-    python benchmarks/build_corpora.py --bpe-file r50k_base.tiktoken --novels-dir DIR   # minutes
-    python benchmarks/build_corpora.py --smoke --out /tmp/corpora                         # seconds
-    python benchmarks/build_corpora.py --report   # rewrite the docs page from the committed manifest
+    python -m benchmarks.build_corpora --bpe-file r50k_base.tiktoken --novels-dir DIR   # minutes
+    python -m benchmarks.build_corpora --smoke --out /tmp/corpora                         # seconds
+    python -m benchmarks.build_corpora --report   # rewrite the docs page from the committed manifest
 
 ``--novels-dir`` defaults to ``$LIGHTNING_OPT_SHARED_DATA/novels``, else ``$LIGHTNING_OPT_DATA_DIR``,
 else ``.data/novels``; ``--bpe-file`` to ``$LIGHTNING_OPT_BPE_FILE``, else
@@ -62,12 +62,11 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from lightning_opt.data.prepare import is_val_doc, write_documents
+from lightning_opt.data.shards import read_shard, resolve_files, write_shard
+from lightning_opt.data.tokenizer import BPE_FILE_ENV, ByteTokenizer, GPT2Tokenizer, get_tokenizer
 
-from lightning_opt.data.prepare import is_val_doc, write_documents  # noqa: E402
-from lightning_opt.data.shards import read_shard, resolve_files, write_shard  # noqa: E402
-from lightning_opt.data.tokenizer import BPE_FILE_ENV, ByteTokenizer, GPT2Tokenizer, get_tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CORPORA = ("novels", "code", "docs")
 TUNED_ON = ("novels", "code")
@@ -563,9 +562,9 @@ on the third, **{held}**, unchanged: no setting is chosen by looking at results 
 ## Building
 
 ```bash
-python benchmarks/build_corpora.py --bpe-file r50k_base.tiktoken --novels-dir DIR   # all three, minutes on 2 cores
-python benchmarks/build_corpora.py --corpora code --out .data/corpora --overwrite    # one corpus again
-python benchmarks/build_corpora.py --smoke --out /tmp/corpora                         # seconds; tiny budget
+python -m benchmarks.build_corpora --bpe-file r50k_base.tiktoken --novels-dir DIR   # all three, minutes on 2 cores
+python -m benchmarks.build_corpora --corpora code --out .data/corpora --overwrite    # one corpus again
+python -m benchmarks.build_corpora --smoke --out /tmp/corpora                         # seconds; tiny budget
 ```
 
 `--bpe-file` defaults to `$LIGHTNING_OPT_BPE_FILE`, else `$LIGHTNING_OPT_SHARED_DATA/gpt2/r50k_base.tiktoken`;

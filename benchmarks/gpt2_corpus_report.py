@@ -146,8 +146,8 @@ def recipe_spec() -> tuple[int, bool, float, dict] | None:
     """The shipped recipe as ``gpt2_record.py`` runs it (``--ours recipe``): micro-batches of 32 x 1024 per step,
     long sequences, budget, and the model values a variant may override (the config's ``window_schedule``)."""
     try:
-        from gpt2_common import load_yaml_config  # type: ignore  # noqa: PLC0415
-        from gpt2_record import OURS_VARIANTS  # type: ignore  # noqa: PLC0415
+        from benchmarks.gpt2_common import load_yaml_config  # noqa: PLC0415
+        from benchmarks.gpt2_record import OURS_VARIANTS  # noqa: PLC0415
     except ImportError:
         return None
     accum, long, budget, *_ = OURS_VARIANTS[SHIPPED]
@@ -276,7 +276,7 @@ def goal_lines(rows: list[Row], manifest: dict[str, Any]) -> list[str]:
 def section(files: list[Path], manifest: dict[str, Any], doc: Path, img: Path | None,
             title: str = "## Time to target per corpus: the record scripts vs ours") -> list[str]:
     out = [title, ""]
-    command = ("`python benchmarks/gpt2_record.py --record <2025-01-04|2025-07-13|2025-08-23> --data-dir .data/corpora/<corpus> "
+    command = ("`python -m benchmarks.gpt2_record --record <2025-01-04|2025-07-13|2025-08-23> --data-dir .data/corpora/<corpus> "
                "--ours <variant> [--ours <variant> ...] --out benchmarks/results/gpt2_record_<corpus>_<record>_<device>.json`")
     if not files:
         return out + ["No per-corpus results yet: no `benchmarks/results/gpt2_record_<corpus>_<record>_<device>.json` "

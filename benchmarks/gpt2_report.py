@@ -6,8 +6,8 @@ training seconds, ours and the peers). A missing result leaves a "GPU figures: p
 The per-corpus record results (``gpt2_record_<corpus>_<record>_<device>.json``) get their own section and plot
 (``docs/benchmarks/img/gpt2_corpora_val_vs_time.png``) through ``benchmarks/gpt2_corpus_report.py``.
 
-    python benchmarks/gpt2_report.py
-    python benchmarks/gpt2_report.py --speedrun R1.json --record R2.json --ablation R3.json --doc /tmp/x.md
+    python -m benchmarks.gpt2_report
+    python -m benchmarks.gpt2_report --speedrun R1.json --record R2.json --ablation R3.json --doc /tmp/x.md
 """
 
 from __future__ import annotations
@@ -15,13 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import gpt2_corpus_report  # noqa: E402
+from benchmarks import gpt2_corpus_report
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -83,7 +80,7 @@ def speedrun_section(d: dict[str, Any] | None, path: Path | None, doc: Path,
                      title: str = "## Throughput: ours (bare loop and Lightning) vs nanoGPT") -> list[str]:
     out = [title, ""]
     if d is None:
-        return out + ["GPU figures: pending (run `python benchmarks/gpt2_speedrun.py` on an H100).", ""]
+        return out + ["GPU figures: pending (run `python -m benchmarks.gpt2_speedrun` on an H100).", ""]
     s = d["settings"]
     out += [env_line(d, path, doc), ""]
     if d.get("note"):
@@ -119,7 +116,7 @@ def record_section(d: dict[str, Any] | None, path: Path | None, doc: Path,
                    title: str = "## Time to target: the 2025-01-04 record script vs ours") -> list[str]:
     out = [title, ""]
     if d is None:
-        return out + ["GPU figures: pending (run `python benchmarks/gpt2_record.py` on an H100).", ""]
+        return out + ["GPU figures: pending (run `python -m benchmarks.gpt2_record` on an H100).", ""]
     rec = d["results"].get("record", {})
     out += [env_line(d, path, doc), ""]
     if d.get("note"):
@@ -156,7 +153,7 @@ def ablation_section(d: dict[str, Any] | None, path: Path | None, doc: Path,
                      title: str = "## Ablation table") -> list[str]:
     out = [title, ""]
     if d is None:
-        return out + ["GPU figures: pending (run `python benchmarks/gpt2_ablation.py` on an H100).", ""]
+        return out + ["GPU figures: pending (run `python -m benchmarks.gpt2_ablation` on an H100).", ""]
     out += [env_line(d, path, doc), ""] + ([f"Note: {d['note']}", ""] if d.get("note") else [])
     if d.get("format", 1) >= 2:
         return out + ablation_table(d)

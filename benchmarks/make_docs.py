@@ -21,8 +21,8 @@ Results whose own script already writes a page (``gpt2_{speedrun,record,ablation
 ``benchmarks/reliability_report.py``) are linked from the index instead of getting a second page.
 Runs on CPU in seconds::
 
-    python benchmarks/make_docs.py
-    python benchmarks/make_docs.py --results some/dir --out /tmp/docs_benchmarks
+    python -m benchmarks.make_docs
+    python -m benchmarks.make_docs --results some/dir --out /tmp/docs_benchmarks
 """
 
 from __future__ import annotations
@@ -463,7 +463,7 @@ def write_index(results: list[Result], out: Path) -> Path:
         "Every number below is read from a JSON file in `benchmarks/results/`, written by the benchmark that",
         "measured it (device name, versions, the exact command line, the baseline measured in the same run).",
         "One current result per benchmark and device (`<benchmark>_<device>.json`); older runs are in git history.",
-        "Regenerate this page, the per-benchmark pages and their plots with `python benchmarks/make_docs.py`.",
+        "Regenerate this page, the per-benchmark pages and their plots with `python -m benchmarks.make_docs`.",
         "",
     ]
     own = sorted({r.own_page for r in results if r.own_page} | {(page, gen) for _, page, gen in OWN_PAGES

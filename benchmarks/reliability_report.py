@@ -1,8 +1,8 @@
 """Run the reliability suite (default and long randomized variants) and publish its figures.
 
-    python benchmarks/reliability_report.py                  # both variants, ~5-10 min on 2 CPU cores
-    python benchmarks/reliability_report.py --quick          # the default (short) variants only
-    python benchmarks/reliability_report.py --from-json      # only regenerate the docs table
+    python -m benchmarks.reliability_report                  # both variants, ~5-10 min on 2 CPU cores
+    python -m benchmarks.reliability_report --quick          # the default (short) variants only
+    python -m benchmarks.reliability_report --from-json      # only regenerate the docs table
 
 Each test in ``tests/reliability`` records its fault kind and per-trial outcome (survived, data lost,
 hang) through the ``fault`` fixture when ``RELIABILITY_LOG`` is set. This script sets it, runs pytest,

@@ -7,8 +7,8 @@ gives the exact command that makes it. Scaling efficiency is recomputed here fro
 each file (tokens/s at N / (N x tokens/s at 1), the 1-GPU run of the same file, code and size), so older
 files without the field get it too. Runs on CPU in seconds::
 
-    python benchmarks/scaling_report.py
-    python benchmarks/scaling_report.py --results some/dir --out /tmp/scaling.md --include-smoke
+    python -m benchmarks.scaling_report
+    python -m benchmarks.scaling_report --results some/dir --out /tmp/scaling.md --include-smoke
 """
 
 from __future__ import annotations
@@ -34,19 +34,19 @@ _DECODER_SHARDING = "ours_decoder_sharding_sharded_encoder"
 # profiled at 4 GPUs), data-parallel global BatchTopK with and without bf16 gradients at 8192 (strong and weak).
 COMMANDS = {
     4: (
-        "python benchmarks/clt_scaling.py --gpus 1 2 4 --features 8192 16384 32768 --dp-features 8192 --weak "
+        "python -m benchmarks.clt_scaling --gpus 1 2 4 --features 8192 16384 32768 --dp-features 8192 --weak "
         "--variants ours_1gpu ours_decoder_sharding_sharded_encoder ours_global_batchtopk "
         "ours_global_batchtopk_bf16grad --profile ours_decoder_sharding_sharded_encoder_4gpu --no-peer "
         "--deadline-s 300 --out $OUT/clt_scaling_4x-nvidia-h200.json"
     ),
     "gpt2-4": (
-        "python benchmarks/gpt2_ddp_scaling.py --gpus 1 2 4 --deadline-s 330 "
+        "python -m benchmarks.gpt2_ddp_scaling --gpus 1 2 4 --deadline-s 330 "
         "--out $OUT/gpt2_ddp_scaling_4x-nvidia-h200.json"
     ),
     8: (
         "E=$(( $(date +%s) + 510 )); "
-        "python benchmarks/clt_scaling.py --gpus 1 2 4 8 --end-unix $((E - 320)) --out $OUT/clt_scaling_8x-nvidia-h200.json; "
-        "python benchmarks/gpt2_ddp_scaling.py --gpus 1 2 4 8 --steps 16 --end-unix $E "
+        "python -m benchmarks.clt_scaling --gpus 1 2 4 8 --end-unix $((E - 320)) --out $OUT/clt_scaling_8x-nvidia-h200.json; "
+        "python -m benchmarks.gpt2_ddp_scaling --gpus 1 2 4 8 --steps 16 --end-unix $E "
         "--out $OUT/gpt2_ddp_scaling_8x-nvidia-h200.json"
     ),
 }
@@ -479,11 +479,11 @@ def commands_section(have_clt4: bool, have_gpt2: bool) -> list[str]:
         "",
         f"  ```\n  {COMMANDS[8]}\n  ```",
         "",
-        "Then copy the JSON files into `benchmarks/results/` and run `python benchmarks/scaling_report.py` and",
-        "`python benchmarks/make_docs.py` (the index and the generic page of each result file).",
-        "On CPU the same code runs with gloo processes: `python benchmarks/clt_scaling.py --smoke --gpus 1 2 4`",
+        "Then copy the JSON files into `benchmarks/results/` and run `python -m benchmarks.scaling_report` and",
+        "`python -m benchmarks.make_docs` (the index and the generic page of each result file).",
+        "On CPU the same code runs with gloo processes: `python -m benchmarks.clt_scaling --smoke --gpus 1 2 4`",
         "(add `--weak --profile` for the weak rows and the profiled step),",
-        "`python benchmarks/gpt2_ddp_scaling.py --smoke` (`tests/benchmarks/test_scaling.py`).",
+        "`python -m benchmarks.gpt2_ddp_scaling --smoke` (`tests/benchmarks/test_scaling.py`).",
         "",
     ]
     return lines
@@ -507,7 +507,7 @@ def write_report(results: Path, out: Path, include_smoke: bool = False) -> Path:
         "Throughput of the CLT strategies and of GPT-2 DDP at 1, 2, 4 and 8 GPUs with the same global batch,",
         "and the scaling efficiency (tokens/s at N / (N x tokens/s at 1), both measured in the same call). Every",
         "number is read from a result file in `benchmarks/results/`; regenerate with",
-        "`python benchmarks/scaling_report.py`.",
+        "`python -m benchmarks.scaling_report`.",
         "",
     ]
     if have_plot:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmarks._load import load_benchmark
+import benchmarks.make_docs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def make_docs():
     pytest.importorskip("matplotlib")
-    return load_benchmark("make_docs")
+    return benchmarks.make_docs
 
 
 def _write(folder: Path, name: str, obj) -> None:
