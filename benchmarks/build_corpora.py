@@ -62,6 +62,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks._results import command_line, environment, load_result, payload, write_result
 from lightning_opt.data.prepare import is_val_doc, write_documents
 from lightning_opt.data.shards import read_shard, resolve_files, write_shard
 from lightning_opt.data.tokenizer import BPE_FILE_ENV, ByteTokenizer, GPT2Tokenizer, get_tokenizer
@@ -632,7 +633,7 @@ def write_page(manifest: dict[str, Any], page: Path) -> Path:
 # --------------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------------
-def build(args: argparse.Namespace) -> dict[str, Any]:
+def build(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out)
     corpora = [c.strip() for c in args.corpora.split(",") if c.strip()]
     unknown = set(corpora) - set(CORPORA)
@@ -685,11 +686,14 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         log(f"[{corpus}] wrote {out / corpus}: {cut.n['train']:,} train, {cut.n['val']:,} val tokens "
             f"({time.time() - t0:.0f}s)")
     merged = merge(out)
-    merged["command"] = " ".join(["python", "benchmarks/build_corpora.py", *sys.argv[1:]])
+    merged["command"] = command_line(argv)
     (out / "corpora_manifest.json").write_text(json.dumps(merged, indent=2) + "\n")
     if not args.smoke and set(merged["corpora"]) == set(CORPORA) and not args.no_results:
-        RESULTS_MANIFEST.write_text(json.dumps(merged, indent=2) + "\n")
-        log(f"wrote {RESULTS_MANIFEST.relative_to(ROOT)} and {write_page(merged, DOCS_PAGE).relative_to(ROOT)}")
+        written = write_result(RESULTS_MANIFEST, benchmark="build_corpora", env=environment(on_gpu=False),
+                               command=merged["command"], baseline=None,
+                               results={k: v for k, v in merged.items() if k not in ("benchmark", "command")})
+        page = write_page(payload(written), DOCS_PAGE)
+        log(f"wrote {RESULTS_MANIFEST.relative_to(ROOT)} and {page.relative_to(ROOT)}")
     return merged
 
 
@@ -719,10 +723,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                    "benchmarks/results/corpora_manifest.json")
     args = p.parse_args(argv)
     if args.report:
-        log(f"wrote {write_page(json.loads(RESULTS_MANIFEST.read_text()), DOCS_PAGE)}")
+        log(f"wrote {write_page(payload(load_result(RESULTS_MANIFEST)), DOCS_PAGE)}")
         return None
     try:
-        return build(args)
+        return build(args, argv)
     except (FileExistsError, FileNotFoundError, ValueError, RuntimeError) as err:
         raise SystemExit(f"build_corpora: {err}") from err
 

@@ -14,12 +14,13 @@ files without the field get it too. Runs on CPU in seconds::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
 from pathlib import Path
 from typing import Any
+
+from benchmarks._results import load_result, payload
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -59,8 +60,7 @@ CARRY = "`.data/novels` (the GPT-2 shards, 37 MB; `.peers/crosslayer-coding` onl
 
 def _load(path: Path) -> dict[str, Any] | None:
     try:
-        with open(path) as f:
-            data = json.load(f)
+        data = payload(load_result(path))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -72,16 +72,16 @@ def _is_smoke(data: dict[str, Any]) -> bool:
 
 
 def _device(data: dict[str, Any]) -> str:
-    env = data.get("env") or {}
+    env = data["env"]
     devices = env.get("devices")
     if devices:
         names = sorted(set(devices))
         return f"{len(devices)}x {names[0]}" if len(names) == 1 else ", ".join(devices)
-    return str(data.get("device") or env.get("device") or "?")
+    return str(env["device"])
 
 
 def _command(data: dict[str, Any]) -> str:
-    return str(data.get("command") or (data.get("env") or {}).get("command") or "?")
+    return str(data["command"] or "?")
 
 
 def _runs(results: Path, glob: str, keep: str, include_smoke: bool) -> list[tuple[Path, dict[str, Any]]]:
@@ -211,7 +211,7 @@ def clt_section(runs: list[tuple[Path, dict[str, Any]]], page: Path) -> list[str
         worlds = sorted({r["world"] for r in rows})
         max_world = max([max_world, *worlds])
         k = (data.get("config") or {}).get("k")
-        lines += _file_heading(path, data, page, data, f", {', '.join(map(str, worlds))} GPUs") + [
+        lines += _file_heading(path, data, page, data["env"], f", {', '.join(map(str, worlds))} GPUs") + [
             "| strategy | features/layer | GPUs | scaling | tokens/step | mesh (data x model) | tokens/s | x 1 GPU | "
             "efficiency | MB/step | L0 | L0 = k |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -351,7 +351,7 @@ def gpt2_section(runs: list[tuple[Path, dict[str, Any]]], page: Path) -> list[st
         rows = gpt2_efficiency(data["rows"])
         summary = data.get("summary") or {}
         estimated = summary.get("estimated_time_to_target_s") or {}
-        lines += _file_heading(path, data, page, data.get("env") or {}) + [
+        lines += _file_heading(path, data, page, data["env"]) + [
             "| GPUs | accumulation | tokens/s | x 1 GPU | efficiency | step ms | compile s | val loss at end | "
             "time to target s (estimate) |",
             "|---|---|---|---|---|---|---|---|---|",
@@ -365,7 +365,7 @@ def gpt2_section(runs: list[tuple[Path, dict[str, Any]]], page: Path) -> list[st
                 f"{_f(r.get('final_val_loss'), '.4f')} | {_f(est, '.1f')} |"
             )
         lines.append("")
-        target = data.get("target") or {}
+        target = data.get("goals") or {}
         t = data.get("target_run") or {}
         if t and "error" not in t and "skipped" not in t:
             if t.get("reached_target"):
