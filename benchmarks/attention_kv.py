@@ -10,8 +10,8 @@ the 1024-token context, each step what ``GPT.generate`` runs once its cache is f
 memory per phase on CUDA. Eager PyTorch (no ``torch.compile``); a failing variant is recorded with its error and
 the others still run.
 
-    python benchmarks/attention_kv.py           # CUDA: benchmarks/results/attention_kv_<device>.json, ~1 min on an H100
-    python benchmarks/attention_kv.py --smoke   # a tiny model on the CPU in seconds (checks the script runs)
+    python -m benchmarks.attention_kv           # CUDA: benchmarks/results/attention_kv_<device>.json, ~1 min on an H100
+    python -m benchmarks.attention_kv --smoke   # a tiny model on the CPU in seconds (checks the script runs)
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -28,14 +27,11 @@ from typing import Any
 
 import torch
 
+from benchmarks.gpt2_common import write_json
+from benchmarks.result_header import device_slug, environment
+from lightning_opt.models.gpt2 import GPT, GPTConfig, KVCache
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from gpt2_common import write_json  # noqa: E402
-from result_header import device_slug, environment  # noqa: E402
-
-from lightning_opt.models.gpt2 import GPT, GPTConfig, KVCache  # noqa: E402
 
 FULL = dict(shape=dict(vocab_size=50304, n_layer=12, n_head=12, n_embd=768, block_size=1024),
             gqa=(4, 2), mla_ranks=(256, 128), rope_dim=32, batch=16, seq=1024, gen_batch=8, new_tokens=64,

@@ -31,9 +31,9 @@ rule, sha256 of each shard); ``<out>/corpora_manifest.json`` merges the manifest
 three also writes ``benchmarks/results/corpora_manifest.json`` and ``docs/benchmarks/corpora.md``.
 Refuses to overwrite without ``--overwrite``. Runs on CPU::
 
-    python benchmarks/build_corpora.py --bpe-file r50k_base.tiktoken --novels-dir DIR   # minutes
-    python benchmarks/build_corpora.py --smoke --out /tmp/corpora                         # seconds
-    python benchmarks/build_corpora.py --report   # rewrite the docs page from the committed manifest
+    python -m benchmarks.build_corpora --bpe-file r50k_base.tiktoken --novels-dir DIR   # minutes
+    python -m benchmarks.build_corpora --smoke --out /tmp/corpora                         # seconds
+    python -m benchmarks.build_corpora --report   # rewrite the docs page from the committed manifest
 
 ``--novels-dir`` defaults to ``$LIGHTNING_OPT_SHARED_DATA/novels``, else ``$LIGHTNING_OPT_DATA_DIR``,
 else ``.data/novels``; ``--bpe-file`` to ``$LIGHTNING_OPT_BPE_FILE``, else
@@ -62,12 +62,12 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks._results import command_line, environment, load_result, payload, write_result
+from lightning_opt.data.prepare import is_val_doc, write_documents
+from lightning_opt.data.shards import read_shard, resolve_files, write_shard
+from lightning_opt.data.tokenizer import BPE_FILE_ENV, ByteTokenizer, GPT2Tokenizer, get_tokenizer
 
-from lightning_opt.data.prepare import is_val_doc, write_documents  # noqa: E402
-from lightning_opt.data.shards import read_shard, resolve_files, write_shard  # noqa: E402
-from lightning_opt.data.tokenizer import BPE_FILE_ENV, ByteTokenizer, GPT2Tokenizer, get_tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CORPORA = ("novels", "code", "docs")
 TUNED_ON = ("novels", "code")
@@ -563,9 +563,9 @@ on the third, **{held}**, unchanged: no setting is chosen by looking at results 
 ## Building
 
 ```bash
-python benchmarks/build_corpora.py --bpe-file r50k_base.tiktoken --novels-dir DIR   # all three, minutes on 2 cores
-python benchmarks/build_corpora.py --corpora code --out .data/corpora --overwrite    # one corpus again
-python benchmarks/build_corpora.py --smoke --out /tmp/corpora                         # seconds; tiny budget
+python -m benchmarks.build_corpora --bpe-file r50k_base.tiktoken --novels-dir DIR   # all three, minutes on 2 cores
+python -m benchmarks.build_corpora --corpora code --out .data/corpora --overwrite    # one corpus again
+python -m benchmarks.build_corpora --smoke --out /tmp/corpora                         # seconds; tiny budget
 ```
 
 `--bpe-file` defaults to `$LIGHTNING_OPT_BPE_FILE`, else `$LIGHTNING_OPT_SHARED_DATA/gpt2/r50k_base.tiktoken`;
@@ -633,7 +633,7 @@ def write_page(manifest: dict[str, Any], page: Path) -> Path:
 # --------------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------------
-def build(args: argparse.Namespace) -> dict[str, Any]:
+def build(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out)
     corpora = [c.strip() for c in args.corpora.split(",") if c.strip()]
     unknown = set(corpora) - set(CORPORA)
@@ -686,11 +686,14 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         log(f"[{corpus}] wrote {out / corpus}: {cut.n['train']:,} train, {cut.n['val']:,} val tokens "
             f"({time.time() - t0:.0f}s)")
     merged = merge(out)
-    merged["command"] = " ".join(["python", "benchmarks/build_corpora.py", *sys.argv[1:]])
+    merged["command"] = command_line(argv)
     (out / "corpora_manifest.json").write_text(json.dumps(merged, indent=2) + "\n")
     if not args.smoke and set(merged["corpora"]) == set(CORPORA) and not args.no_results:
-        RESULTS_MANIFEST.write_text(json.dumps(merged, indent=2) + "\n")
-        log(f"wrote {RESULTS_MANIFEST.relative_to(ROOT)} and {write_page(merged, DOCS_PAGE).relative_to(ROOT)}")
+        written = write_result(RESULTS_MANIFEST, benchmark="build_corpora", env=environment(on_gpu=False),
+                               command=merged["command"], baseline=None,
+                               results={k: v for k, v in merged.items() if k not in ("benchmark", "command")})
+        page = write_page(payload(written), DOCS_PAGE)
+        log(f"wrote {RESULTS_MANIFEST.relative_to(ROOT)} and {page.relative_to(ROOT)}")
     return merged
 
 
@@ -720,10 +723,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                    "benchmarks/results/corpora_manifest.json")
     args = p.parse_args(argv)
     if args.report:
-        log(f"wrote {write_page(json.loads(RESULTS_MANIFEST.read_text()), DOCS_PAGE)}")
+        log(f"wrote {write_page(payload(load_result(RESULTS_MANIFEST)), DOCS_PAGE)}")
         return None
     try:
-        return build(args)
+        return build(args, argv)
     except (FileExistsError, FileNotFoundError, ValueError, RuntimeError) as err:
         raise SystemExit(f"build_corpora: {err}") from err
 

@@ -31,10 +31,10 @@ step counter not advanced) for both workloads; and a no-sync check of ``none``, 
 event, stream or device counted by phase (a wait before the step's backward is queued drains the device queue
 and fails the check; one after it leaves the device a backward of work).
 
-    python benchmarks/callbacks_overhead.py                # CUDA, about 4 minutes on an H100
-    python benchmarks/callbacks_overhead.py --variants none,nanskip,all6 --rounds 8 --no-speedrun
-    python benchmarks/callbacks_overhead.py --variants none,nanskip,all6 --rounds 6 --speedrun-rounds 0  # ~2 min
-    python benchmarks/callbacks_overhead.py --smoke        # CPU, tiny models, seconds
+    python -m benchmarks.callbacks_overhead                # CUDA, about 4 minutes on an H100
+    python -m benchmarks.callbacks_overhead --variants none,nanskip,all6 --rounds 8 --no-speedrun
+    python -m benchmarks.callbacks_overhead --variants none,nanskip,all6 --rounds 6 --speedrun-rounds 0  # ~2 min
+    python -m benchmarks.callbacks_overhead --smoke        # CPU, tiny models, seconds
 """
 
 from __future__ import annotations
@@ -55,12 +55,8 @@ import lightning.pytorch as pl
 import torch
 import yaml
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from result_header import RESULTS, device_slug, result_header  # noqa: E402
-
-from lightning_opt.callbacks import (  # noqa: E402
+from benchmarks.result_header import RESULTS, device_slug, result_header
+from lightning_opt.callbacks import (
     AsyncCheckpoint,
     CudaMemoryHygiene,
     EvalThrottle,
@@ -69,10 +65,10 @@ from lightning_opt.callbacks import (  # noqa: E402
     NaNSkip,
     SpeedMonitor,
 )
-from lightning_opt.callbacks._flagged_copy import FlaggedCopy  # noqa: E402
-from lightning_opt.callbacks._nonfinite import NonFiniteCheck  # noqa: E402
-from lightning_opt.callbacks.nan_skip import _REASONS, flag_nonfinite  # noqa: E402
-from lightning_opt.models.gpt2 import GPT, GPTConfig  # noqa: E402
+from lightning_opt.callbacks._flagged_copy import FlaggedCopy
+from lightning_opt.callbacks._nonfinite import NonFiniteCheck
+from lightning_opt.callbacks.nan_skip import _REASONS, flag_nonfinite
+from lightning_opt.models.gpt2 import GPT, GPTConfig
 
 LOG_EVERY = 10
 SPEEDRUN_YAML = os.path.join(
@@ -137,7 +133,7 @@ class RandomTokens:
 def speedrun_settings(smoke: bool) -> dict[str, Any]:
     """The speedrun recipe's ``model`` section (compile off) and its batch, from the YAML in the 1024-token
     geometry; shrunk for --smoke."""
-    from gpt2_common import short_geometry
+    from benchmarks.gpt2_common import short_geometry
 
     with open(SPEEDRUN_YAML) as f:
         cfg = short_geometry(yaml.safe_load(f))

@@ -6,8 +6,8 @@ wall time for those steps (including waiting for the write to finish at the end,
 contention counts) minus the same steps without a save, measured in the same process. Also: the
 loop time inside the save call, extra peak GPU memory during the save window, and the file size.
 
-    python benchmarks/checkpoint_stall.py            # CUDA, ~2 min on an H100
-    python benchmarks/checkpoint_stall.py --smoke    # CPU, seconds
+    python -m benchmarks.checkpoint_stall            # CUDA, ~2 min on an H100
+    python -m benchmarks.checkpoint_stall --smoke    # CPU, seconds
 """
 
 from __future__ import annotations
@@ -25,13 +25,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from callbacks_overhead import BenchModule, RandomTokens, gpt_config  # noqa: E402
-from result_header import result_header  # noqa: E402
-
-from lightning_opt.callbacks import AsyncCheckpoint  # noqa: E402
+from benchmarks.callbacks_overhead import BenchModule, RandomTokens, gpt_config
+from benchmarks.result_header import result_header
+from lightning_opt.callbacks import AsyncCheckpoint
 
 
 class SaveAt(pl.Callback):

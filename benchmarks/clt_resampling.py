@@ -1,9 +1,9 @@
 """Dead-feature resampling and AuxK against neither: CLTModule on a tiny GPT's MLP activations, CPU.
 
-    python benchmarks/clt_resampling.py          # -> benchmarks/results/clt_resampling_cpu.json
+    python -m benchmarks.clt_resampling          # -> benchmarks/results/clt_resampling_cpu.json
                                                  #    and docs/benchmarks/clt_resampling.png
-    python benchmarks/clt_resampling.py --smoke  # tiny sizes, seconds: checks that every variant runs
-    python benchmarks/clt_resampling.py --variants none,resample --resample_weighting uniform \
+    python -m benchmarks.clt_resampling --smoke  # tiny sizes, seconds: checks that every variant runs
+    python -m benchmarks.clt_resampling --variants none,resample --resample_weighting uniform \
         --out benchmarks/results/clt_resampling_uniform_cpu.json --plot /tmp/p.png   # another weighting
 
 Activations: the MLP inputs and outputs of every layer of the repository's demo target
@@ -47,24 +47,21 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
+import torch
+
+from lightning_opt.data.activations import CLTDataModule, train_demo_target
+from lightning_opt.models.clt import CLTConfig
+from lightning_opt.modules.clt import RESAMPLE_WEIGHTINGS, CLTModule
+from lightning_opt.optim.factory import OptimConfig
+from lightning_opt.optim.schedules import ScheduleConfig
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-
-from lightning_opt.data.activations import CLTDataModule, train_demo_target  # noqa: E402
-from lightning_opt.models.clt import CLTConfig  # noqa: E402
-from lightning_opt.modules.clt import RESAMPLE_WEIGHTINGS, CLTModule  # noqa: E402
-from lightning_opt.optim.factory import OptimConfig  # noqa: E402
-from lightning_opt.optim.schedules import ScheduleConfig  # noqa: E402
 
 NAME = "clt_resampling"
 VARIANTS = ("none", "auxk", "resample", "both")
@@ -303,8 +300,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _main(args: argparse.Namespace) -> dict[str, Any]:
-    from gpt2_common import write_json
-    from result_header import result_header
+    from benchmarks.gpt2_common import write_json
+    from benchmarks.result_header import result_header
 
     t0 = time.perf_counter()
     z = sizes(args.smoke)

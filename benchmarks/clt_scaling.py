@@ -21,23 +21,23 @@ its device time into compute kernels, collective kernels only and idle (waiting 
 the top 10 kernels (``benchmarks/timeline.py``). Each variant runs in fresh processes; one failing variant is recorded and the
 others still run.
 
-    python benchmarks/clt_scaling.py            # 2 CUDA GPUs, about 3-4 minutes on H100s (2 launches)
-    python benchmarks/clt_scaling.py --smoke    # CPU + gloo, 2 processes, under a minute
+    python -m benchmarks.clt_scaling            # 2 CUDA GPUs, about 3-4 minutes on H100s (2 launches)
+    python -m benchmarks.clt_scaling --smoke    # CPU + gloo, 2 processes, under a minute
     # the scaling run (4 or 8 GPUs): global BatchTopK, decoder sharding with sharded encoders and both on a
     # 2D mesh (decoder groups of --model-parallel ranks) at 1, 2, 4 (8) GPUs, 8192 and 32768 features per
     # layer, the same 4096 tokens per step; writes benchmarks/results/clt_scaling_<max>gpu.json
-    python benchmarks/clt_scaling.py --gpus 1 2 4 --deadline-s 200
-    python benchmarks/clt_scaling.py --smoke --gpus 1 2 4   # the same on CPU with 4 gloo processes
+    python -m benchmarks.clt_scaling --gpus 1 2 4 --deadline-s 200
+    python -m benchmarks.clt_scaling --smoke --gpus 1 2 4   # the same on CPU with 4 gloo processes
     # the 4-GPU call (under 6 minutes on H200s): decoder sharding at three sizes (strong scaling, the 4-GPU
     # runs profiled), data parallel with fp32 and bf16 gradient all-reduce at 8192 (strong, and weak: --tokens
     # per GPU, global batch --tokens x GPUs, rows with "scaling": "weak")
-    python benchmarks/clt_scaling.py --gpus 1 2 4 --features 8192 16384 32768 --dp-features 8192 --weak \\
+    python -m benchmarks.clt_scaling --gpus 1 2 4 --features 8192 16384 32768 --dp-features 8192 --weak \\
         --variants ours_1gpu ours_decoder_sharding_sharded_encoder ours_global_batchtopk \\
         ours_global_batchtopk_bf16grad --profile ours_decoder_sharding_sharded_encoder_4gpu --no-peer \\
         --deadline-s 300 --out $OUT/clt_scaling_4x-nvidia-h200.json
-    python benchmarks/clt_scaling.py --smoke --weak --profile --gpus 1 2   # the same options on CPU (gloo)
+    python -m benchmarks.clt_scaling --smoke --weak --profile --gpus 1 2   # the same options on CPU (gloo)
     # the short re-run (about 1.5 minutes on 2 GPUs): 1 GPU vs sharded encoders at two sizes
-    python benchmarks/clt_scaling.py --features 8192 16384 --variants ours_1gpu \\
+    python -m benchmarks.clt_scaling --features 8192 16384 --variants ours_1gpu \\
         ours_decoder_sharding_sharded_encoder_2gpu --out benchmarks/results/clt_scaling_short.json
 """
 
@@ -55,13 +55,11 @@ from typing import Any
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
+from benchmarks.dist_launch import default_gpus, init_group, launch, seconds_left
+from benchmarks.result_header import write_result
+from benchmarks.timeline import StepProfiler
 
-from dist_launch import default_gpus, init_group, launch, seconds_left  # noqa: E402
-from result_header import write_result  # noqa: E402
-from timeline import StepProfiler  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class _ByteCounter:

@@ -60,13 +60,13 @@ calls per stash shape on the same input and with the bound ``batch_topk_rows`` c
 fallback answered and how many blocks had more hits than slots (read again from ``x``), per call.
 ``stash_sweep`` times the one-pass selection's read alone per stash shape, with its bandwidth (2 bytes per entry).
 
-    python benchmarks/clt_step.py                   # CUDA, about 3 min on an H100; writes
+    python -m benchmarks.clt_step                   # CUDA, about 3 min on an H100; writes
                                                     # benchmarks/results/clt_step_<device>.json
-    python benchmarks/clt_step.py --features 8192 --variants ours_dense module select peer   # the goals only
-    python benchmarks/clt_step.py --features 8192 16384 --variants select --select-variants select_ours \
+    python -m benchmarks.clt_step --features 8192 --variants ours_dense module select peer   # the goals only
+    python -m benchmarks.clt_step --features 8192 16384 --variants select --select-variants select_ours \
         select_ours_2pass phase_sample phase_stash phase_compact phase_keep phase_fallback_gated
                                                     # the selection, its phases and sweeps only, about a minute
-    python benchmarks/clt_step.py --smoke           # CPU, seconds (tiny shapes; checks the script runs and
+    python -m benchmarks.clt_step --smoke           # CPU, seconds (tiny shapes; checks the script runs and
                                                     # prints the module step's op profile)
 """
 
@@ -87,20 +87,17 @@ from typing import Any
 
 import torch
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-PEER_DIR = os.path.join(ROOT, ".peers", "crosslayer-coding")
-
-from result_header import device_slug, result_header  # noqa: E402
-
-from lightning_opt.models.clt import (  # noqa: E402
+from benchmarks.result_header import device_slug, result_header
+from lightning_opt.models.clt import (
     CLT,
     CLTConfig,
     preactivation_loss,
     tanh_sparsity_penalty_sparse,
 )
-from lightning_opt.ops.topk import batch_topk_rows  # noqa: E402
+from lightning_opt.ops.topk import batch_topk_rows
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+PEER_DIR = os.path.join(ROOT, ".peers", "crosslayer-coding")
 
 SPARSITY, PREACT = 1e-3, 3e-6
 VARIANTS = ("ours_dense", "ours_dense_sparsegrad", "ours_sparse", "module", "module_noaux", "module_sparsegrad",
@@ -698,12 +695,12 @@ def peer_worker(args: argparse.Namespace) -> None:
 def run_peer(nf: int, args: argparse.Namespace) -> dict[str, Any]:
     if not os.path.isdir(os.path.join(PEER_DIR, "clt")):
         return {"peer": "peer not run (.peers/crosslayer-coding missing)"}
-    cmd = [sys.executable, os.path.abspath(__file__), "--peer-worker", "--peer-features", str(nf),
+    cmd = [sys.executable, "-m", "benchmarks.clt_step", "--peer-worker", "--peer-features", str(nf),
            "--layers", str(args.layers), "--d-model", str(args.d_model), "--tokens", str(args.tokens),
            "--k", str(args.k), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--select-steps", str(args.select_steps), "--device", args.device]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout, cwd=ROOT)
     except subprocess.TimeoutExpired:
         return {"peer": f"peer timed out after {args.peer_timeout}s"}
     for line in proc.stdout.splitlines():

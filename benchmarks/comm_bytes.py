@@ -1,7 +1,7 @@
 """Bytes each CLT strategy hands to collectives per training step: measured on CPU (gloo) vs the formulas.
 
-    python benchmarks/comm_bytes.py            # 2 and 4 processes, writes benchmarks/results/comm_bytes_cpu.json
-    python benchmarks/comm_bytes.py --smoke    # smaller shapes (the test runs this)
+    python -m benchmarks.comm_bytes            # 2 and 4 processes, writes benchmarks/results/comm_bytes_cpu.json
+    python -m benchmarks.comm_bytes --smoke    # smaller shapes (the test runs this)
 
 Each variant runs three training steps of a CLT (MSE loss, Adam) under a Lightning ``Trainer`` with the
 strategy, in ``world`` spawned CPU processes joined by gloo. This process (not the library) wraps
@@ -21,15 +21,11 @@ import argparse
 import json
 import math
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import torch  # noqa: E402
+import torch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "comm_bytes_cpu.json"
 
@@ -188,9 +184,9 @@ def install_shim(counter: _Counter) -> None:
 def _worker(rank: int, world: int, port: int, name: str, shape: dict[str, int], out_dir: str) -> None:
     import lightning.pytorch as pl
     import torch.nn.functional as F
-    from dist_launch import init_group
     from torch.utils.data import DataLoader
 
+    from benchmarks.dist_launch import init_group
     from lightning_opt import strategies
     from lightning_opt.models.clt import CLT, CLTConfig
 
@@ -265,7 +261,8 @@ def run_variant(name: str, shape: dict[str, int], fork: bool = False) -> list[tu
     """One variant in ``world`` processes; ``fork`` (CPU only: no CUDA in the parent) saves each process the
     import of torch and Lightning."""
     import torch.multiprocessing as mp
-    from dist_launch import free_port
+
+    from benchmarks.dist_launch import free_port
 
     world = VARIANTS[name][0]
     with tempfile.TemporaryDirectory() as tmp:
@@ -300,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(name, calls, terms, flush=True)
         print(f"{name:42s} W={world}  predicted {predicted:>10,d}  measured {measured:>10,d}  "
               f"ratio {measured / predicted:.3f}", flush=True)
-    result = {"device": "cpu (gloo)", "command": "python benchmarks/comm_bytes.py" + (" --smoke" * args.smoke),
+    result = {"device": "cpu (gloo)", "command": "python -m benchmarks.comm_bytes" + (" --smoke" * args.smoke),
               "torch": torch.__version__, "shape": shape, "rows": rows}
     out = args.out or (None if args.smoke else str(RESULTS))
     if out:

@@ -5,8 +5,8 @@ approach: the whole shard in memory, one contiguous slice per batch), at the spe
 Part B (CUDA only): ms/step of a real Lightning ``Trainer.fit`` whose step is a fixed GPU workload, fed
 by the DataModule with ``gpu_prefetch`` on and off, and by a batch already on the GPU (the floor).
 
-    python benchmarks/data_loader.py            # full run (about a minute on an H100)
-    python benchmarks/data_loader.py --smoke    # seconds, CPU is fine
+    python -m benchmarks.data_loader            # full run (about a minute on an H100)
+    python -m benchmarks.data_loader --smoke    # seconds, CPU is fine
 
 Writes JSON to ``--out`` (default ``benchmarks/results/data_loader.json``). Needs no downloads: the
 shard is random tokens written to a temporary folder.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 import traceback
@@ -26,13 +25,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.result_header import result_header
+from lightning_opt.data.datamodule import TokenShardDataModule
+from lightning_opt.data.shards import write_shard
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from result_header import result_header  # noqa: E402
-
-from lightning_opt.data.datamodule import TokenShardDataModule  # noqa: E402
-from lightning_opt.data.shards import write_shard  # noqa: E402
 
 
 def _in_ram_batches(path: Path, batch: int, seq_len: int, steps: int):

@@ -1,8 +1,8 @@
 """Acceptance run of the documented commands: every GPU-relevant recipe command of README.md and docs/, through
 the console scripts, long enough to pass every phase of its run, at each number of GPUs.
 
-    python benchmarks/documented_commands.py --gpus 1,2,4 --deadline-s 480
-    python benchmarks/documented_commands.py --cpu-smoke          # gloo, tiny, 1 and 2 processes
+    python -m benchmarks.documented_commands --gpus 1,2,4 --deadline-s 480
+    python -m benchmarks.documented_commands --cpu-smoke          # gloo, tiny, 1 and 2 processes
 
 Each command runs as a subprocess in its own folder (``--work-dir``, default a temporary one), as a user types
 it plus the overrides that shrink it: a few steps past each phase (the GPT-2 speedrun's warm-up, cooldown and
@@ -33,13 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: the package and the result helper from the checkout
-    sys.path.insert(0, str(ROOT))
-if str(ROOT / "benchmarks") not in sys.path:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.result_header import device_slug, write_result
 
-from result_header import device_slug, write_result  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 STRATEGIES = {
     "decoder_sharding_shard_encoder": ["--trainer.strategy.class_path", "lightning_opt.strategies.DecoderShardingStrategy",
@@ -317,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     counts = [1, 2] if args.cpu_smoke else [int(g) for g in args.gpus.split(",") if g.strip()]
     name = f"documented_commands_{'cpu' if args.cpu_smoke else device_slug()}"
     if args.out is None:
-        from result_header import RESULTS
+        from benchmarks.result_header import RESULTS
 
         args.out = os.path.join(RESULTS, f"{name}_smoke.json" if args.cpu_smoke else f"{name}.json")
     temp = None if args.work_dir else tempfile.mkdtemp(prefix="documented_commands_")

@@ -26,9 +26,9 @@ the packages it needs beyond torch and lightning, and when to skip it. A row who
 is reported as not measured, never run on a fallback.
 
     pip install --no-deps bitsandbytes-*.whl   # for the adamw_8bit row (any way of installing it will do)
-    python benchmarks/gpt2_ablation.py --data-dir .data/novels --no-report   # GPU, 5-6.5 minutes on an H100
-    python benchmarks/gpt2_ablation.py --train-files 'fw/fineweb_train_*.bin' --val-files 'fw/fineweb_val_*.bin'
-    python benchmarks/gpt2_ablation.py --smoke   # the builtin byte-level corpus, a tiny model, CPU
+    python -m benchmarks.gpt2_ablation --data-dir .data/novels --no-report   # GPU, 5-6.5 minutes on an H100
+    python -m benchmarks.gpt2_ablation --train-files 'fw/fineweb_train_*.bin' --val-files 'fw/fineweb_val_*.bin'
+    python -m benchmarks.gpt2_ablation --smoke   # the builtin byte-level corpus, a tiny model, CPU
 
 Writes ``benchmarks/results/gpt2_ablation_<device>.json`` (``--out``: a file or a folder; smoke runs: a temporary
 folder) and, unless ``--no-report``, regenerates ``docs/benchmarks/gpt2.md`` through ``benchmarks/gpt2_report.py``.
@@ -41,7 +41,6 @@ import ast
 import importlib
 import io
 import os
-import sys
 import tempfile
 import time
 import tokenize
@@ -51,11 +50,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from gpt2_common import (  # noqa: E402
+from benchmarks.gpt2_common import (
     DATA_DIR,
     DATA_DIR_ENV,
     ROOT,
@@ -71,13 +69,12 @@ from gpt2_common import (  # noqa: E402
     write_json,
     yaml_execution,
 )
-from result_header import device_slug, environment  # noqa: E402
-
-from lightning_opt._optional import is_available  # noqa: E402
-from lightning_opt.data.schedule import BatchGeometry  # noqa: E402
-from lightning_opt.data.shards import read_shard, resolve_files  # noqa: E402
-from lightning_opt.optim.factory import OptimConfig  # noqa: E402
-from lightning_opt.optim.schedules import ScheduleConfig  # noqa: E402
+from benchmarks.result_header import device_slug, environment
+from lightning_opt._optional import is_available
+from lightning_opt.data.schedule import BatchGeometry
+from lightning_opt.data.shards import read_shard, resolve_files
+from lightning_opt.optim.factory import OptimConfig
+from lightning_opt.optim.schedules import ScheduleConfig
 
 RECIPE = "gpt2-124m-speedrun"
 ADAMW_RECIPE = "gpt2-124m-classic"  # the AdamW settings of the optimizer rows
@@ -706,7 +703,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"wrote {out_path} ({time.perf_counter() - deadline.t0:.0f} s)")
     if not args.no_report:
         try:
-            import gpt2_report
+            from benchmarks import gpt2_report
 
             doc = out_path.parent / "gpt2.md" if args.smoke else None
             print(f"report: {gpt2_report.main(['--ablation', str(out_path)] + (['--doc', str(doc)] if doc else []))}")

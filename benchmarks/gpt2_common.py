@@ -20,7 +20,6 @@ import gc
 import json
 import math
 import os
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -31,19 +30,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.result_header import device_slug, peak_flops
+from lightning_opt.data.schedule import BatchGeometry
+from lightning_opt.data.shards import read_shard
+from lightning_opt.models.gpt2 import GPTConfig, GPTExecution
+from lightning_opt.optim.combined import CombinedOptimizer
+from lightning_opt.optim.factory import OptimConfig, build_optimizer
+from lightning_opt.optim.schedules import ScheduleConfig
+
 ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "benchmarks"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-from result_header import device_slug, peak_flops  # noqa: E402
-
-from lightning_opt.data.schedule import BatchGeometry  # noqa: E402
-from lightning_opt.data.shards import read_shard  # noqa: E402
-from lightning_opt.models.gpt2 import GPTConfig, GPTExecution  # noqa: E402
-from lightning_opt.optim.combined import CombinedOptimizer  # noqa: E402
-from lightning_opt.optim.factory import OptimConfig, build_optimizer  # noqa: E402
-from lightning_opt.optim.schedules import ScheduleConfig  # noqa: E402
 
 DATA_DIR = ROOT / ".data" / "novels"
 DATA_DIR_ENV = "LIGHTNING_OPT_DATA_DIR"  # the novels shards' folder when --data-dir is not given
@@ -306,7 +301,7 @@ def build_model_and_optimizer(spec: RunSpec, dev: torch.device, init_on_device: 
     The module builds the model on the CPU (same seed, same numbers as here); ``init_on_device`` builds it
     on the GPU directly (seconds faster, other random numbers) for runs that are not compared with it.
     """
-    from gpt2_variants import build_gpt
+    from benchmarks.gpt2_variants import build_gpt
 
     torch.manual_seed(spec.seed)
     if init_on_device:
@@ -615,7 +610,7 @@ def with_compile_options(spec: RunSpec, **options: Any) -> RunSpec:
 def with_model(spec: RunSpec, **model_changes: Any) -> RunSpec:
     """The spec with model settings changed: ``GPTExecution`` fields go to its execution, the
     ``gpt2_variants`` ones (MTP, MoE) to its variants, the rest to its architecture."""
-    from gpt2_variants import VARIANT_FIELDS
+    from benchmarks.gpt2_variants import VARIANT_FIELDS
 
     execution = {k: v for k, v in model_changes.items() if k in GPTExecution.__dataclass_fields__}
     variants = {k: v for k, v in model_changes.items() if k in VARIANT_FIELDS}

@@ -10,7 +10,6 @@ Reads ``benchmarks/results/gpt2_record_<corpus>_<record>_<device>.json`` (one ``
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -18,6 +17,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from benchmarks._results import load_result, payload
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -38,11 +39,11 @@ def is_corpus_file(path: Path) -> bool:
 def corpus_files(folder: Path = RESULTS) -> list[Path]:
     """The per-corpus record results in ``folder`` (smoke runs left out), by corpus, record and device."""
     files = [p for p in sorted(folder.glob("gpt2_record_*.json")) if is_corpus_file(p) and "_smoke" not in p.name]
-    return [p for p in files if not json.loads(p.read_text()).get("smoke")]
+    return [p for p in files if not load_result(p)["results"].get("smoke")]
 
 
 def load_manifest(path: Path = MANIFEST) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.exists() else {}
+    return payload(load_result(path)) if path.exists() else {}
 
 
 def corpus_info(manifest: dict[str, Any], corpus: str) -> tuple[str, bool, bool]:
@@ -96,7 +97,7 @@ class Row:
 
 
 def read_rows(path: Path, manifest: dict[str, Any]) -> list[Row]:
-    d = json.loads(path.read_text())
+    d = payload(load_result(path))
     m = CORPUS_FILE.match(path.name)
     s, env, results = d.get("settings") or {}, d.get("env") or {}, d.get("results") or {}
     corpus = Path(s["data_dir"]).name if s.get("data_dir") else m.group("corpus")
@@ -110,7 +111,7 @@ def read_rows(path: Path, manifest: dict[str, Any]) -> list[Row]:
     else:
         record_note = f"not run ({rec['skipped']})" if rec.get("skipped") else None
     common = dict(file=path, corpus=corpus, kind=kind, held_out=held, tuned_on=tuned, record=record,
-                  device=env.get("device") or m.group("device"), command=env.get("command") or "-",
+                  device=env.get("device") or m.group("device"), command=d["command"] or "-",
                   val_tokens=s.get("val_tokens"), target=target, record_s=record_s, record_note=record_note)
     recipe = recipe_spec()
     rows = []
@@ -146,8 +147,8 @@ def recipe_spec() -> tuple[int, bool, float, dict] | None:
     """The shipped recipe as ``gpt2_record.py`` runs it (``--ours recipe``): micro-batches of 32 x 1024 per step,
     long sequences, budget, and the model values a variant may override (the config's ``window_schedule``)."""
     try:
-        from gpt2_common import load_yaml_config  # type: ignore  # noqa: PLC0415
-        from gpt2_record import OURS_VARIANTS  # type: ignore  # noqa: PLC0415
+        from benchmarks.gpt2_common import load_yaml_config  # noqa: PLC0415
+        from benchmarks.gpt2_record import OURS_VARIANTS  # noqa: PLC0415
     except ImportError:
         return None
     accum, long, budget, *_ = OURS_VARIANTS[SHIPPED]
@@ -276,7 +277,7 @@ def goal_lines(rows: list[Row], manifest: dict[str, Any]) -> list[str]:
 def section(files: list[Path], manifest: dict[str, Any], doc: Path, img: Path | None,
             title: str = "## Time to target per corpus: the record scripts vs ours") -> list[str]:
     out = [title, ""]
-    command = ("`python benchmarks/gpt2_record.py --record <2025-01-04|2025-07-13|2025-08-23> --data-dir .data/corpora/<corpus> "
+    command = ("`python -m benchmarks.gpt2_record --record <2025-01-04|2025-07-13|2025-08-23> --data-dir .data/corpora/<corpus> "
                "--ours <variant> [--ours <variant> ...] --out benchmarks/results/gpt2_record_<corpus>_<record>_<device>.json`")
     if not files:
         return out + ["No per-corpus results yet: no `benchmarks/results/gpt2_record_<corpus>_<record>_<device>.json` "
@@ -306,7 +307,7 @@ def plot(files: list[Path], manifest: dict[str, Any], img: Path) -> bool:
         return False
     panels = []
     for f in files:
-        results = json.loads(f.read_text())["results"]
+        results = load_result(f)["results"]["results"]
         rows = read_rows(f, manifest)
         ours = [(f"ours {r.variant}", results[r.key], "-") for r in rows if r.key in results]
         rec = results.get("record") or {}

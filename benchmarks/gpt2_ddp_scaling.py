@@ -22,11 +22,11 @@ Scaling efficiency at N GPUs = tokens/s at N / (N x tokens/s at 1), both from th
 recorded (error or time-budget skip) and the other sizes still run; a launch that outlives the budget is
 terminated.
 
-    python benchmarks/gpt2_ddp_scaling.py --deadline-s 330    # GPUs: 1, 2, 4 (8), about 5 minutes on H100s
-    python benchmarks/gpt2_ddp_scaling.py --smoke             # tiny model on CPU, 2 gloo processes
+    python -m benchmarks.gpt2_ddp_scaling --deadline-s 330    # GPUs: 1, 2, 4 (8), about 5 minutes on H100s
+    python -m benchmarks.gpt2_ddp_scaling --smoke             # tiny model on CPU, 2 gloo processes
 
 Writes ``benchmarks/results/gpt2_ddp_scaling_<device>_<date>.json`` (or ``--out``); the page is
-``docs/benchmarks/scaling.md`` (``python benchmarks/scaling_report.py``).
+``docs/benchmarks/scaling.md`` (``python -m benchmarks.scaling_report``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import glob
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 import traceback
@@ -44,12 +43,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from dist_launch import default_gpus, init_group, launch, seconds_left  # noqa: E402
-from gpt2_common import (  # noqa: E402
+from benchmarks.dist_launch import default_gpus, init_group, launch, seconds_left
+from benchmarks.gpt2_common import (
     ROOT,
     Clock,
     RunSpec,
@@ -62,7 +60,7 @@ from gpt2_common import (  # noqa: E402
     write_json,
     yaml_execution,
 )
-from result_header import environment  # noqa: E402
+from benchmarks.result_header import environment
 
 RECORD_TARGET_FALLBACK = 4.2893  # the record script's final val loss on the novels shards (H100, 127 steps)
 SMOKE_VOCAB = 512

@@ -21,10 +21,10 @@ or, in the ``*-long`` variants and ``recipe`` (the shipped config as it is, at 0
 the record's way as the config sets it (65,536-token document-causal sequences, the window where the schedule
 is), so equal numbers mean comparable, not identical, models.
 
-    python benchmarks/gpt2_record.py                  # GPU, about 8 minutes on an H100
-    python benchmarks/gpt2_record.py --steps 64       # half the budget if the call must be shorter
-    python benchmarks/gpt2_record.py --smoke          # CPU: patch + log parsing + our side on a tiny model
-    python benchmarks/gpt2_record.py --ours half-batch --ours half-batch-long   # the record once, then each
+    python -m benchmarks.gpt2_record                  # GPU, about 8 minutes on an H100
+    python -m benchmarks.gpt2_record --steps 64       # half the budget if the call must be shorter
+    python -m benchmarks.gpt2_record --smoke          # CPU: patch + log parsing + our side on a tiny model
+    python -m benchmarks.gpt2_record --ours half-batch --ours half-batch-long   # the record once, then each
                                                       # variant of ours (OURS_VARIANTS) until the target
 
 Writes ``benchmarks/results/gpt2_record_<device>_<date>.json`` (or ``--out``).
@@ -45,11 +45,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+import torch
 
-import torch  # noqa: E402
-from gpt2_common import (  # noqa: E402
+from benchmarks.gpt2_common import (
     RunSpec,
     Tokens,
     add_common_args,
@@ -67,8 +65,8 @@ from gpt2_common import (  # noqa: E402
     write_json,
     yaml_execution,
 )
-from patch_record import DEFAULT_RECORD, RECORDS, record_data, write_patched  # noqa: E402
-from result_header import environment  # noqa: E402
+from benchmarks.peers.patch_record import DEFAULT_RECORD, RECORDS, record_data, write_patched
+from benchmarks.result_header import environment
 
 RECORD_TOKENS_PER_STEP = RECORDS[DEFAULT_RECORD].tokens_per_step
 _VAL = re.compile(r"step:(\d+)/(\d+) val_loss:([\d.]+|nan) train_time:(\d+)ms")

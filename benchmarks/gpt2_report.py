@@ -6,22 +6,19 @@ training seconds, ours and the peers). A missing result leaves a "GPU figures: p
 The per-corpus record results (``gpt2_record_<corpus>_<record>_<device>.json``) get their own section and plot
 (``docs/benchmarks/img/gpt2_corpora_val_vs_time.png``) through ``benchmarks/gpt2_corpus_report.py``.
 
-    python benchmarks/gpt2_report.py
-    python benchmarks/gpt2_report.py --speedrun R1.json --record R2.json --ablation R3.json --doc /tmp/x.md
+    python -m benchmarks.gpt2_report
+    python -m benchmarks.gpt2_report --speedrun R1.json --record R2.json --ablation R3.json --doc /tmp/x.md
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import gpt2_corpus_report  # noqa: E402
+from benchmarks import gpt2_corpus_report
+from benchmarks._results import load_result, payload
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -37,7 +34,7 @@ def shown(kind: str) -> list[Path | None]:
     def key(f: Path) -> tuple[bool, bool, str, str]:
         # a throughput file with nanoGPT rows leads (the page's first section compares with it), one with the
         # speedrun recipe's rows before one of the classic config alone, then the newest
-        d = json.loads(f.read_text())
+        d = payload(load_result(f))
         rows = d.get("results") or {}
         with_peer = any(k.startswith("nanogpt") for k in rows)
         with_speedrun = any(k.startswith("ours-speedrun") for k in rows)
@@ -50,7 +47,7 @@ def load(path: str | Path | None) -> tuple[dict[str, Any] | None, Path | None]:
     if path is None:
         return None, None
     p = Path(path)
-    return json.loads(p.read_text()), p
+    return payload(load_result(p)), p
 
 
 def fmt(v: Any, spec: str = "", dash: str = "-") -> str:
@@ -74,7 +71,7 @@ def env_line(d: dict[str, Any], path: Path, doc: Path) -> str:
     e = d["env"]
     return (f"Device: **{e['device']}**, torch {e['torch']}, lightning {e.get('lightning')}, triton "
             f"{e.get('triton')}, flash-attn {e.get('flash_attn') or 'not installed'}, bitsandbytes "
-            f"{e.get('bitsandbytes') or 'not installed'}; {e['date_utc']}. Command: `{e['command']}`. "
+            f"{e.get('bitsandbytes') or 'not installed'}; {e['date_utc']}. Command: `{d['command']}`. "
             f"Raw numbers: [{path.name}]({rel(path, doc)})." + (" **Smoke run (CPU, tiny model): numbers are "
                                                                  "not meaningful.**" if d.get("smoke") else ""))
 
@@ -83,11 +80,11 @@ def speedrun_section(d: dict[str, Any] | None, path: Path | None, doc: Path,
                      title: str = "## Throughput: ours (bare loop and Lightning) vs nanoGPT") -> list[str]:
     out = [title, ""]
     if d is None:
-        return out + ["GPU figures: pending (run `python benchmarks/gpt2_speedrun.py` on an H100).", ""]
+        return out + ["GPU figures: pending (run `python -m benchmarks.gpt2_speedrun` on an H100).", ""]
     s = d["settings"]
     out += [env_line(d, path, doc), ""]
-    if d.get("note"):
-        out += [f"Note: {d['note']}", ""]
+    if isinstance(d.get("notes"), str):
+        out += [f"Note: {d['notes']}", ""]
     out += [
             f"{s['steps']} optimizer steps of {s['micro_batch']} x {s['seq_len']} x {s['accum']} = "
             f"{s['micro_batch'] * s['seq_len'] * s['accum']:,} tokens, same data order for every run; tokens/s "
@@ -119,11 +116,11 @@ def record_section(d: dict[str, Any] | None, path: Path | None, doc: Path,
                    title: str = "## Time to target: the 2025-01-04 record script vs ours") -> list[str]:
     out = [title, ""]
     if d is None:
-        return out + ["GPU figures: pending (run `python benchmarks/gpt2_record.py` on an H100).", ""]
+        return out + ["GPU figures: pending (run `python -m benchmarks.gpt2_record` on an H100).", ""]
     rec = d["results"].get("record", {})
     out += [env_line(d, path, doc), ""]
-    if d.get("note"):
-        out += [f"Note: {d['note']}", ""]
+    if isinstance(d.get("notes"), str):
+        out += [f"Note: {d['notes']}", ""]
     out += [
             f"Budget: {d['settings']['steps']} steps of 524,288 tokens. Target: the record script's final val "
             "loss. Compile and validation excluded for both; the record's own clock leaves its first 10 steps "
@@ -156,14 +153,14 @@ def ablation_section(d: dict[str, Any] | None, path: Path | None, doc: Path,
                      title: str = "## Ablation table") -> list[str]:
     out = [title, ""]
     if d is None:
-        return out + ["GPU figures: pending (run `python benchmarks/gpt2_ablation.py` on an H100).", ""]
-    out += [env_line(d, path, doc), ""] + ([f"Note: {d['note']}", ""] if d.get("note") else [])
+        return out + ["GPU figures: pending (run `python -m benchmarks.gpt2_ablation` on an H100).", ""]
+    out += [env_line(d, path, doc), ""] + ([f"Note: {d['notes']}", ""] if isinstance(d.get("notes"), str) else [])
     if d.get("format", 1) >= 2:
         return out + ablation_table(d)
     s = d.get("settings", {})
     out += [f"This result has one seed and no noise band ({s.get('steps')} steps of {s.get('micro_batch')} x "
             f"{s.get('seq_len')} tokens per row): its loss differences are not shown to exceed run-to-run noise.", ""]
-    out += [f"- {n}" for n in d.get("notes", [])] + [
+    out += [f"- {n}" for n in (d["notes"] if isinstance(d.get("notes"), list) else [])] + [
         "", "| row | toggle | tokens/s | d tokens/s | peak GB | val loss | d val loss | verdict |",
         "|---|---|---:|---:|---:|---:|---:|---|"]
     for name, r in d["rows"].items():
@@ -217,7 +214,7 @@ def ablation_table(d: dict[str, Any]) -> list[str]:
             "from the source at run time (docstrings and comments left out); each row's parts are in the JSON."]
     if d.get("left_out"):
         out += ["", "Left out of this run:", ""] + [f"- `{k}`: {v}" for k, v in d["left_out"].items()]
-    if d.get("notes"):
+    if isinstance(d.get("notes"), list):
         out += ["", "Notes:", ""] + [f"- {x}" for x in d["notes"]]
     return out + [""]
 

@@ -55,8 +55,8 @@ Reports tokens/s and MFU (compile excluded; compile time separately), peak memor
 1,048,576 val tokens (a few points along the way, excluded from the clock), the Lightning overhead and the
 ratio to nanoGPT. Every variant is fault-tolerant (errors and OOM are recorded, the next one runs).
 
-    python benchmarks/gpt2_speedrun.py                 # the GPU run (about 6 minutes on an H100)
-    python benchmarks/gpt2_speedrun.py --smoke         # tiny models on CPU, under a minute
+    python -m benchmarks.gpt2_speedrun                 # the GPU run (about 6 minutes on an H100)
+    python -m benchmarks.gpt2_speedrun --smoke         # tiny models on CPU, under a minute
 
 ``--repeats N`` runs the row list N times, every other time in reverse order (A B C, C B A, ...: drifts of the
 card cancel out of the comparison); each row then reports its median step time (tokens/s and MFU from it) and
@@ -69,17 +69,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+import torch
 
-import torch  # noqa: E402
-from gpt2_common import (  # noqa: E402
+from benchmarks.gpt2_common import (
     RunSpec,
     Tokens,
     add_common_args,
@@ -98,8 +95,8 @@ from gpt2_common import (  # noqa: E402
     write_json,
     yaml_execution,
 )
-from nanogpt_runner import train_nanogpt  # noqa: E402
-from result_header import environment  # noqa: E402
+from benchmarks.peers.nanogpt_runner import train_nanogpt
+from benchmarks.result_header import environment
 
 SMOKE_SHAPE = dict(n_layer=2, n_head=2, n_embd=64)
 SMOKE_VOCAB = 512

@@ -16,7 +16,7 @@ steps, in one process on one GPU:
 - ``fp8mm64`` and ``fp8mm64-fastacc`` (FP8 backward matmuls with fast accumulation,
   ``GPTConfig.fp8_backward_fast_accum``).
 
-    python benchmarks/gpt2_step_profile.py --data-dir .data/novels --only base,cudnn,mb64   # GPU, ~40 s each
+    python -m benchmarks.gpt2_step_profile --data-dir .data/novels --only base,cudnn,mb64   # GPU, ~40 s each
 
 Prints the figures and writes them as JSON to ``--out`` (default ``$OUT/g1_probe.json`` or /tmp).
 """
@@ -27,16 +27,15 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 import time
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import torch  # noqa: E402
-from gpt2_common import (  # noqa: E402
+from benchmarks.gpt2_common import (
     RunSpec,
     Tokens,
     build_model_and_optimizer,
@@ -45,7 +44,6 @@ from gpt2_common import (  # noqa: E402
     with_model,
     yaml_execution,
 )
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 
 def run(spec: RunSpec, data: Tokens, ctx=contextlib.nullcontext, profile: bool = False,

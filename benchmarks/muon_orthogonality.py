@@ -5,7 +5,7 @@ relative Frobenius distance of ``newton_schulz(g, 5, coefficients=c)`` to the ex
 and the range of its singular values, for ``jordan`` (one quintic every step) and ``polar_express`` (a quintic
 per step). ``newton_schulz`` computes in float32 on a CPU (bfloat16 on a GPU).
 
-    python benchmarks/muon_orthogonality.py            # seconds on a CPU
+    python -m benchmarks.muon_orthogonality            # seconds on a CPU
 
 Writes ``benchmarks/results/muon_orthogonality_cpu.json`` (or ``--out``).
 """
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row)
         print(row)
     out = {"benchmark": "muon_orthogonality", "device": f"cpu ({platform.processor() or platform.machine()})",
-           "torch": torch.__version__, "command": "python benchmarks/muon_orthogonality.py",
+           "torch": torch.__version__, "command": "python -m benchmarks.muon_orthogonality",
            "shape": [a.rows, a.cols], "rows": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))

@@ -7,8 +7,8 @@ row is what a recipe with that ``model.optim.name`` gets. Reports the optimizer 
 in ``optimizer.state``) next to the parameters' bytes. ``adamw8bit`` is measured only when bitsandbytes imports
 and ``AdamW8bit`` is what the factory built (otherwise the row says the fallback was taken and has no time).
 
-    python benchmarks/optim_step.py                # CUDA, under a minute
-    python benchmarks/optim_step.py --smoke        # CPU, a tiny model, seconds
+    python -m benchmarks.optim_step                # CUDA, under a minute
+    python -m benchmarks.optim_step --smoke        # CPU, a tiny model, seconds
 
 Writes ``benchmarks/results/optim_step_<device>.json`` (or ``--out``).
 """
@@ -19,20 +19,15 @@ import argparse
 import json
 import re
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's package, as the other benchmarks
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from result_header import result_header  # noqa: E402
-
-from lightning_opt.models.gpt2 import GPT, GPTConfig  # noqa: E402
-from lightning_opt.optim.factory import OptimConfig, build_optimizer  # noqa: E402
+from benchmarks.result_header import result_header
+from lightning_opt.models.gpt2 import GPT, GPTConfig
+from lightning_opt.optim.factory import OptimConfig, build_optimizer
 
 NAMES = ("adamw", "adamw8bit", "lion")
 

@@ -14,8 +14,8 @@ backward of the ``gpt2-124m-speedrun`` model in its 1024-token geometry (``short
 Interleaved rounds, median step time (CUDA events). Also: which op the QK-norm dispatches to, and the loss and
 gradient difference between the two at the same (perturbed) gains.
 
-    python benchmarks/qk_norm_dtype.py            # CUDA: benchmarks/results/qk_norm_dtype_<device>.json, ~2 min
-    python benchmarks/qk_norm_dtype.py --smoke    # a tiny model on the CPU, eager, in seconds
+    python -m benchmarks.qk_norm_dtype            # CUDA: benchmarks/results/qk_norm_dtype_<device>.json, ~2 min
+    python -m benchmarks.qk_norm_dtype --smoke    # a tiny model on the CPU, eager, in seconds
 
 Measured (``results/qk_norm_dtype_nvidia-h200.json``, one H200, torch 2.11): compiled, as the recipe runs, 55.42 ms
 per step with the float32 gain and 56.10 ms with the candidate (x1.012, within the rounds' spread): under
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,15 +36,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.attention_kv import timed
+from benchmarks.gpt2_common import load_yaml_config, write_json, yaml_execution
+from benchmarks.result_header import device_slug, environment
+from lightning_opt.models.gpt2 import GPT, RMSNorm, _norm_in_dtype
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from attention_kv import timed  # noqa: E402
-from gpt2_common import load_yaml_config, write_json, yaml_execution  # noqa: E402
-from result_header import device_slug, environment  # noqa: E402
-
-from lightning_opt.models.gpt2 import GPT, RMSNorm, _norm_in_dtype  # noqa: E402
 
 FULL = dict(batch=32, seq=1024, rounds=4, warmup=3, steps=10, compile=True)
 SMOKE = dict(batch=2, seq=32, rounds=2, warmup=1, steps=2, compile=False,

@@ -1,8 +1,8 @@
 """Run the reliability suite (default and long randomized variants) and publish its figures.
 
-    python benchmarks/reliability_report.py                  # both variants, ~5-10 min on 2 CPU cores
-    python benchmarks/reliability_report.py --quick          # the default (short) variants only
-    python benchmarks/reliability_report.py --from-json      # only regenerate the docs table
+    python -m benchmarks.reliability_report                  # both variants, ~5-10 min on 2 CPU cores
+    python -m benchmarks.reliability_report --quick          # the default (short) variants only
+    python -m benchmarks.reliability_report --from-json      # only regenerate the docs table
 
 Each test in ``tests/reliability`` records its fault kind and per-trial outcome (survived, data lost,
 hang) through the ``fault`` fixture when ``RELIABILITY_LOG`` is set. This script sets it, runs pytest,
@@ -26,6 +26,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from benchmarks._results import command_line, environment, load_result, payload, write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- reliability-table:start -->", "<!-- reliability-table:end -->"
 
@@ -40,16 +42,6 @@ def _run_pytest(markers: str, log: Path, extra: list[str]) -> tuple[int, float, 
     tail = proc.stdout.strip().splitlines()[-25:]
     print("\n".join(tail), flush=True)
     return proc.returncode, seconds, cmd
-
-
-def _versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for name in ("torch", "lightning"):
-        try:
-            out[name] = __import__(name).__version__
-        except Exception as err:  # noqa: BLE001 - recorded, not fatal
-            out[name] = f"unavailable: {err}"
-    return out
 
 
 def _git_commit() -> str:
@@ -196,8 +188,8 @@ def _cmd(kind: dict[str, Any]) -> str:
 def table(result: dict[str, Any]) -> str:
     kinds = result["kinds"]
     lines = [
-        f"Measured {result['date']} on {result['machine']} (torch {result['versions'].get('torch')}, "
-        f"lightning {result['versions'].get('lightning')}, commit `{result['commit'][:10]}`), from "
+        f"Measured {result['env']['date_utc']} on {result['env']['host']} (torch {result['env'].get('torch')}, "
+        f"lightning {result['env'].get('lightning')}, commit `{result['commit'][:10]}`), from "
         "[`benchmarks/results/reliability.json`](../benchmarks/results/reliability.json). "
         f"{len(kinds)} fault kinds, {sum(k['trials'] for k in kinds)} trials; default suite "
         f"{result['runs'].get('default', {}).get('seconds', float('nan')):.0f} s, long variants "
@@ -253,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     if args.from_json:
-        result = json.loads(out.read_text())
+        result = payload(load_result(out))
     else:
         runs: dict[str, Any] = {}
         rows: list[dict[str, Any]] = []
@@ -269,18 +261,11 @@ def main(argv: list[str] | None = None) -> int:
             runs[name] = {"command": " ".join(cmd), "exit_code": code, "seconds": round(seconds, 1), "tests": len(got)}
         runs["elsewhere"], got = _run_elsewhere(args.pytest_args)
         rows += [{**r, "variant": "elsewhere"} for r in got]
-        result = {
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores ({platform.system()})",
-            "versions": _versions(),
-            "commit": _git_commit(),
-            "command": " ".join([sys.executable, *sys.argv]),
-            "runs": runs,
-            "kinds": aggregate(rows),
-            "tests": rows,
-        }
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        env = environment(on_gpu=False)
+        env["host"] = f"{platform.machine()} CPU, {os.cpu_count()} cores ({platform.system()})"
+        result = payload(write_result(out, benchmark="reliability", env=env, command=command_line(argv),
+                                      baseline=None, results={"commit": _git_commit(), "runs": runs,
+                                                              "kinds": aggregate(rows), "tests": rows}))
     text = table(result)
     write_doc(Path(args.doc), text)
     print(text)

@@ -7,19 +7,20 @@ gives the exact command that makes it. Scaling efficiency is recomputed here fro
 each file (tokens/s at N / (N x tokens/s at 1), the 1-GPU run of the same file, code and size), so older
 files without the field get it too. Runs on CPU in seconds::
 
-    python benchmarks/scaling_report.py
-    python benchmarks/scaling_report.py --results some/dir --out /tmp/scaling.md --include-smoke
+    python -m benchmarks.scaling_report
+    python -m benchmarks.scaling_report --results some/dir --out /tmp/scaling.md --include-smoke
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
 from pathlib import Path
 from typing import Any
+
+from benchmarks._results import load_result, payload
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -34,19 +35,19 @@ _DECODER_SHARDING = "ours_decoder_sharding_sharded_encoder"
 # profiled at 4 GPUs), data-parallel global BatchTopK with and without bf16 gradients at 8192 (strong and weak).
 COMMANDS = {
     4: (
-        "python benchmarks/clt_scaling.py --gpus 1 2 4 --features 8192 16384 32768 --dp-features 8192 --weak "
+        "python -m benchmarks.clt_scaling --gpus 1 2 4 --features 8192 16384 32768 --dp-features 8192 --weak "
         "--variants ours_1gpu ours_decoder_sharding_sharded_encoder ours_global_batchtopk "
         "ours_global_batchtopk_bf16grad --profile ours_decoder_sharding_sharded_encoder_4gpu --no-peer "
         "--deadline-s 300 --out $OUT/clt_scaling_4x-nvidia-h200.json"
     ),
     "gpt2-4": (
-        "python benchmarks/gpt2_ddp_scaling.py --gpus 1 2 4 --deadline-s 330 "
+        "python -m benchmarks.gpt2_ddp_scaling --gpus 1 2 4 --deadline-s 330 "
         "--out $OUT/gpt2_ddp_scaling_4x-nvidia-h200.json"
     ),
     8: (
         "E=$(( $(date +%s) + 510 )); "
-        "python benchmarks/clt_scaling.py --gpus 1 2 4 8 --end-unix $((E - 320)) --out $OUT/clt_scaling_8x-nvidia-h200.json; "
-        "python benchmarks/gpt2_ddp_scaling.py --gpus 1 2 4 8 --steps 16 --end-unix $E "
+        "python -m benchmarks.clt_scaling --gpus 1 2 4 8 --end-unix $((E - 320)) --out $OUT/clt_scaling_8x-nvidia-h200.json; "
+        "python -m benchmarks.gpt2_ddp_scaling --gpus 1 2 4 8 --steps 16 --end-unix $E "
         "--out $OUT/gpt2_ddp_scaling_8x-nvidia-h200.json"
     ),
 }
@@ -59,8 +60,7 @@ CARRY = "`.data/novels` (the GPT-2 shards, 37 MB; `.peers/crosslayer-coding` onl
 
 def _load(path: Path) -> dict[str, Any] | None:
     try:
-        with open(path) as f:
-            data = json.load(f)
+        data = payload(load_result(path))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -72,16 +72,16 @@ def _is_smoke(data: dict[str, Any]) -> bool:
 
 
 def _device(data: dict[str, Any]) -> str:
-    env = data.get("env") or {}
+    env = data["env"]
     devices = env.get("devices")
     if devices:
         names = sorted(set(devices))
         return f"{len(devices)}x {names[0]}" if len(names) == 1 else ", ".join(devices)
-    return str(data.get("device") or env.get("device") or "?")
+    return str(env["device"])
 
 
 def _command(data: dict[str, Any]) -> str:
-    return str(data.get("command") or (data.get("env") or {}).get("command") or "?")
+    return str(data["command"] or "?")
 
 
 def _runs(results: Path, glob: str, keep: str, include_smoke: bool) -> list[tuple[Path, dict[str, Any]]]:
@@ -211,7 +211,7 @@ def clt_section(runs: list[tuple[Path, dict[str, Any]]], page: Path) -> list[str
         worlds = sorted({r["world"] for r in rows})
         max_world = max([max_world, *worlds])
         k = (data.get("config") or {}).get("k")
-        lines += _file_heading(path, data, page, data, f", {', '.join(map(str, worlds))} GPUs") + [
+        lines += _file_heading(path, data, page, data["env"], f", {', '.join(map(str, worlds))} GPUs") + [
             "| strategy | features/layer | GPUs | scaling | tokens/step | mesh (data x model) | tokens/s | x 1 GPU | "
             "efficiency | MB/step | L0 | L0 = k |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -351,7 +351,7 @@ def gpt2_section(runs: list[tuple[Path, dict[str, Any]]], page: Path) -> list[st
         rows = gpt2_efficiency(data["rows"])
         summary = data.get("summary") or {}
         estimated = summary.get("estimated_time_to_target_s") or {}
-        lines += _file_heading(path, data, page, data.get("env") or {}) + [
+        lines += _file_heading(path, data, page, data["env"]) + [
             "| GPUs | accumulation | tokens/s | x 1 GPU | efficiency | step ms | compile s | val loss at end | "
             "time to target s (estimate) |",
             "|---|---|---|---|---|---|---|---|---|",
@@ -365,7 +365,7 @@ def gpt2_section(runs: list[tuple[Path, dict[str, Any]]], page: Path) -> list[st
                 f"{_f(r.get('final_val_loss'), '.4f')} | {_f(est, '.1f')} |"
             )
         lines.append("")
-        target = data.get("target") or {}
+        target = data.get("goals") or {}
         t = data.get("target_run") or {}
         if t and "error" not in t and "skipped" not in t:
             if t.get("reached_target"):
@@ -479,11 +479,11 @@ def commands_section(have_clt4: bool, have_gpt2: bool) -> list[str]:
         "",
         f"  ```\n  {COMMANDS[8]}\n  ```",
         "",
-        "Then copy the JSON files into `benchmarks/results/` and run `python benchmarks/scaling_report.py` and",
-        "`python benchmarks/make_docs.py` (the index and the generic page of each result file).",
-        "On CPU the same code runs with gloo processes: `python benchmarks/clt_scaling.py --smoke --gpus 1 2 4`",
+        "Then copy the JSON files into `benchmarks/results/` and run `python -m benchmarks.scaling_report` and",
+        "`python -m benchmarks.make_docs` (the index and the generic page of each result file).",
+        "On CPU the same code runs with gloo processes: `python -m benchmarks.clt_scaling --smoke --gpus 1 2 4`",
         "(add `--weak --profile` for the weak rows and the profiled step),",
-        "`python benchmarks/gpt2_ddp_scaling.py --smoke` (`tests/benchmarks/test_scaling.py`).",
+        "`python -m benchmarks.gpt2_ddp_scaling --smoke` (`tests/benchmarks/test_scaling.py`).",
         "",
     ]
     return lines
@@ -507,7 +507,7 @@ def write_report(results: Path, out: Path, include_smoke: bool = False) -> Path:
         "Throughput of the CLT strategies and of GPT-2 DDP at 1, 2, 4 and 8 GPUs with the same global batch,",
         "and the scaling efficiency (tokens/s at N / (N x tokens/s at 1), both measured in the same call). Every",
         "number is read from a result file in `benchmarks/results/`; regenerate with",
-        "`python benchmarks/scaling_report.py`.",
+        "`python -m benchmarks.scaling_report`.",
         "",
     ]
     if have_plot:

@@ -16,11 +16,11 @@ and ``"block"`` against ``"lane"`` on every row. Also the head's forward matmul 
 (:func:`lightning_opt.ops.fp8.fp8_matmul_t`, casts included), and, given ``--old`` (a ``softcap_ce.py`` from git
 history), that version's kernel with its defaults.
 
-    python benchmarks/softcap_ce_kernel.py           # CUDA: benchmarks/results/softcap_ce_kernel_<device>.json, ~30 s on an H100
-    python benchmarks/softcap_ce_kernel.py --smoke   # 16 rows x 300 on the CPU (Triton's interpreter with
+    python -m benchmarks.softcap_ce_kernel           # CUDA: benchmarks/results/softcap_ce_kernel_<device>.json, ~30 s on an H100
+    python -m benchmarks.softcap_ce_kernel --smoke   # 16 rows x 300 on the CPU (Triton's interpreter with
                                                      # TRITON_INTERPRET=1, else the torch path): checks the script runs
     git show 63b3550:lightning_opt/ops/softcap_ce.py > /tmp/softcap_ce_old.py
-    python benchmarks/softcap_ce_kernel.py --old /tmp/softcap_ce_old.py
+    python -m benchmarks.softcap_ce_kernel --old /tmp/softcap_ce_old.py
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import argparse
 import importlib.util
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,15 +38,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks.gpt2_common import write_json
+from benchmarks.result_header import device_slug, environment
+from lightning_opt.ops import softcap_ce as new
+from lightning_opt.ops.fp8 import fp8_matmul_t
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from gpt2_common import write_json  # noqa: E402
-from result_header import device_slug, environment  # noqa: E402
-
-from lightning_opt.ops import softcap_ce as new  # noqa: E402
-from lightning_opt.ops.fp8 import fp8_matmul_t  # noqa: E402
 
 FULL = dict(rows=32768, vocab=50304, width=768, warmup=3, iters=20, repeats=5, check_rows=1024,
             block_v=new.BLOCK_V)

@@ -12,16 +12,14 @@ of 402,653,184 entries) vs ``torch.topk(x.flatten(), K)``, float32 and bfloat16;
 Every variant is timed in this process with CUDA events (median of ``--iters`` after ``--warmup``); a failing
 variant is recorded with its error and the others still run.
 
-    python benchmarks/sparse_decode.py            # CUDA, about 1-2 minutes on an H100
-    python benchmarks/sparse_decode.py --smoke    # CPU, seconds (checks the script runs)
+    python -m benchmarks.sparse_decode            # CUDA, about 1-2 minutes on an H100
+    python -m benchmarks.sparse_decode --smoke    # CPU, seconds (checks the script runs)
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -29,14 +27,10 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from result_header import write_result  # noqa: E402
-
-from lightning_opt.ops import global_topk  # noqa: E402
-from lightning_opt.ops.global_topk import batch_topk_threshold_sparse, global_batch_topk  # noqa: E402
-from lightning_opt.ops.sparse_decode import clt_sparse_decode  # noqa: E402
+from benchmarks.result_header import write_result
+from lightning_opt.ops import global_topk
+from lightning_opt.ops.global_topk import batch_topk_threshold_sparse, global_batch_topk
+from lightning_opt.ops.sparse_decode import clt_sparse_decode
 
 
 def timeit(fn: Callable[[], Any], warmup: int, iters: int, device: torch.device) -> float:

@@ -1,7 +1,7 @@
 """A cheaper PGD schedule against the fixed one: SPD on the 1-layer residual MLP, CPU.
 
-    python benchmarks/spd_pgd_schedule.py            # -> benchmarks/results/spd_pgd_schedule_cpu.json
-    python benchmarks/spd_pgd_schedule.py --smoke    # tiny sizes, seconds: checks that every variant runs
+    python -m benchmarks.spd_pgd_schedule            # -> benchmarks/results/spd_pgd_schedule_cpu.json
+    python -m benchmarks.spd_pgd_schedule --smoke    # tiny sizes, seconds: checks that every variant runs
 
 Every variant trains the same decomposition (same trained target, same initial components, same data stream
 per seed) for the same number of optimizer steps with a ``pgd_recon`` term; only the number of PGD ascent
@@ -26,20 +26,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from lightning_opt.models import spd as S
+from lightning_opt.models.toy import ResidMLPConfig, sparse_feature_batch, train_resid_mlp
+from lightning_opt.modules.spd import PGDConfig, SPDLossConfig, SPDModule, SPDTrainConfig
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import torch  # noqa: E402
-
-from lightning_opt.models import spd as S  # noqa: E402
-from lightning_opt.models.toy import ResidMLPConfig, sparse_feature_batch, train_resid_mlp  # noqa: E402
-from lightning_opt.modules.spd import PGDConfig, SPDLossConfig, SPDModule, SPDTrainConfig  # noqa: E402
 
 
 class _TimedSPD(SPDModule):
@@ -160,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=None, help="default: benchmarks/results/spd_pgd_schedule_cpu.json (smoke: none)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    from result_header import result_header
+    from benchmarks.result_header import result_header
 
     z = _sizes(args.smoke)
     if args.steps:

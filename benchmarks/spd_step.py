@@ -1,7 +1,7 @@
 """SPD training-step time: ours (lightning_opt) side by side with goodfire's ``spd`` in one run.
 
-    python benchmarks/spd_step.py             # CUDA: -> benchmarks/results/spd_step_gpt2_layer_<device>.json
-    python benchmarks/spd_step.py --smoke     # CPU, tiny sizes: checks that every variant runs
+    python -m benchmarks.spd_step             # CUDA: -> benchmarks/results/spd_step_gpt2_layer_<device>.json
+    python -m benchmarks.spd_step --smoke     # CPU, tiny sizes: checks that every variant runs
 
 Workloads (same target weights, same batches, same hyperparameters for both implementations; each workload's
 ``differences`` in the JSON lists what still differs):
@@ -70,17 +70,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from benchmarks import spd_peer_runner as peer
+from benchmarks.result_header import device_slug, result_header
+from lightning_opt.models import spd as S
+from lightning_opt.modules.spd import PGDConfig, SPDLossConfig, SPDModule, SPDTrainConfig
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import spd_peer_runner as peer  # noqa: E402
-from result_header import device_slug, result_header  # noqa: E402
-
-from lightning_opt.models import spd as S  # noqa: E402
-from lightning_opt.modules.spd import PGDConfig, SPDLossConfig, SPDModule, SPDTrainConfig  # noqa: E402
 
 
 def _sync(device: str) -> None:

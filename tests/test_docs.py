@@ -77,7 +77,7 @@ def test_every_docs_page_is_reachable_from_the_docs_home():
 #                       script (`.venv/bin/`, `srun`, `torchrun ... -m`) is dropped
 #   lightning-opt-data ...                  as written
 #   python -c '...'                         the code, in a fresh namespace
-#   python benchmarks/X.py --smoke ...      a benchmark's smoke variant (--smoke, --cpu-smoke), in a child process
+#   python -m benchmarks.X --smoke ...      a benchmark's smoke variant (--smoke, --cpu-smoke), in a child process
 # A command that cannot run here says why on the line before it (or at its end), and is checked instead:
 #   # [GPU] ...        a recipe: its configuration and overrides are parsed (--print_config);
 #                      a benchmark: `--help` exits 0 and lists every flag the line uses
@@ -230,34 +230,38 @@ def _run_data_cli(argv: list[str], marker: str | None, capsys) -> None:
     assert status == 0, capsys.readouterr().err
 
 
-def _check_benchmark(where: str, script: Path, args: list[str], marker: str | None, tmp_path: Path, capsys) -> None:
-    """A benchmark line: its smoke variant runs; a marked one is checked against the script's ``--help``."""
+def _check_benchmark(where: str, module: str, args: list[str], marker: str | None, tmp_path: Path, capsys) -> None:
+    """A benchmark line (``python -m benchmarks.X``): its smoke variant runs; a marked one is checked against the
+    module's ``--help``."""
+    import importlib.util
+    import os
     import runpy
     import subprocess
     import sys
 
-    assert script.is_file(), f"{where}: {script.relative_to(ROOT)} does not exist"
+    assert importlib.util.find_spec(module) is not None, f"{where}: {module} does not exist"
     if marker is None:
         assert any(a in _SMOKE for a in args), (
             f"{where}: a benchmark's full run is not run here: show its smoke variant ({'/'.join(_SMOKE)}) or mark "
             "the line # [GPU] or # [long]")
-        proc = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=300)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300)
         assert proc.returncode == 0, f"{where}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
         return
-    old_argv, old_path = sys.argv, list(sys.path)
-    sys.argv = [str(script), "--help"]
+    old_argv = sys.argv
+    sys.argv = [module, "--help"]
     capsys.readouterr()
     try:
         with pytest.raises(SystemExit) as info:
-            runpy.run_path(str(script), run_name="__main__")
+            runpy.run_module(module, run_name="__main__", alter_sys=False)
     finally:
-        sys.argv, sys.path[:] = old_argv, old_path
+        sys.argv = old_argv
     help_text = capsys.readouterr().out
     assert info.value.code in (0, None) and "usage:" in help_text, f"{where}: --help exits {info.value.code}"
     flags = {a.partition("=")[0] for a in args if a.startswith("--")}
     unknown = sorted(f for f in flags if not re.search(rf"{re.escape(f)}\b(?!-)", help_text))
-    assert not unknown, f"{where}: {script.name} has no {unknown} (see its --help)"
+    assert not unknown, f"{where}: {module} has no {unknown} (see its --help)"
 
 
 def _makefile() -> tuple[set[str], set[str], dict[str, str]]:
@@ -359,8 +363,8 @@ def test_docs_command_runs(where, command, marker, tmp_path, monkeypatch, capsys
         if argv[1] == "-c":
             exec(compile(argv[2], where, "exec"), {"__name__": "__docs__"})
             return
-        if argv[1].startswith("benchmarks/"):
-            _check_benchmark(where, ROOT / argv[1], argv[2:], marker, tmp_path, capsys)
+        if argv[1] == "-m" and argv[2].startswith("benchmarks."):
+            _check_benchmark(where, argv[2], argv[3:], marker, tmp_path, capsys)
             return
     _check_tool(where, argv)
 

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpt2_common import ROOT, RunSpec, Tokens, run_loop, schedule_for, summarize  # type: ignore
+
+from benchmarks.gpt2_common import ROOT, RunSpec, Tokens, run_loop, schedule_for, summarize
 
 PEER_MODEL = ROOT / ".peers" / "nanoGPT" / "model.py"
 

@@ -34,7 +34,7 @@ Records whose train loader reads each matched file once get a pattern over enoug
 (:func:`record_data`); a val file shorter than the val loader reads is given the val shard repeated (only the
 first ``val_tokens`` are evaluated).
 
-    python benchmarks/peers/patch_record.py --train .data/novels/novels_train_000000.bin \
+    python -m benchmarks.peers.patch_record --train .data/novels/novels_train_000000.bin \
         --val .data/novels/novels_val_000000.bin --iterations 127 --val-tokens 1048576
 """
 

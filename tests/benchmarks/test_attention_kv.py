@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from tests.benchmarks._load import load_benchmark
+from benchmarks import attention_kv
 
 
 def test_smoke_runs_every_variant(tmp_path):
-    mod = load_benchmark("attention_kv")
+    mod = attention_kv
     out = tmp_path / "attention_kv.json"
     mod.main(["--smoke", "--out", str(out)])
     res = json.loads(out.read_text())

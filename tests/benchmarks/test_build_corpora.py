@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks import build_corpora
 from lightning_opt.data.shards import HEADER_INTS, MAGIC, VERSION
-from tests.benchmarks._load import load_benchmark
 from tests.data._shared import BPE, SHARED
 
 NOVELS = SHARED / "novels"
@@ -22,7 +22,7 @@ TRAIN, VAL = 2500, 800
 
 @pytest.fixture(scope="module")
 def bc():
-    return load_benchmark("build_corpora")
+    return build_corpora
 
 
 def _code_roots(tmp: Path) -> list[str]:

@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from tests.benchmarks._load import load_benchmark
+from benchmarks import callbacks_overhead
 
 
 def _bench():
-    return load_benchmark("callbacks_overhead")
+    return callbacks_overhead
 
 
 def test_schedule_puts_the_baseline_around_every_group_and_alternates_the_order():

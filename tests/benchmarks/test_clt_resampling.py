@@ -8,11 +8,11 @@ import math
 
 import torch
 
-from tests.benchmarks._load import load_benchmark
+from benchmarks import clt_resampling
 
 
 def test_smoke_result_has_every_variant_and_seed_with_sane_metrics(tmp_path):
-    bench = load_benchmark("clt_resampling")
+    bench = clt_resampling
     out, png = tmp_path / "r.json", tmp_path / "p.png"
     res = bench.main(["--smoke", "--out", str(out), "--plot", str(png)])
     saved = json.loads(out.read_text())
@@ -59,7 +59,7 @@ def test_smoke_result_has_every_variant_and_seed_with_sane_metrics(tmp_path):
 
 
 def test_smoke_subset_of_variants_with_another_weighting(tmp_path):
-    bench = load_benchmark("clt_resampling")
+    bench = clt_resampling
     res = bench.main(["--smoke", "--seeds", "1", "--variants", "none,resample", "--resample_weighting", "uniform",
                       "--out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "p.png")])
     assert [r["variant"] for r in res["rows"]] == ["none", "resample"] and set(res["summary"]) == {"none", "resample"}

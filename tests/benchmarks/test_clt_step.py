@@ -8,11 +8,11 @@ import os
 
 import pytest
 
-from tests.benchmarks._load import load_benchmark
+from benchmarks import clt_step
 
 
 def _bench():
-    return load_benchmark("clt_step")
+    return clt_step
 
 
 def _triton_interpreted() -> bool:

@@ -3,12 +3,12 @@ formulas (docs/strategies.md, "Several machines"), on 2 and 4 gloo processes."""
 
 from __future__ import annotations
 
-from tests.benchmarks._load import load_benchmark
+from benchmarks import comm_bytes
 
 
 def test_measured_bytes_match_the_formulas(monkeypatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    bench = load_benchmark("comm_bytes")
+    bench = comm_bytes
     result = bench.main(["--smoke"])
     rows = {r["variant"]: r for r in result["rows"]}
     assert set(rows) == set(bench.VARIANTS)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.benchmarks._load import load_benchmark
-
-documented_commands = load_benchmark("documented_commands")
+from benchmarks import documented_commands
 
 
 def test_sharded_clt_commands_pass_every_phase_and_are_recorded(tmp_path) -> None:

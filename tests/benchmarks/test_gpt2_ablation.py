@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.benchmarks._load import load_benchmark
+from benchmarks import gpt2_ablation, gpt2_report, make_docs
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def ablation():
-    return load_benchmark("gpt2_ablation")
+    return gpt2_ablation
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def test_report_renders_the_new_and_the_old_format(ablation, smoke, tmp_path):
         else:
             assert f"{r['final_val_loss']:.4f}" in line and f"| {r['code_lines'] or '-'} |" in line
     # old-format files (one seed, no band) still render, with the caveat
-    report = load_benchmark("gpt2_report")
+    report = gpt2_report
     old = sorted((ROOT / "benchmarks" / "results").glob("gpt2_ablation_*.json"))
     old = [p for p in old if json.loads(p.read_text()).get("format", 1) < 2]
     doc = report.main(["--ablation", str(path), *map(str, old), "--doc", str(tmp_path / "gpt2.md")])
@@ -168,7 +168,6 @@ def test_report_renders_the_new_and_the_old_format(ablation, smoke, tmp_path):
 
 def test_make_docs_index_reads_the_new_format(smoke, tmp_path):
     pytest.importorskip("matplotlib")
-    make_docs = load_benchmark("make_docs")
     _, path, _ = smoke
     res = tmp_path / "results"
     shutil.copytree(ROOT / "benchmarks" / "results", res)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmarks._load import load_benchmark
+import benchmarks.gpt2_report
 
 DEVICE = "NVIDIA H100 80GB HBM3"
 SLUG = "nvidia-h100-80gb-hbm3"
@@ -17,8 +17,7 @@ SLUG = "nvidia-h100-80gb-hbm3"
 @pytest.fixture(scope="module")
 def report():
     pytest.importorskip("matplotlib")
-    load_benchmark("gpt2_corpus_report")
-    return load_benchmark("gpt2_report")
+    return benchmarks.gpt2_report
 
 
 def _manifest(folder: Path) -> Path:

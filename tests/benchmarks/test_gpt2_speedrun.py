@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks import gpt2_speedrun
 from lightning_opt.data.shards import write_shard
-from tests.benchmarks._load import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_smoke_classic_fused_and_torch_loss_rows(tmp_path):
-    bench = load_benchmark("gpt2_speedrun")
+    bench = gpt2_speedrun
     block = np.random.default_rng(0).integers(0, 512, 37)  # a repeated phrase: the loss falls in a few steps
     data = tmp_path / "data"
     write_shard(data / "tiny_train_000000.bin", np.tile(block, 200_000 // 37))
@@ -53,7 +53,7 @@ def test_smoke_repeats_alternate_the_order_and_report_the_median(tmp_path):
     """--repeats 2: the row list forward then reversed (A B C C B A); each row's step time is the median of its
     repeats; the coordinate-descent row is the classic config with that inductor option, nanoGPT compiles with
     inductor's defaults."""
-    bench = load_benchmark("gpt2_speedrun")
+    bench = gpt2_speedrun
     data = tmp_path / "data"
     block = np.random.default_rng(1).integers(0, 512, 41)
     write_shard(data / "tiny_train_000000.bin", np.tile(block, 100_000 // 41))
@@ -84,7 +84,7 @@ def test_smoke_repeats_alternate_the_order_and_report_the_median(tmp_path):
 
 
 def test_median_row_keeps_failed_repeats_and_the_median_of_the_timed_ones():
-    median_row = load_benchmark("gpt2_speedrun").median_row
+    median_row = gpt2_speedrun.median_row
     rows = [{"position": 0, "step_ms": 100.0, "tokens_per_s": 1000.0, "mfu": 0.4, "spec": {}},
             {"position": 3, "error": "OutOfMemoryError"},
             {"position": 4, "step_ms": 104.0, "tokens_per_s": 961.5, "mfu": 0.3846},
@@ -97,7 +97,7 @@ def test_median_row_keeps_failed_repeats_and_the_median_of_the_timed_ones():
 
 
 def test_classic_goal_takes_the_faster_geometry_of_each():
-    summarize = load_benchmark("gpt2_speedrun").summarize
+    summarize = gpt2_speedrun.summarize
     res = {"nanogpt": {"tokens_per_s": 100.0}, "nanogpt-mb64": {"tokens_per_s": 102.0},
            "ours-classic-lightning": {"tokens_per_s": 104.0}, "ours-classic-mb64-lightning": {"tokens_per_s": 108.0},
            "ours-classic-torchloss-lightning": {"tokens_per_s": 100.0}}
@@ -109,7 +109,7 @@ def test_classic_goal_takes_the_faster_geometry_of_each():
 
 
 def test_classic_goal_compares_the_same_architecture_when_both_ran():
-    summarize = load_benchmark("gpt2_speedrun").summarize
+    summarize = gpt2_speedrun.summarize
     res = {"nanogpt": {"tokens_per_s": 110.0}, "nanogpt-bias": {"tokens_per_s": 98.0},
            "nanogpt-bias-mb64": {"tokens_per_s": 100.0}, "ours-classic-lightning": {"tokens_per_s": 106.0},
            "ours-classic-nobias-lightning": {"tokens_per_s": 116.0}}
@@ -124,7 +124,7 @@ def test_classic_goal_compares_the_same_architecture_when_both_ran():
 def test_smoke_val_every_zero_validates_once_after_the_last_step(tmp_path):
     """--val-every 0: one validation, at the last optimizer step, inside Trainer.fit (after fit, Lightning has
     moved the module back to the CPU); the run's final loss is that point's."""
-    bench = load_benchmark("gpt2_speedrun")
+    bench = gpt2_speedrun
     data = tmp_path / "data"
     block = np.random.default_rng(2).integers(0, 512, 43)
     write_shard(data / "tiny_train_000000.bin", np.tile(block, 100_000 // 43))

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmarks._load import load_benchmark
+import benchmarks.make_docs
+from benchmarks._results import ENV_KEYS, make_result
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,41 +17,46 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def make_docs():
     pytest.importorskip("matplotlib")
-    return load_benchmark("make_docs")
+    return benchmarks.make_docs
 
 
 def _write(folder: Path, name: str, obj) -> None:
     (folder / name).write_text(obj if isinstance(obj, str) else json.dumps(obj))
 
 
+def _result(results, device: str = "cpu", command: str | None = None, notes: str | None = None, **env) -> dict:
+    """A result in the schema, as a benchmark writes it."""
+    env = {**dict.fromkeys(ENV_KEYS), "device": device, **env}
+    return make_result(benchmark="b", env=env, command=command, baseline=None, results=results, notes=notes)
+
+
 def test_any_shape_gives_pages_index_and_plots(make_docs, tmp_path):
     res, out = tmp_path / "results", tmp_path / "out"
     res.mkdir()
-    _write(res, "flat_smoke.json", {
-        "benchmark": "flat", "device": "cpu", "command": "python benchmarks/flat.py --smoke", "smoke": True,
+    _write(res, "flat_smoke.json", _result({
+        "smoke": True,
         "rows": [{"variant": "baseline", "step_ms": 12.5}, {"variant": "ours", "step_ms": 6.25, "error": ""}],
         "speedup": {"baseline/ours": 2.0},
-    })
-    _write(res, "nested.json", {
-        "env": {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "date_utc": "2026-11-26 03:00",
-                "command": ["python", "benchmarks/nested.py"]},
+    }, command="python -m benchmarks.flat --smoke"))
+    _write(res, "nested.json", _result({
         "workloads": {"a": {"rows": [{"name": "x", "tokens_per_s": 1e6}, {"name": "y", "tokens_per_s": 2e6,
                                                                          "error": "CUDA OOM"}]}},
         "overhead_ratio": 1.03,
-    })
-    _write(res, "toplist.json", [{"k": 1, "ms": 3.0}, {"k": 2, "ms": 4.0}])
+    }, device="NVIDIA H100 80GB HBM3", command="python -m benchmarks.nested", torch="2.11",
+        date_utc="2026-11-26 03:00"))
+    _write(res, "toplist.json", _result([{"k": 1, "ms": 3.0}, {"k": 2, "ms": 4.0}]))
     _write(res, "scalar.json", "42")
     _write(res, "broken.json", "{not json")
-    _write(res, "gpt2_speedrun_x.json", {"env": {"device": "cpu"}})
+    _write(res, "gpt2_speedrun_x.json", _result({}))
     make_docs.main(["--results", str(res), "--out", str(out)])
 
     index = (out / "index.md").read_text()
     for name in ("flat_smoke", "nested", "toplist", "scalar", "broken", "gpt2_speedrun_x"):
         assert f"{name}.json" in index
-    assert "unreadable" in index  # broken.json is listed, not fatal
+    assert index.count("unreadable") == 2  # broken.json and a file outside the schema are listed, not fatal
     assert "gpt2.md" in index and not (out / "gpt2_speedrun_x.md").exists()  # its own generator's page
     nested = (out / "nested.md").read_text()
-    assert "NVIDIA H100 80GB HBM3" in nested and "python benchmarks/nested.py" in nested
+    assert "NVIDIA H100 80GB HBM3" in nested and "python -m benchmarks.nested" in nested
     assert "CUDA OOM" in nested and "overhead_ratio" in nested
     assert "smoke run" in (out / "flat_smoke.md").read_text()
     assert "| baseline/ours" not in index  # headline keys are dotted paths
@@ -66,8 +72,8 @@ def test_any_shape_gives_pages_index_and_plots(make_docs, tmp_path):
 def test_numbers_come_from_the_json(make_docs, tmp_path):
     res, out = tmp_path / "results", tmp_path / "out"
     res.mkdir()
-    _write(res, "r.json", {"device": "cpu", "rows": [{"variant": "a", "step_ms": 1.2345678},
-                                                      {"variant": "b", "step_ms": 9.87654}]})
+    _write(res, "r.json", _result({"rows": [{"variant": "a", "step_ms": 1.2345678},
+                                            {"variant": "b", "step_ms": 9.87654}]}))
     make_docs.main(["--results", str(res), "--out", str(out)])
     page = (out / "r.md").read_text()
     assert "1.235" in page and "9.877" in page
@@ -79,8 +85,8 @@ def test_one_page_per_benchmark_with_a_section_per_device(make_docs, tmp_path):
     res, out = tmp_path / "results", tmp_path / "out"
     res.mkdir()
     row = {"rows": [{"variant": "a", "step_ms": 1.0}, {"variant": "b", "step_ms": 2.0}]}
-    _write(res, "bench_nvidia-h100-80gb-hbm3.json", {"device": "NVIDIA H100 80GB HBM3", **row})
-    _write(res, "bench_2x-nvidia-h200.json", {"device": "NVIDIA H200", "note": "what was measured", **row})
+    _write(res, "bench_nvidia-h100-80gb-hbm3.json", _result(row, device="NVIDIA H100 80GB HBM3"))
+    _write(res, "bench_2x-nvidia-h200.json", _result(row, device="NVIDIA H200", notes="what was measured"))
     (res / "kernel_nvidia-h200.txt").write_text("train sweep 1.5 ms\n")
     make_docs.main(["--results", str(res), "--out", str(out)])
     assert make_docs.split_name("clt_scaling_4x-nvidia-h200") == ("clt_scaling", "4x-nvidia-h200")

@@ -2,11 +2,11 @@ from __future__ import annotations
 
 import json
 
-from tests.benchmarks._load import load_benchmark
+from benchmarks import optim_step
 
 
 def _bench():
-    return load_benchmark("optim_step")
+    return optim_step
 
 
 def test_smoke_times_each_optimizer_and_reports_state_memory(tmp_path):

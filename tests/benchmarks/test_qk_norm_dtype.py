@@ -7,11 +7,11 @@ import json
 
 import torch
 
-from tests.benchmarks._load import load_benchmark
+from benchmarks import qk_norm_dtype
 
 
 def test_smoke_times_both_variants_and_compares_their_numbers(tmp_path, monkeypatch):
-    mod = load_benchmark("qk_norm_dtype")
+    mod = qk_norm_dtype
     out = tmp_path / "qk.json"
     mod.main(["--smoke", "--out", str(out)])
     res = json.loads(out.read_text())

@@ -21,7 +21,7 @@ CLT_SMOKE_4 = ("clt_scaling.py", "--smoke", "--gpus", "1", "2", "4")  # 1, 2 and
 
 def _run(script: str, *args: str, timeout: float = 120) -> None:
     proc = subprocess.run(
-        [sys.executable, f"benchmarks/{script}", *args],
+        [sys.executable, "-m", f"benchmarks.{script.removesuffix('.py')}", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

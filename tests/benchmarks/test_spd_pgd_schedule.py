@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 
-from tests.benchmarks._load import load_benchmark
+from benchmarks import spd_pgd_schedule
 
 
 def test_smoke_compares_the_schedule_with_the_fixed_pgd_steps(tmp_path):
-    mod = load_benchmark("spd_pgd_schedule")
+    mod = spd_pgd_schedule
     out = tmp_path / "r.json"
     res = mod.main(["--smoke", "--seeds", "1", "--out", str(out)])
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(res["rows"]))

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from tests.benchmarks._load import load_benchmark
+from benchmarks import spd_step
 
 
 def _bench():
-    return load_benchmark("spd_step")
+    return spd_step
 
 
 def test_smoke_records_a_compile_timeout_and_keeps_going(tmp_path):
