@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -28,7 +29,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from lightning_opt._optional import require
 from lightning_opt.data.corpus import cache_root, default_corpus_shards
@@ -481,18 +482,51 @@ class CachedActivations(Dataset):
 
 
 class _OnlineStream(IterableDataset):
-    def __init__(self, dm: CLTDataModule, files: Any, max_tokens: int | None, with_tokens: bool) -> None:
-        self.dm, self.files, self.max_tokens, self.with_tokens = dm, files, max_tokens, with_tokens
+    """The target's activations of ``files``, one batch per group of ``windows_per_forward`` windows. The training
+    stream (``train``) starts each pass at the data position (:meth:`CLTDataModule.state_dict`): the windows of
+    the batches a resumed run already trained on are skipped before the target sees them."""
+
+    def __init__(self, dm: CLTDataModule, files: Any, max_tokens: int | None, with_tokens: bool,
+                 train: bool = False) -> None:
+        self.dm, self.files, self.max_tokens, self.with_tokens, self.train = dm, files, max_tokens, with_tokens, train
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         dm = self.dm
         rank, world = dm.data_rank_world()
-        windows = token_windows(self.files, dm.seq_len, dm.windows_per_forward, self.max_tokens)
+        windows: Iterator[torch.Tensor] = token_windows(self.files, dm.seq_len, dm.windows_per_forward,
+                                                        self.max_tokens)
         if world > 1:
             # data-parallel ranks take every world-th batch of windows (ranks of one decoder group share it)
             windows = (w for i, w in enumerate(windows) if i % world == rank)
+        if self.train:
+            _, skip = dm._start_pass()
+            windows = itertools.islice(windows, skip, None)  # one group of windows per batch
         yield from iter_activation_batches(dm.capture, windows, dm.tokens_per_batch, dm.target_device,
                                            with_tokens=self.with_tokens)
+
+
+class _PassSampler(DistributedSampler):
+    """This data rank's batches of an activation cache for one pass: every pass in its own order (seeded by the
+    data module's ``seed`` and the pass), split over the data ranks, from the data position on. A
+    ``DistributedSampler``, so Lightning uses it as it is on several ranks."""
+
+    def __init__(self, dm: CLTDataModule, n_batches: int) -> None:
+        rank, world = dm.data_rank_world()
+        super().__init__(range(n_batches), num_replicas=world, rank=rank, shuffle=dm.shuffle, seed=dm.seed,
+                         drop_last=True)
+        self.dm, self.n_batches = dm, n_batches
+
+    def __iter__(self) -> Iterator[int]:
+        pass_index, skip = self.dm._start_pass()
+        if self.shuffle:
+            order = torch.randperm(self.n_batches, generator=torch.Generator().manual_seed(self.seed + pass_index))
+        else:
+            order = torch.arange(self.n_batches)
+        mine = order[: self.num_samples * self.num_replicas][self.rank :: self.num_replicas]
+        return iter(mine[skip:].tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
 
 
 def load_target_model(target: str | nn.Module, cache_dir: str | os.PathLike | None = None) -> nn.Module:
@@ -586,7 +620,8 @@ class CLTDataModule(pl.LightningDataModule):
             ``train_tokens`` or ``dtype``; see :meth:`cache_key`) or with a shard cut short is refused at
             ``setup``, naming what differs: use another folder, or delete this one to rebuild it.
         dtype: storage dtype of activations (``bfloat16``, ``float16``, ``float32``).
-        shuffle: shuffle cached batches each epoch.
+        shuffle: shuffle cached batches each pass (each pass in its own order, seeded by ``seed``).
+        seed: the seed of the cached batches' order.
         num_workers, prefetch_factor: DataLoader settings for the cache.
         stats_tokens: tokens used for normalisation statistics in online mode.
         rank, world_size: data-parallel rank and size of the online stream (default: the strategy's
@@ -605,6 +640,7 @@ class CLTDataModule(pl.LightningDataModule):
         cache_dir: str | None = None,
         dtype: str = "bfloat16",
         shuffle: bool = True,
+        seed: int = 0,
         num_workers: int = 0,
         prefetch_factor: int | None = None,
         stats_tokens: int = 65536,
@@ -624,7 +660,11 @@ class CLTDataModule(pl.LightningDataModule):
         self.cache_dir = cache_dir
         self.dtype = _DTYPES[dtype]
         self.shuffle, self.num_workers, self.prefetch_factor = shuffle, num_workers, prefetch_factor
+        self.seed = seed
         self.stats_tokens = stats_tokens
+        # the data position: the training pass and the batches of it this rank has trained on
+        self._pass, self._consumed = -1, 0
+        self._resume_at: tuple[int, int] | None = None
         if (rank is None) != (world_size is None) or (world_size is not None and not 0 <= rank < world_size):
             raise ValueError(f"pass both rank and world_size with 0 <= rank < world_size, got {rank}, {world_size}")
         self._rank_world = None if rank is None else (rank, world_size)
@@ -752,11 +792,42 @@ class CLTDataModule(pl.LightningDataModule):
         if self._cached is not None:
             workers = self.num_workers
             return DataLoader(
-                self._cached, batch_size=None, shuffle=self.shuffle, num_workers=workers,
+                self._cached, batch_size=None, sampler=_PassSampler(self, len(self._cached)), num_workers=workers,
                 pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
                 prefetch_factor=self.prefetch_factor if workers > 0 else None,
             )
-        return DataLoader(_OnlineStream(self, self._files("train"), self.train_tokens, False), batch_size=None)
+        return DataLoader(_OnlineStream(self, self._files("train"), self.train_tokens, False, train=True),
+                          batch_size=None)
+
+    # -- the data position ------------------------------------------------------------------------
+    def _start_pass(self) -> tuple[int, int]:
+        """The pass a training iterator starts and the batches of it to skip (a resumed run's position)."""
+        if self._resume_at is not None:
+            (self._pass, self._consumed), self._resume_at = self._resume_at, None
+        else:
+            self._pass, self._consumed = self._pass + 1, 0
+        return self._pass, self._consumed
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and trainer.training:
+            self._consumed += 1  # a training batch handed to the step: trained on once this step ends
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position, saved in checkpoints: the training pass and the batches of it this rank has
+        trained on. A resumed run skips those batches (online: before the target runs on them), so it sees
+        the batches the uninterrupted run would have seen."""
+        if self._resume_at is not None:  # loaded, not yet applied by a training iterator
+            return {"pass": self._resume_at[0], "consumed": self._resume_at[1]}
+        return {"pass": max(self._pass, 0), "consumed": self._consumed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s position (applied when the next training pass starts)."""
+        if not {"pass", "consumed"} <= set(state_dict):
+            raise ValueError(f"CLTDataModule.load_state_dict: the state {sorted(state_dict)} has no pass and consumed; "
+                             "it was not written by CLTDataModule.state_dict")
+        self._resume_at = (int(state_dict["pass"]), int(state_dict["consumed"]))
 
     def val_dataloader(self) -> DataLoader | list:
         files = self._files("val")
