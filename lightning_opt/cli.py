@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_opt.callbacks.async_checkpoint import (
@@ -502,7 +503,8 @@ def print_logger_paths(trainer: L.Trainer) -> None:
 
 def run_recipe(cli: RecipeCLI, summary: RunSummary, **extra: Any) -> dict[str, Any]:
     """Fit, validate once more if the last step was not validated (with validation data), write ``metrics.json``
-    (the run summary and ``extra``) into the run directory and return it."""
+    (the run summary and ``extra``) into the run directory and return it. A run stopped by SIGTERM writes the
+    summary of what it trained (with ``stopped_by: "SIGTERM"``) before the stop propagates."""
     trainer, model, data = cli.trainer, cli.model, cli.datamodule
     block = getattr(getattr(model, "model_config", None), "block_size", None)
     seq_len = getattr(data, "seq_len", None)
@@ -517,14 +519,21 @@ def run_recipe(cli: RecipeCLI, summary: RunSummary, **extra: Any) -> dict[str, A
             "nothing; give --trainer.max_steps a positive number of steps (or -1 to train for max_epochs)"
         )
     ckpt_path = resolve_resume(trainer, cli.config.get("ckpt_path"))
-    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)  # never unpickle code
+    name = cli.config.get("metrics_file", "metrics.json")
+    try:
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)  # never unpickle code
+    except SIGTERMException:
+        # pre-empted: the checkpoint of the last step is saved; the segment's summary is kept too
+        if trainer.is_global_zero:
+            write_metrics(run_dir(trainer) / name, summary.summary(trainer, model, stopped_by="SIGTERM", **extra))
+        raise
     has_val_data = is_overridden("val_dataloader", data if data is not None else model)
     if has_val_data and (not summary.val_history or summary.val_history[-1]["step"] != trainer.global_step):
         trainer.validate(model, datamodule=data, verbose=False, weights_only=True)
     metrics = summary.summary(trainer, model, **extra)
-    path = run_dir(trainer) / cli.config.get("metrics_file", "metrics.json")
-    write_metrics(path, metrics)
+    path = run_dir(trainer) / name
     if trainer.is_global_zero:
+        write_metrics(path, metrics)
         print(summary.final_line(metrics))
         print_logger_paths(trainer)
         print(f"metrics: {path}")
