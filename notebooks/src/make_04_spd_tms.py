@@ -63,7 +63,7 @@ CELLS = [
                     ci_fn="mlp", ci_hidden=[16], sigmoid="leaky_hard", use_delta=True)
     loss = SPDLossConfig(importance_minimality=3e-3, p=1.0, stochastic_recon=1.0,
                          stochastic_recon_layerwise=1.0, output="mse")
-    train = SPDTrainConfig(lr=1e-3, schedule="cosine", final_lr_frac=0.0, batch_size=4096,
+    train = SPDTrainConfig(batch_size=4096,  # AdamW at lr 1e-3, cosine to 0: the module's default optim and schedule
                            faithfulness_warmup_steps=200, faithfulness_warmup_lr=0.01,
                            faithfulness_warmup_weight_decay=0.1, identity_patterns=["linear1", "linear2"],
                            eval_batches=4, seed=0)
