@@ -1,4 +1,4 @@
-"""Cross-layer transcoder (CLT): plain torch model, activations and losses.
+"""Cross-layer transcoder (CLT): plain torch model, activations, the AuxK loss and the circuit-tracer export.
 
 A CLT reads the MLP input (normalised residual stream) ``x_l`` of every layer ``l`` and reconstructs the MLP
 output ``y_t`` of every layer ``t`` from the features of all layers ``l <= t`` (Anthropic, "Circuit
@@ -39,6 +39,9 @@ gather of the kept entries). The spec, those collectives and :func:`clip_grad_no
 model) live in :mod:`lightning_opt.models.clt_parallel`; ``CLTShardSpec`` and ``clip_grad_norm_`` import from here too.
 ``lightning_opt.strategies.DecoderShardingStrategy`` builds the groups and shards the model at setup.
 
+Losses: FVU, the tanh sparsity penalty and the pre-activation loss are functions of tensors, in
+:mod:`lightning_opt.models.clt_losses` (importable from here too); :func:`auxk_loss` decodes through the model.
+
 Normalisation: the model owns ``in_shift/in_scale`` and ``out_shift/out_scale`` buffers (``[L, d_model]``);
 :meth:`CLT.encode` normalises inputs, :meth:`CLT.decode` predicts *normalised* targets, and
 :meth:`CLT.denormalize` maps back. :meth:`CLT.folded_weights` folds them into the weights for export.
@@ -61,6 +64,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from lightning_opt._optional import is_available
+from lightning_opt.models.clt_losses import (
+    fvu,
+    fvu_per_layer,
+    preactivation_loss,
+    tanh_sparsity_penalty,
+    tanh_sparsity_penalty_sparse,
+)
 from lightning_opt.models.clt_parallel import (
     CLTShardSpec,
     all_gather_last,
@@ -993,84 +1003,7 @@ def _sparse_decode_layers(
     return _triangular_sum(ys, L, d, n_tokens, device)
 
 
-# --------------------------------------------------------------------- losses
-def fvu_per_layer(pred: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Numerator and denominator of the pooled FVU per layer.
-
-    FVU (pooled over dimensions) for layer t = ``sum_{n,i} (y - yhat)^2 / sum_{n,i} (y - mean_n y)^2``:
-    squared error summed over tokens and dimensions, over the squared deviation of the target from its
-    per-dimension mean over the batch, summed the same way.
-
-    Args:
-        pred, target: ``[N, L, d]``.
-
-    Returns:
-        ``(sse [L], sst [L])`` in float32.
-    """
-    pred, target = pred.float(), target.float()
-    sse = (target - pred).pow(2).sum(dim=(0, 2))
-    sst = (target - target.mean(dim=0, keepdim=True)).pow(2).sum(dim=(0, 2))
-    return sse, sst
-
-
-def fvu(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Pooled FVU over all layers: ``sum_t sse_t / sum_t sst_t`` (see :func:`fvu_per_layer`)."""
-    sse, sst = fvu_per_layer(pred, target)
-    return sse.sum() / sst.sum().clamp_min(1e-12)
-
-
-def tanh_sparsity_penalty(acts: torch.Tensor, decoder_norms: torch.Tensor, c: float = 1.0) -> torch.Tensor:
-    """Anthropic's penalty ``sum_{l,f} tanh(c * a_lf * ||W_dec,lf||)`` averaged over tokens.
-
-    Args:
-        acts: ``[L, N, F]`` activations (dense).
-        decoder_norms: ``[L, F]`` norms of the concatenated decoder vectors (:meth:`CLT.decoder_norms`).
-    """
-    # in the activations' dtype (no float32 copy of [L, N, F]); the sum accumulates in float32
-    scaled = acts * (c * decoder_norms[:, None, :]).to(acts.dtype)
-    return torch.tanh(scaled).sum(dtype=torch.float32) / acts.shape[1]
-
-
-def tanh_sparsity_penalty_sparse(
-    indices: torch.Tensor, values: torch.Tensor, decoder_norms: torch.Tensor, n_tokens: int
-) -> torch.Tensor:
-    """:func:`tanh_sparsity_penalty` from sparse activations (zeros contribute tanh(0) = 0)."""
-    L, nf = decoder_norms.shape
-    layer = torch.div(indices, n_tokens * nf, rounding_mode="floor")
-    feat = indices % nf
-    return torch.tanh(values.float() * decoder_norms[layer, feat]).sum() / n_tokens
-
-
-def preactivation_loss(pre: torch.Tensor, threshold: torch.Tensor | None = None) -> torch.Tensor:
-    """Anthropic's pre-activation loss ``sum_{l,f} relu(threshold - pre)`` averaged over tokens.
-
-    Pushes dead features' pre-activations up towards firing; ``threshold`` is ``[L, F]`` (JumpReLU) or 0.
-    """
-    if threshold is None:
-        return _PreactLoss.apply(pre)
-    # relu(th - pre) = -min(pre - th, 0): one temporary in pre's dtype, fp32 accumulation
-    shifted = pre - threshold[:, None, :].to(pre.dtype)
-    return -shifted.clamp(max=0).sum(dtype=torch.float32) / pre.shape[1]
-
-
-class _PreactLoss(torch.autograd.Function):
-    """``-sum(min(pre, 0)) / N`` (float32) with a one-pass backward ``where(pre <= 0, -g / N, 0)`` in pre's dtype.
-
-    Autograd of ``clamp(...).sum(dtype=float32)`` would first materialise the broadcast float32 gradient in
-    pre's dtype (a full ``[L, N, F]`` copy), then a mask, then the masked gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, pre: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(pre)
-        return -pre.clamp(max=0).sum(dtype=torch.float32) / pre.shape[1]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        (pre,) = ctx.saved_tensors
-        step = (-grad / pre.shape[1]).to(pre.dtype)  # clamp's gradient includes pre == 0, as here
-        return torch.where(pre <= 0, step, torch.zeros((), dtype=pre.dtype, device=pre.device))
-
-
+# ------------------------------------------------------------------- AuxK loss
 def auxk_loss(
     model: CLT,
     pre: torch.Tensor,

@@ -19,19 +19,14 @@ from typing_extensions import override
 
 from lightning_opt.callbacks._logging import trainer_logs_next_step
 from lightning_opt.data.activations import find_mlps
-from lightning_opt.models.clt import (
-    CLT,
-    CLTConfig,
-    CLTExecution,
-    CLTOutput,
-    auxk_loss,
-    clip_grad_norm_,
+from lightning_opt.models.clt import CLT, CLTConfig, CLTExecution, CLTOutput, auxk_loss
+from lightning_opt.models.clt_losses import (
     fvu_per_layer,
     preactivation_loss,
     tanh_sparsity_penalty,
     tanh_sparsity_penalty_sparse,
 )
-from lightning_opt.models.clt_parallel import sum_backward, sum_forward
+from lightning_opt.models.clt_parallel import clip_grad_norm_, sum_backward, sum_forward
 from lightning_opt.modules.base import CompileConfig, TrainingModule, as_config, register_safe_globals
 from lightning_opt.ops.global_topk import all_gather
 from lightning_opt.optim.factory import OptimConfig
@@ -51,7 +46,7 @@ RESAMPLE_WEIGHTINGS = ("loss", "loss_squared", "uniform")
 
 
 class FVUMetric(Metric):
-    """Pooled FVU per layer over the whole evaluation set (see :func:`lightning_opt.models.clt.fvu_per_layer`).
+    """Pooled FVU per layer over the whole evaluation set (see :func:`lightning_opt.models.clt_losses.fvu_per_layer`).
 
     ``compute()`` returns ``(fvu_per_layer [L], fvu_total)``; the denominator is the squared deviation from the
     per-dimension mean over *all* evaluated tokens, accumulated exactly from sums.
@@ -687,7 +682,7 @@ class CLTModule(TrainingModule):
         self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
     ) -> None:
         """Norm clipping of a sharded CLT (decoder sharding) uses the norm of the whole model
-        (:func:`~lightning_opt.models.clt.clip_grad_norm_`); otherwise the base module's clipping."""
+        (:func:`~lightning_opt.models.clt_parallel.clip_grad_norm_`); otherwise the base module's clipping."""
         if gradient_clip_val and gradient_clip_algorithm != "value" and self.model.shard is not None:
             clip_grad_norm_(self, (p for g in optimizer.param_groups for p in g["params"]), gradient_clip_val)
             return
