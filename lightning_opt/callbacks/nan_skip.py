@@ -17,6 +17,7 @@ from lightning_opt._internals import override_step, restore_class
 from lightning_opt.callbacks._flagged_copy import FlaggedCopy
 from lightning_opt.callbacks._logging import KeyedStateCallback, log_metrics, log_step
 from lightning_opt.callbacks._nonfinite import NonFiniteCheck
+from lightning_opt.optim.combined import CombinedOptimizer
 
 _REASONS = ("non-finite loss", "non-finite gradient", "loss spike", "loss clamped by LossClamp")
 _WRAP_TAG = "_lightning_opt_nan_skip"
@@ -66,8 +67,6 @@ class _Pending:
 
 def _inner_optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer] | None:
     """The optimizers a :class:`~lightning_opt.optim.combined.CombinedOptimizer` steps, else None."""
-    from lightning_opt.optim.combined import CombinedOptimizer
-
     return list(optimizer.optimizers) if isinstance(optimizer, CombinedOptimizer) else None
 
 

@@ -15,7 +15,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from lightning_opt._errors import UsageError, console_status
+from lightning_opt.data import prepare
+from lightning_opt.data.corpus import default_corpus_shards
+from lightning_opt.data.download import FINEWEB_REPO, download_fineweb
 from lightning_opt.data.prepare import DEFAULT_SHARD_TOKENS
+from lightning_opt.data.shards import max_token_id, read_header, resolve_files
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,8 +31,6 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **{**kwargs, "allow_abbrev": False})
 
     def error(self, message: str) -> NoReturn:
-        from lightning_opt._errors import UsageError
-
         raise UsageError(message)
 
 
@@ -77,15 +80,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status. A mistake (a glob that matches nothing, a wrong flag, existing
     shards) prints one ``error: ...`` line on stderr and returns 2 (``LIGHTNING_OPT_TRACEBACK=1`` shows its
     traceback too)."""
-    from lightning_opt._errors import console_status
-
     return console_status(lambda: _run(_parser().parse_args(argv)))
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "prepare":
-        from lightning_opt.data import prepare
-
         common = dict(
             out_dir=args.out_dir,
             tokenizer=args.tokenizer,
@@ -108,21 +107,15 @@ def _run(args: argparse.Namespace) -> int:
             meta = prepare.prepare_text_files(args.input, **common)
         print(json.dumps({k: meta[k] for k in ("tokenizer", "documents", "tokens", "files")}, indent=2))
     elif args.command == "download-fineweb":
-        from lightning_opt.data.download import FINEWEB_REPO, download_fineweb
-
         paths = download_fineweb(
             args.out_dir, args.num_train_shards, 0 if args.no_val else 1, args.repo_id or FINEWEB_REPO
         )
         for path in paths:
             print(path)
     elif args.command == "corpus":
-        from lightning_opt.data.corpus import default_corpus_shards
-
         for path in default_corpus_shards(args.cache_dir):
             print(path)
     elif args.command == "info":
-        from lightning_opt.data.shards import max_token_id, read_header, resolve_files
-
         for path in resolve_files(args.files):
             print(f"{path}\ttokens={read_header(path)}\tmax_id={max_token_id(path)}")
     return 0

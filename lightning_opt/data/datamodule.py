@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from lightning_opt.data.corpus import default_corpus_shards
 from lightning_opt.data.schedule import BatchGeometry, ScheduledBatches
 from lightning_opt.data.shards import PathLike, check_vocab, read_header, read_shard, resolve_files
 
@@ -228,8 +229,6 @@ def _builtin_corpus(train_files: Any, val_files: Any, val_tokens: int | None) ->
     """
     if BUILTIN not in (train_files, val_files):
         return train_files, val_files, val_tokens
-    from lightning_opt.data.corpus import default_corpus_shards
-
     train, val = default_corpus_shards()
     if val_files == BUILTIN:
         if train_files != BUILTIN:

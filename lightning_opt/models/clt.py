@@ -1,4 +1,4 @@
-"""Cross-layer transcoder (CLT): plain torch model, activations and losses.
+"""Cross-layer transcoder (CLT): plain torch model, activations, the AuxK loss and the circuit-tracer export.
 
 A CLT reads the MLP input (normalised residual stream) ``x_l`` of every layer ``l`` and reconstructs the MLP
 output ``y_t`` of every layer ``t`` from the features of all layers ``l <= t`` (Anthropic, "Circuit
@@ -23,7 +23,7 @@ Layouts (the contract with ``lightning_opt.strategies``; see also docs/clt.md):
 
 Global BatchTopK across ranks: ``CLT.topk_group`` (default ``None`` = local). When it is set and the activation
 is ``batchtopk_global``, the selection calls
-``lightning_opt.ops.global_topk.global_batch_topk(pre.view(N, L * F), k, group=topk_group)`` (lazy import);
+``lightning_opt.ops.global_topk.batch_topk_threshold_sparse(pre.view(N, L * F), k, group=topk_group)``;
 ``pre`` is the layer-major buffer seen as N rows, so the selected set is exact over all entries.
 
 Sparse decode: :meth:`CLT.decode_sparse` takes ``(flat_indices, values)`` (grouped by layer, then token) and
@@ -35,8 +35,12 @@ Sharding: :meth:`CLT.shard_` slices the parameters to a :class:`CLTShardSpec` (t
 optionally, features, plus the process groups of the data x model mesh); ``forward``, ``decode`` and
 ``decode_sparse`` then compute this rank's shard and issue the collectives it needs (the sparse activations'
 gradient summed over the decoder group; with feature-sharded encoders the selection over the group and the
-gather of the kept entries). :func:`clip_grad_norm_` clips with the norm of the whole model.
+gather of the kept entries). The spec, those collectives and :func:`clip_grad_norm_` (the norm of the whole
+model) live in :mod:`lightning_opt.models.clt_parallel`; ``CLTShardSpec`` and ``clip_grad_norm_`` import from here too.
 ``lightning_opt.strategies.DecoderShardingStrategy`` builds the groups and shards the model at setup.
+
+Losses: FVU, the tanh sparsity penalty and the pre-activation loss are functions of tensors, in
+:mod:`lightning_opt.models.clt_losses` (importable from here too); :func:`auxk_loss` decodes through the model.
 
 Normalisation: the model owns ``in_shift/in_scale`` and ``out_shift/out_scale`` buffers (``[L, d_model]``);
 :meth:`CLT.encode` normalises inputs, :meth:`CLT.decode` predicts *normalised* targets, and
@@ -47,14 +51,46 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
+from lightning_opt._optional import is_available
+from lightning_opt.models.clt_losses import (
+    fvu,
+    fvu_per_layer,
+    preactivation_loss,
+    tanh_sparsity_penalty,
+    tanh_sparsity_penalty_sparse,
+)
+from lightning_opt.models.clt_parallel import (
+    CLTShardSpec,
+    all_gather_last,
+    clip_grad_norm_,
+    gather_columns,
+    gather_padded,
+    gather_sparse,
+    gather_stacked,
+    sum_backward,
+    sum_forward,
+    take_masked,
+    take_unique,
+)
+from lightning_opt.ops import sparse_decode
+from lightning_opt.ops.global_topk import (
+    batch_topk_threshold_sparse,
+    shard_candidates,
+    shard_candidates_padded,
+    top_positions,
+)
 from lightning_opt.ops.topk import (
     CandidatesBackend,
     SelectBackend,
@@ -154,84 +190,6 @@ class CLTConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-SELECTIONS = ("padded_pool", "synced_pool", "general")
-
-
-@dataclass(frozen=True)
-class CLTShardSpec:
-    """Which part of a :class:`CLT` this rank holds, and the process groups of the mesh.
-
-    Ranks form a ``data x model`` mesh, ``rank = data_rank * model_size + model_rank``: the ``model_size``
-    ranks of a *decoder group* see the same tokens and each holds the output columns ``d_out`` of every
-    decoder (and, with ``features``, the features ``features`` of every layer's encoder); the ``data_size``
-    ranks of a *data group* hold the same slices and see different tokens. :meth:`CLT.shard_` slices the
-    parameters to it; :meth:`CLT.forward`, :meth:`CLT.decode` and :meth:`CLT.decode_sparse` then compute this
-    rank's shard and issue the collectives the shard needs (``lightning_opt.strategies.DecoderShardingStrategy``
-    builds the groups and sets the spec).
-
-    Args:
-        d_out: ``(start, stop)``: decoder output columns (d_model axis) held here; the recon is
-            ``[N, L, stop - start]`` and matches ``y[..., start:stop]``.
-        features: ``(start, stop)``: features of every layer whose encoder columns (``W_enc[..., start:stop]``,
-            ``b_enc[..., start:stop]``) are held here; ``None``: the encoder is replicated. Needs
-            ``activation="batchtopk_global"`` and ``model_group``.
-        model_group: process group of the decoder group; ``None``: a local slice without collectives (the
-            decoder then gets the gradient of its columns only).
-        model_size, model_rank: size of the decoder group and this rank's place in it.
-        data_group, data_size, data_rank: the data-parallel axis (ranks holding the same slices). The model
-            uses it only through ``CLT.topk_group`` (BatchTopK over the data group); gradient averaging is the
-            strategy's.
-        mesh_group: all ranks of the mesh in mesh order (``None``: the default group). Feature-sharded encoders
-            select over it when ``CLT.topk_group`` is set (one budget over the mesh's tokens and features).
-        selection: feature-sharded encoders within one decoder group: ``"padded_pool"`` (every rank's
-            candidates gathered in fixed-size buffers, the same ``K`` picked on every rank, one host sync at the
-            decode's layer bounds; the synced pool when the buffers were too small), ``"synced_pool"`` (the
-            candidate counts read first, then a gather of exactly the candidates) or ``"general"`` (selection
-            collectives, then a gather of the kept entries; always used when the budget spans the data group).
-        gather_output: :meth:`CLT.forward` all-gathers the recon over the decoder group (full-width outputs, for
-            evaluation; its backward keeps this rank's columns, right when every rank computes the same loss).
-        phase_hook: optional ``callable(name)`` called after ``encode``, ``select``, ``gather`` and ``decode`` of
-            the feature-sharded forward (benchmarks time the phases).
-    """
-
-    d_out: tuple[int, int]
-    features: tuple[int, int] | None = None
-    model_group: Any = None
-    model_size: int = 1
-    model_rank: int = 0
-    data_group: Any = None
-    data_size: int = 1
-    data_rank: int = 0
-    mesh_group: Any = None
-    selection: str = "padded_pool"
-    gather_output: bool = False
-    phase_hook: Callable[[str], None] | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("model_size", "data_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"CLTShardSpec.{name} must be a positive int, got {v!r}")
-        if not 0 <= self.model_rank < self.model_size or not 0 <= self.data_rank < self.data_size:
-            raise ValueError(
-                f"ranks out of range: model_rank={self.model_rank} of {self.model_size}, "
-                f"data_rank={self.data_rank} of {self.data_size}"
-            )
-        for name in ("d_out", "features"):
-            v = getattr(self, name)
-            if v is not None and (len(v) != 2 or not 0 <= v[0] < v[1]):
-                raise ValueError(f"CLTShardSpec.{name} must be (start, stop) with 0 <= start < stop, got {v!r}")
-        if self.selection not in SELECTIONS:
-            raise ValueError(f"CLTShardSpec.selection={self.selection!r} is unknown; choose one of {SELECTIONS}")
-        if self.features is not None and self.model_group is None:
-            raise ValueError("feature-sharded encoders (features=...) need the decoder group (model_group)")
-
-    @property
-    def collective(self) -> bool:
-        """Whether the decoder group spans ranks (collectives in forward and backward)."""
-        return self.model_group is not None
 
 
 class CLTOutput(NamedTuple):
@@ -424,7 +382,7 @@ class CLT(nn.Module):
             raise RuntimeError("a local shard (no model_group) cannot be gathered back")
         for owner, name, _ in self._shard_slots(spec):
             part = getattr(owner, name)
-            full = _all_gather_last(part.detach(), spec.model_group, spec.model_size)
+            full = all_gather_last(part.detach(), spec.model_group, spec.model_size)
             setattr(owner, name, nn.Parameter(full, requires_grad=part.requires_grad))
         self.shard = None
         return self
@@ -492,8 +450,6 @@ class CLT(nn.Module):
             return jumprelu(pre, self.threshold[:, None, :].to(pre.dtype), cfg.jumprelu_bandwidth), None, None
         assert cfg.k is not None  # validated in CLTConfig
         if act == "batchtopk_global" and self.topk_group is not None:
-            from lightning_opt.ops.global_topk import batch_topk_threshold_sparse
-
             # the k * N_total largest over every rank's [L, N, F] block (viewed as N rows of L * F: only the
             # total count matters), as flat indices into [L, N, F] like the local selections: sparse decode
             idx, vals = batch_topk_threshold_sparse(pre.reshape(N, L * nf), cfg.k, group=self.topk_group,
@@ -545,8 +501,6 @@ class CLT(nn.Module):
         (each rank decoded its own columns from the same entries), so the encoder gets its full gradient.
         """
         if self.shard is not None and self.shard.collective:
-            from lightning_opt.strategies._collectives import sum_backward
-
             values = sum_backward(values, self.shard.model_group)
         return self._decode_sparse_local(indices, values, n_tokens, layer_bounds)
 
@@ -573,8 +527,7 @@ class CLT(nn.Module):
         out = self._forward_shard(x, dense)
         spec = self.shard
         if spec is not None and spec.gather_output and spec.collective:
-            out = out._replace(recon=_GatherColumns.apply(out.recon, spec.model_group, spec.model_size,
-                                                          spec.model_rank))
+            out = out._replace(recon=gather_columns(out.recon, spec.model_group, spec.model_size, spec.model_rank))
         return out
 
     def _forward_shard(self, x: torch.Tensor, dense: bool | None) -> CLTOutput:
@@ -607,9 +560,6 @@ class CLT(nn.Module):
         The returned ``pre`` is this rank's ``[L, N, F / M]``; ``indices`` (global flat indices into
         ``[L, N, F]``, ascending) and ``values`` are every kept entry of the decoder group.
         """
-        from lightning_opt.ops.global_topk import batch_topk_threshold_sparse
-        from lightning_opt.strategies._collectives import gather_sparse
-
         spec = self.shard
         assert spec is not None and spec.features is not None
         mark = spec.phase_hook or _no_mark
@@ -622,8 +572,6 @@ class CLT(nn.Module):
         first = 0
         if self.topk_group is not None:
             # one budget over the mesh: every rank's tokens (data groups) and features (decoder groups)
-            import torch.distributed as dist
-
             count = pre.new_tensor(float(n_tokens))
             dist.all_reduce(count, group=self.topk_group)
             mesh = spec.mesh_group if spec.mesh_group is not None else dist.group.WORLD
@@ -671,9 +619,6 @@ class CLT(nn.Module):
         and no host sync before the decode's layer bounds, read together with the pool's exactness flag
         (false: the selection reruns with ``padded=False``, the synced candidate step).
         """
-        from lightning_opt.ops.global_topk import shard_candidates, shard_candidates_padded, top_positions
-        from lightning_opt.strategies._collectives import gather_padded, take_masked, take_unique
-
         spec = self.shard
         assert spec is not None and spec.features is not None and self.config.k is not None
         n_layers, n_tokens, width = pre.shape
@@ -736,8 +681,6 @@ class CLT(nn.Module):
             # a decoder group: every shard's columns. The squares are summed over the group with the backward
             # scaled by its size: every rank computes the same penalty from these norms and the strategy averages
             # the ranks' losses, so each shard's columns get the whole gradient
-            from lightning_opt.strategies._collectives import sum_forward
-
             sq = torch.stack([w.float().pow(2).sum((1, 2)) for w in self.W_dec])
             return sum_forward(sq, spec.model_group, grad_scale=float(spec.model_size)).sqrt()
         rows = []
@@ -907,7 +850,7 @@ def _grad_at_kept(indices: torch.Tensor, g: torch.Tensor, weights: list[torch.Te
     Where Triton runs (CUDA): every layer in one launch of ``ops._topk_triton.grad_kept``, no host sync. Else a
     chunked torch gather-dot per layer, whose slices need the layer bounds on the host (a sync on a GPU
     without Triton; free on the CPU)."""
-    from lightning_opt.ops import _topk_triton
+    import lightning_opt.ops._topk_triton as _topk_triton
 
     if _topk_triton.available(g) and _grad_kept_works(g.device):
         return _topk_triton.grad_kept(indices, g, weights, n_tokens, nf)
@@ -936,7 +879,7 @@ def _grad_kept_works(device: torch.device) -> bool:
     """Run ``ops._topk_triton.grad_kept`` once per device on a small problem (3 layers, unaligned rows) against
     the torch gather-dot; a failure costs a warning and the torch path, not a crash or a wrong gradient."""
     if device not in _GRAD_KEPT_CHECKED:
-        from lightning_opt.ops import _topk_triton
+        import lightning_opt.ops._topk_triton as _topk_triton
 
         ok = False
         try:
@@ -952,8 +895,6 @@ def _grad_kept_works(device: torch.device) -> bool:
                     raise RuntimeError("grad_kept disagrees with the torch gather-dot on a check problem")
             ok = True
         except Exception as err:  # any failure means: use the torch path
-            import warnings
-
             warnings.warn(f"CLT dense decode: Triton gradient at the kept entries unusable ({err}); using torch",
                           stacklevel=2)
         _GRAD_KEPT_CHECKED[device] = ok
@@ -972,61 +913,6 @@ def _gather_dot(feat: torch.Tensor, tok: torch.Tensor, g: torch.Tensor, w: torch
 
 def _no_mark(name: str) -> None:
     pass
-
-
-def _all_gather_last(t: torch.Tensor, group: Any, world: int) -> torch.Tensor:
-    """Concatenate every rank's ``t`` along the last axis, in rank order (no gradient)."""
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
-
-
-class _GatherColumns(torch.autograd.Function):
-    """Forward: every rank's output columns concatenated (full width). Backward: this rank's columns of the
-    gradient (every rank of the group computes the same function of the full output)."""
-
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, group: Any, world: int, rank: int) -> torch.Tensor:
-        ctx.width, ctx.rank = t.shape[-1], rank
-        return _all_gather_last(t, group, world)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        start = ctx.rank * ctx.width
-        return grad[..., start : start + ctx.width].contiguous(), None, None, None
-
-
-def clip_grad_norm_(module: nn.Module, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """:func:`torch.nn.utils.clip_grad_norm_` with the norm of the whole model when CLTs in ``module`` are sharded.
-
-    The squared norms of the sharded parameters (:meth:`CLT.sharded_parameters` of every CLT with a decoder
-    group) are summed over the decoder group; every other parameter is replicated in the group and counts once.
-    Without sharded CLTs this is ``torch.nn.utils.clip_grad_norm_``. Call it from
-    ``LightningModule.configure_gradient_clipping`` (as :class:`~lightning_opt.modules.clt.CLTModule` does);
-    the norm stays on the device (no host sync). Returns the total norm.
-    """
-    params = [p for p in parameters if p.grad is not None]
-    clts = [m for m in module.modules() if isinstance(m, CLT) and m.shard is not None and m.shard.collective]
-    if not clts:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    groups = {id(c.shard.model_group) for c in clts if c.shard is not None}
-    if len(groups) > 1:
-        raise ValueError("the sharded CLTs of one module must share one decoder group")
-    if not params:
-        return torch.zeros(())
-    import torch.distributed as dist
-
-    sharded = {id(p) for c in clts for p in c.sharded_parameters()}
-    zero = params[0].grad.new_zeros((), dtype=torch.float32)
-    sq_sharded = sum((p.grad.detach().float().pow(2).sum() for p in params if id(p) in sharded), zero)
-    sq_shared = sum((p.grad.detach().float().pow(2).sum() for p in params if id(p) not in sharded), zero)
-    dist.all_reduce(sq_sharded, group=clts[0].shard.model_group)
-    total = (sq_sharded + sq_shared).sqrt()
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_([p.grad for p in params], coef)
-    return total
 
 
 class _TriangularSum(torch.autograd.Function):
@@ -1076,14 +962,10 @@ def _triton_decode_ok(device: torch.device) -> bool:
     """
     if device.type != "cuda":
         return False
-    from lightning_opt._optional import is_available
-
     if not is_available("triton"):
         return False
-    from lightning_opt.ops import sparse_decode as sd
-
     with torch.inference_mode(False), torch.enable_grad():
-        return sd._triton_works(device)
+        return sparse_decode._triton_works(device)
 
 
 def _sparse_decode_layers(
@@ -1097,8 +979,6 @@ def _sparse_decode_layers(
 ) -> torch.Tensor:
     """Sparse decode: per source layer, CSR rows (tokens) into ``W_dec[l]`` via
     :func:`lightning_opt.ops.sparse_decode.sparse_decode` (Triton on CUDA, else ``embedding_bag``)."""
-    from lightning_opt.ops.sparse_decode import _decode_csr, layer_segments
-
     L = len(W_dec)
     d = W_dec[0].shape[-1]
     device = values.device
@@ -1106,7 +986,7 @@ def _sparse_decode_layers(
         _triton_decode_ok(device)  # settle sparse_decode's cached Triton self-check with grad enabled
     # Every layer's CSR views from one pass over the indices; one host sync (the layer boundaries) unless the
     # caller passed them.
-    feature, token, row_ptr, bounds = layer_segments(indices, L, n_tokens, nf, layer_bounds)
+    feature, token, row_ptr, bounds = sparse_decode.layer_segments(indices, L, n_tokens, nf, layer_bounds)
     on = torch.is_autocast_enabled(device.type)
     dtype = torch.get_autocast_dtype(device.type) if on else W_dec[0].dtype
     values = values.to(dtype)
@@ -1118,89 +998,12 @@ def _sparse_decode_layers(
             continue
         seg = row_ptr[s * n_tokens : (s + 1) * n_tokens + 1] - lo
         w = W_dec[s].reshape(nf, -1).to(dtype)
-        ys.append(_decode_csr(feature[lo:hi], values[lo:hi], w, seg[:-1], backend, ends=seg[1:],
+        ys.append(sparse_decode._decode_csr(feature[lo:hi], values[lo:hi], w, seg[:-1], backend, ends=seg[1:],
                               rows=token[lo:hi]))
     return _triangular_sum(ys, L, d, n_tokens, device)
 
 
-# --------------------------------------------------------------------- losses
-def fvu_per_layer(pred: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Numerator and denominator of the pooled FVU per layer.
-
-    FVU (pooled over dimensions) for layer t = ``sum_{n,i} (y - yhat)^2 / sum_{n,i} (y - mean_n y)^2``:
-    squared error summed over tokens and dimensions, over the squared deviation of the target from its
-    per-dimension mean over the batch, summed the same way.
-
-    Args:
-        pred, target: ``[N, L, d]``.
-
-    Returns:
-        ``(sse [L], sst [L])`` in float32.
-    """
-    pred, target = pred.float(), target.float()
-    sse = (target - pred).pow(2).sum(dim=(0, 2))
-    sst = (target - target.mean(dim=0, keepdim=True)).pow(2).sum(dim=(0, 2))
-    return sse, sst
-
-
-def fvu(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Pooled FVU over all layers: ``sum_t sse_t / sum_t sst_t`` (see :func:`fvu_per_layer`)."""
-    sse, sst = fvu_per_layer(pred, target)
-    return sse.sum() / sst.sum().clamp_min(1e-12)
-
-
-def tanh_sparsity_penalty(acts: torch.Tensor, decoder_norms: torch.Tensor, c: float = 1.0) -> torch.Tensor:
-    """Anthropic's penalty ``sum_{l,f} tanh(c * a_lf * ||W_dec,lf||)`` averaged over tokens.
-
-    Args:
-        acts: ``[L, N, F]`` activations (dense).
-        decoder_norms: ``[L, F]`` norms of the concatenated decoder vectors (:meth:`CLT.decoder_norms`).
-    """
-    # in the activations' dtype (no float32 copy of [L, N, F]); the sum accumulates in float32
-    scaled = acts * (c * decoder_norms[:, None, :]).to(acts.dtype)
-    return torch.tanh(scaled).sum(dtype=torch.float32) / acts.shape[1]
-
-
-def tanh_sparsity_penalty_sparse(
-    indices: torch.Tensor, values: torch.Tensor, decoder_norms: torch.Tensor, n_tokens: int
-) -> torch.Tensor:
-    """:func:`tanh_sparsity_penalty` from sparse activations (zeros contribute tanh(0) = 0)."""
-    L, nf = decoder_norms.shape
-    layer = torch.div(indices, n_tokens * nf, rounding_mode="floor")
-    feat = indices % nf
-    return torch.tanh(values.float() * decoder_norms[layer, feat]).sum() / n_tokens
-
-
-def preactivation_loss(pre: torch.Tensor, threshold: torch.Tensor | None = None) -> torch.Tensor:
-    """Anthropic's pre-activation loss ``sum_{l,f} relu(threshold - pre)`` averaged over tokens.
-
-    Pushes dead features' pre-activations up towards firing; ``threshold`` is ``[L, F]`` (JumpReLU) or 0.
-    """
-    if threshold is None:
-        return _PreactLoss.apply(pre)
-    # relu(th - pre) = -min(pre - th, 0): one temporary in pre's dtype, fp32 accumulation
-    shifted = pre - threshold[:, None, :].to(pre.dtype)
-    return -shifted.clamp(max=0).sum(dtype=torch.float32) / pre.shape[1]
-
-
-class _PreactLoss(torch.autograd.Function):
-    """``-sum(min(pre, 0)) / N`` (float32) with a one-pass backward ``where(pre <= 0, -g / N, 0)`` in pre's dtype.
-
-    Autograd of ``clamp(...).sum(dtype=float32)`` would first materialise the broadcast float32 gradient in
-    pre's dtype (a full ``[L, N, F]`` copy), then a mask, then the masked gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, pre: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(pre)
-        return -pre.clamp(max=0).sum(dtype=torch.float32) / pre.shape[1]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        (pre,) = ctx.saved_tensors
-        step = (-grad / pre.shape[1]).to(pre.dtype)  # clamp's gradient includes pre == 0, as here
-        return torch.where(pre <= 0, step, torch.zeros((), dtype=pre.dtype, device=pre.device))
-
-
+# ------------------------------------------------------------------- AuxK loss
 def auxk_loss(
     model: CLT,
     pre: torch.Tensor,
@@ -1288,8 +1091,6 @@ def auxk_loss(
     chosen = top.values
     if feats is not None:
         # every rank's top candidates (k each per token and layer), then the top kk of their union
-        from lightning_opt.strategies._collectives import gather_stacked
-
         feat = top.indices + f0 if cols is None else cols[:, None, :].expand(L, N, max_dead).gather(2, top.indices)
         world = spec.model_size
         pool = gather_stacked(chosen, spec.model_group, world).permute(1, 2, 0, 3).reshape(L, N, -1)
@@ -1387,10 +1188,6 @@ def save_circuit_tracer(model: CLT, directory: str | Any, dtype: torch.dtype = t
     with :meth:`CLT.calibrate_jumprelu_thresholds`), and ``W_dec_{l}.safetensors`` with ``W_dec_{l}``
     ``[F, L - l, d]``. Returns the written paths.
     """
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
     if model.config.activation not in ("relu", "jumprelu"):
         raise ValueError(
             f"circuit-tracer CLTs use ReLU or JumpReLU; this CLT uses {model.config.activation!r}. Convert it "
@@ -1420,10 +1217,6 @@ def load_circuit_tracer(directory: str | Any, device: str | torch.device = "cpu"
 
     The activation is JumpReLU when any ``threshold_{l}`` is positive, else ReLU.
     """
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
     d = Path(directory)
     n_layers = 0
     while (d / f"W_enc_{n_layers}.safetensors").exists():

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import record_function
@@ -17,19 +18,17 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_opt.callbacks._logging import trainer_logs_next_step
-from lightning_opt.models.clt import (
-    CLT,
-    CLTConfig,
-    CLTExecution,
-    CLTOutput,
-    auxk_loss,
-    clip_grad_norm_,
+from lightning_opt.data.activations import find_mlps
+from lightning_opt.models.clt import CLT, CLTConfig, CLTExecution, CLTOutput, auxk_loss
+from lightning_opt.models.clt_losses import (
     fvu_per_layer,
     preactivation_loss,
     tanh_sparsity_penalty,
     tanh_sparsity_penalty_sparse,
 )
+from lightning_opt.models.clt_parallel import clip_grad_norm_, sum_backward, sum_forward
 from lightning_opt.modules.base import CompileConfig, TrainingModule, as_config, register_safe_globals
+from lightning_opt.ops.global_topk import all_gather
 from lightning_opt.optim.factory import OptimConfig
 from lightning_opt.optim.schedules import ScheduleConfig
 
@@ -47,7 +46,7 @@ RESAMPLE_WEIGHTINGS = ("loss", "loss_squared", "uniform")
 
 
 class FVUMetric(Metric):
-    """Pooled FVU per layer over the whole evaluation set (see :func:`lightning_opt.models.clt.fvu_per_layer`).
+    """Pooled FVU per layer over the whole evaluation set (see :func:`lightning_opt.models.clt_losses.fvu_per_layer`).
 
     ``compute()`` returns ``(fvu_per_layer [L], fvu_total)``; the denominator is the squared deviation from the
     per-dimension mean over *all* evaluated tokens, accumulated exactly from sums.
@@ -380,8 +379,6 @@ class CLTModule(TrainingModule):
         group = self.model.topk_group
         if group is not None:
             # global BatchTopK: a feature fired if it fired on any rank (int32: NCCL cannot reduce bool)
-            import torch.distributed as dist
-
             as_int = fired.to(torch.int32)
             dist.all_reduce(as_int, op=dist.ReduceOp.MAX, group=group)
             fired = as_int.bool()
@@ -401,8 +398,6 @@ class CLTModule(TrainingModule):
         spec = self.model.shard
         if spec is None or not spec.collective or spec.features is not None:
             return out
-        from lightning_opt.strategies._collectives import sum_backward
-
         def wrap(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else sum_backward(t, spec.model_group)
 
@@ -414,8 +409,6 @@ class CLTModule(TrainingModule):
         spec = self.model.shard
         if spec is None or not spec.collective:
             return value
-        import torch.distributed as dist
-
         value = value.clone()
         dist.all_reduce(value, group=spec.model_group)
         return value / spec.model_size
@@ -426,8 +419,6 @@ class CLTModule(TrainingModule):
         spec = self.model.shard
         if spec is None or not spec.collective or spec.features is None:
             return term
-        from lightning_opt.strategies._collectives import sum_forward
-
         return sum_forward(term, spec.model_group, grad_scale=float(spec.model_size))
 
     @override
@@ -447,10 +438,6 @@ class CLTModule(TrainingModule):
         sharding over the decoder group, then the data group), so the backward is scaled by the world size."""
         if self._trainer is None or self.trainer.world_size == 1:
             return None
-        import torch.distributed as dist
-
-        from lightning_opt.strategies._collectives import sum_forward
-
         world = self.trainer.world_size
         return lambda t: sum_forward(t, dist.group.WORLD, grad_scale=float(world))
 
@@ -695,7 +682,7 @@ class CLTModule(TrainingModule):
         self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
     ) -> None:
         """Norm clipping of a sharded CLT (decoder sharding) uses the norm of the whole model
-        (:func:`~lightning_opt.models.clt.clip_grad_norm_`); otherwise the base module's clipping."""
+        (:func:`~lightning_opt.models.clt_parallel.clip_grad_norm_`); otherwise the base module's clipping."""
         if gradient_clip_val and gradient_clip_algorithm != "value" and self.model.shard is not None:
             clip_grad_norm_(self, (p for g in optimizer.param_groups for p in g["params"]), gradient_clip_val)
             return
@@ -782,8 +769,6 @@ class _ResampleRanks:
         elif grouped:
             data_group, data_rank = spec.data_group, spec.data_rank
         else:
-            import torch.distributed as dist
-
             data_group = module.model.topk_group
             data_rank = dist.get_rank(data_group)
         return cls(spec.model_group if grouped else None, spec.model_size if grouped else 1,
@@ -792,8 +777,6 @@ class _ResampleRanks:
     def sum_columns(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the decoder group (a sum over output columns each shard computed for its own)."""
         if self.model_group is not None:
-            import torch.distributed as dist
-
             t = t.contiguous()
             dist.all_reduce(t, group=self.model_group)
         return t
@@ -808,17 +791,13 @@ class _ResampleRanks:
         """Every data rank's rows of ``t`` ``[N, ...]`` in rank order: ``[data_size * N, ...]``."""
         if self.data_size == 1:
             return t
-        from lightning_opt.ops.global_topk import _all_gather
-
-        return _all_gather(t.contiguous(), self.data_group, self.data_size).flatten(0, 1)
+        return all_gather(t.contiguous(), self.data_group, self.data_size).flatten(0, 1)
 
     def gather_features(self, t: torch.Tensor) -> torch.Tensor:
         """``[L, F]`` from this rank's features ``[L, F / M]`` of a feature-sharded encoder (else ``t``)."""
         if not self.feature_sharded:
             return t
-        from lightning_opt.ops.global_topk import _all_gather
-
-        parts = _all_gather(t.contiguous(), self.model_group, self.model_size)  # [M, L, F / M], rank order
+        parts = all_gather(t.contiguous(), self.model_group, self.model_size)  # [M, L, F / M], rank order
         return torch.cat(parts.unbind(0), dim=-1)
 
     def rows(self, t: torch.Tensor, tok: torch.Tensor, layer: torch.Tensor | None = None) -> torch.Tensor:
@@ -830,8 +809,6 @@ class _ResampleRanks:
         local = (tok % n).clamp(0, n - 1)
         picked = t[local] if layer is None else t[local, layer]
         out = torch.where(mine.view(-1, *([1] * (picked.dim() - 1))), picked, torch.zeros_like(picked))
-        import torch.distributed as dist
-
         dist.all_reduce(out, group=self.data_group)  # one owner per row: the sum is that row
         return out
 
@@ -887,8 +864,6 @@ def _compiled_loss_terms() -> Callable[..., Any]:
 @contextmanager
 def _spliced(model: nn.Module, outputs: list[torch.Tensor]):
     """Replace every MLP's output by ``outputs[l]`` (``[B, T, d]``) during a forward."""
-    from lightning_opt.data.activations import find_mlps
-
     handles = []
     for layer, mlp in enumerate(find_mlps(model)):
         def hook(module: nn.Module, inputs: Any, output: torch.Tensor, layer: int = layer) -> torch.Tensor:

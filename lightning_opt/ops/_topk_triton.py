@@ -55,7 +55,7 @@ __all__ = ["available", "check_launch", "count_ge", "compact_counted", "compact_
            "select_16bit_1pass", "stash_pass", "compact_stash", "stash_capacity", "candidate_capacity", "grad_kept"]
 
 # default launch shape of the two-pass selection's passes and the candidate step, entries per program x warps
-# (the ``block`` / ``num_warps`` arguments; an H200 sweep of the whole selection: 2048 x 4 fastest)
+# (the ``block`` / ``num_warps`` arguments; the measured choice is in docs/clt.md)
 BLOCK = 2048
 NUM_WARPS = 4
 _BINS = 1 << 16
@@ -117,7 +117,7 @@ if triton is not None:
                                 BLOCK_IN_ONE_ROW: tl.constexpr, CAPPED: tl.constexpr):
         # pass 2: every entry at or above its bound to its slot in flat order (the block's exclusive prefix from
         # pass 1 plus a block-local scan; no atomics, no sort): its flat index and value. (int64 slots: an int32
-        # scan-and-add here was slower in a probe on an H200.)
+        # scan-and-add here was slower.)
         offs, inb, row, x = _block(x_ptr, n, row_len, BLOCK, BLOCK_IN_ONE_ROW)
         lo = _per_row(lo_ptr, row, inb, BLOCK_IN_ONE_ROW)
         hit = (x.to(tl.float32) >= lo.to(tl.float32)) & inb

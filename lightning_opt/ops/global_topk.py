@@ -58,7 +58,8 @@ from lightning_opt.ops.topk import (
 )
 
 __all__ = [
-    "global_batch_topk", "batch_topk_threshold_sparse", "shard_candidates", "shard_candidates_padded", "top_positions"
+    "global_batch_topk", "batch_topk_threshold_sparse", "shard_candidates", "shard_candidates_padded", "top_positions",
+    "all_gather",
 ]
 
 _SAMPLE_SIZE = 1 << 18
@@ -102,14 +103,14 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
-def _all_gather(t: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.Tensor:
-    """Gather equal-shaped tensors from every rank into ``[world, *t.shape]``."""
+def all_gather(t: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.Tensor:
+    """Every rank's ``t`` (the same shape on every rank) stacked in rank order, ``[world, *t.shape]``, in one
+    collective (no gradient)."""
     out = torch.empty(world * t.numel(), dtype=t.dtype, device=t.device)
     # torch >= 2.13 renames all_gather_into_tensor to all_gather_single.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, t.contiguous().view(-1), group=group)
     return out.view(world, *t.shape)
-
 
 
 def _lower_bound(flat: torch.Tensor, frac: float) -> torch.Tensor:
@@ -125,8 +126,7 @@ def _lower_bound(flat: torch.Tensor, frac: float) -> torch.Tensor:
 
 def _kth_largest(pool: torch.Tensor, kth: int) -> torch.Tensor:
     """The ``kth`` largest value of a 1-D tensor (``1 <= kth <= pool.numel()``): a top-k of the smaller side
-    (as fast as a full sort of the pool: 4.15 vs 4.13 ms for the whole selection, H100,
-    benchmarks/results/sparse_decode_nvidia-h100-80gb-hbm3.json)."""
+    (as fast as a full sort of the pool)."""
     rest = pool.numel() - kth + 1
     if rest < kth:  # the kth largest is the rest-th smallest: select the smaller side
         return torch.topk(pool, rest, largest=False, sorted=False).values.max()
@@ -184,7 +184,7 @@ def _select(
         head = torch.tensor([float(tokens), float(n), float("inf")], dtype=torch.float64, device=device)
         if lo_local is not None:
             head[2] = lo_local
-        gathered = _all_gather(head, group, world)
+        gathered = all_gather(head, group, world)
         # Host sync: K = k * tokens_total sizes the selection.
         totals = gathered[:, :2].sum(0).tolist()
         numel_total = int(totals[1])
@@ -200,7 +200,7 @@ def _select(
         return empty_idx, None, torch.zeros(world, dtype=torch.long, device=device)
     if big_k >= numel_total:
         if world > 1 and gathered is None:
-            gathered = _all_gather(
+            gathered = all_gather(
                 torch.tensor([0.0, float(n)], dtype=torch.float64, device=device), group, world
             )
         sizes = gathered[:, 1].long() if world > 1 else torch.tensor([n], device=device)
@@ -222,7 +222,7 @@ def _select(
     if world > 1:
         padded = torch.full((max(counts_host),), float("-inf"), dtype=vals.dtype, device=device)
         padded[: vals.numel()] = vals
-        pool = _all_gather(padded, group, world).view(-1)
+        pool = all_gather(padded, group, world).view(-1)
     else:
         pool = vals
     # Every entry >= the true K-th largest is a candidate, so the K-th largest candidate is exact. Padding
@@ -233,7 +233,7 @@ def _select(
     eq = vals == t
     stats = torch.stack([gt.sum(), eq.sum()])[None]
     if world > 1:
-        stats = _all_gather(stats[0], group, world)
+        stats = all_gather(stats[0], group, world)
     rank = dist.get_rank(group) if world > 1 else 0
     ties_needed = big_k - stats[:, 0].sum()
     # Ties go to earlier ranks first, then to smaller flat indices (idx ascends).
@@ -387,7 +387,7 @@ def shard_candidates_padded(
     s = min(n, _SAMPLE_SIZE)
     cap = min(n, int(1.3 * _sample_rank(s, frac) / s * n) + 1024)
     lo_x = lo.to(x.dtype).view(1)
-    from lightning_opt.ops import _topk_triton
+    import lightning_opt.ops._topk_triton as _topk_triton
 
     if triton_candidates(flat, candidates_backend):
         pre, count = _topk_triton.count_ge(flat, lo_x, n)
@@ -397,7 +397,7 @@ def shard_candidates_padded(
         hit = flat >= lo_x
         count = hit.sum().view(1)
         idx = torch.nonzero_static(hit, size=cap, fill_value=-1).squeeze(1)
-    counts = _all_gather(count, group, world).view(-1) if world > 1 else count
+    counts = all_gather(count, group, world).view(-1) if world > 1 else count
     ok = (counts <= cap).all() & (counts.sum() >= big_k)
     return idx, counts, ok
 
@@ -409,12 +409,12 @@ def _candidates_exchanged(flat: torch.Tensor, lo: torch.Tensor, group: dist.Proc
     With the Triton passes the local count is a device tensor after the counting pass: it is exchanged before
     the compaction, so the one host sync reads every rank's count. The torch path syncs for the local count
     (``nonzero``) and again for the exchanged counts."""
-    from lightning_opt.ops import _topk_triton
+    import lightning_opt.ops._topk_triton as _topk_triton
 
     n = flat.numel()
     if triton_candidates(flat, backend):
         pre, count = _topk_triton.count_ge(flat, lo, n)
-        counts = (_all_gather(count, group, world).view(-1) if world > 1 else count).tolist()  # host sync
+        counts = (all_gather(count, group, world).view(-1) if world > 1 else count).tolist()  # host sync
         rank = dist.get_rank(group) if world > 1 else 0
         return _topk_triton.compact_counted(flat, lo, n, pre, counts[rank])[0], counts
     idx, _ = candidates_ge(flat, lo, n, backend)  # host sync: the count
@@ -424,7 +424,7 @@ def _candidates_exchanged(flat: torch.Tensor, lo: torch.Tensor, group: dist.Proc
 def _counts_of_ranks(count: int, group: dist.ProcessGroup | None, world: int, device: torch.device) -> list[int]:
     """Every rank's ``count`` in rank order, as a host list (a host sync: the counts size what follows)."""
     t = torch.tensor([count], dtype=torch.long, device=device)
-    return (_all_gather(t, group, world).view(-1) if world > 1 else t).tolist()
+    return (all_gather(t, group, world).view(-1) if world > 1 else t).tolist()
 
 
 def _fallback_candidates(flat: torch.Tensor, big_k: int, group: dist.ProcessGroup | None,

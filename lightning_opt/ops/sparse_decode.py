@@ -248,7 +248,7 @@ class _TritonDecode(torch.autograd.Function):
         """``ends`` (each token's end) and ``rows`` (each entry's token) are derived when not given; a caller
         that decodes many segments of one index array (the CLT's source layers) passes views of tensors it
         computed once for all segments, which saves launches per segment."""
-        from lightning_opt.ops import _sparse_decode_triton as kernels
+        import lightning_opt.ops._sparse_decode_triton as kernels
 
         indices = indices.contiguous()
         values = values.contiguous()
@@ -261,7 +261,7 @@ class _TritonDecode(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        from lightning_opt.ops import _sparse_decode_triton as kernels
+        import lightning_opt.ops._sparse_decode_triton as kernels
 
         indices, values, offsets, ends, weight, rows = ctx.saved_tensors
         if rows is None:  # the token of each entry; output_size avoids a host sync

@@ -160,7 +160,7 @@ def _select_path(x2d: torch.Tensor, backend: SelectBackend = "auto", *, block: i
         return "candidates"
     if backend == "triton":
         return "triton"
-    from lightning_opt.ops import _topk_triton
+    import lightning_opt.ops._topk_triton as _topk_triton
 
     if not _topk_triton.available(x2d):
         return "candidates"
@@ -179,7 +179,7 @@ def _select_16bit_works(device: torch.device, path: str = "triton", block: int =
     a wrong selection."""
     key = (device, path, block, num_warps)
     if key not in _SELECT_CHECKED:
-        from lightning_opt.ops import _topk_triton
+        import lightning_opt.ops._topk_triton as _topk_triton
 
         ok = False
         try:
@@ -220,7 +220,7 @@ def triton_candidates(flat: torch.Tensor, backend: CandidatesBackend = "auto") -
     ``ops._topk_triton`` can run on ``flat``'s device)."""
     if backend == "torch":
         return False
-    from lightning_opt.ops import _topk_triton
+    import lightning_opt.ops._topk_triton as _topk_triton
 
     return backend == "triton" or _topk_triton.available(flat)
 
@@ -242,7 +242,7 @@ def candidates_ge(flat: torch.Tensor, lo_rows: torch.Tensor, row_len: int,
         num_warps: the Triton passes' warps per program (a power of two; unused by the torch path).
     """
     if triton_candidates(flat, backend):
-        from lightning_opt.ops import _topk_triton
+        import lightning_opt.ops._topk_triton as _topk_triton
 
         return _topk_triton.compact_ge(flat, lo_rows, row_len, block=block, num_warps=num_warps)
     lo = lo_rows.to(flat.dtype)
@@ -270,11 +270,11 @@ def _select_rows(x2d: torch.Tensor, n_keep: int, select_backend: SelectBackend =
     block, num_warps = _launch_shape(path, block, num_warps)
     launch = {"block": block, "num_warps": num_warps}
     if path == "triton":  # no host sync: fixed shapes, a device-side fallback
-        from lightning_opt.ops import _topk_triton
+        import lightning_opt.ops._topk_triton as _topk_triton
 
         return _topk_triton.select_16bit_1pass(x2d, n_keep, lo, expect, **launch)[0]
     if path == "triton_2pass":
-        from lightning_opt.ops import _topk_triton
+        import lightning_opt.ops._topk_triton as _topk_triton
 
         idx = _topk_triton.select_16bit(x2d, n_keep, lo, **launch)
         if idx is not None:

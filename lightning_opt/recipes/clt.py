@@ -12,8 +12,10 @@ L0, dead fraction, the replacement model's KL and next-token agreement, tokens/s
 
 from __future__ import annotations
 
+from lightning_opt._errors import run_console
 from lightning_opt.cli import RecipeCLI, build_recipe_cli, run_dir, run_recipe, write_metrics
 from lightning_opt.data.activations import CLTDataModule
+from lightning_opt.models.clt import save_circuit_tracer
 from lightning_opt.modules.clt import CLTModule
 
 
@@ -32,8 +34,6 @@ def main(args: list[str] | None = None) -> dict:
     metrics.update({"final": final, "clt_config": model.clt_config.to_dict()})
     export = cli.config.get("export_dir")
     if export and trainer.is_global_zero:
-        from lightning_opt.models.clt import save_circuit_tracer
-
         save_circuit_tracer(model.model, export)
         metrics["export_dir"] = export
     write_metrics(run_dir(trainer) / cli.config.get("metrics_file", "metrics.json"), metrics)
@@ -47,8 +47,6 @@ def cli() -> None:
     """The ``lightning-opt-clt`` console script: ``main`` on the command line. A user's mistake (a wrong flag or value, a
     missing file) prints one ``error: ...`` line and exits with status 2 (``LIGHTNING_OPT_TRACEBACK=1`` shows its
     traceback); a bug raises with its traceback."""
-    from lightning_opt._errors import run_console
-
     run_console(main)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_opt._errors import run_console
 from lightning_opt._internals import set_max_steps
 from lightning_opt.cli import RecipeCLI, build_recipe_cli, run_recipe
 from lightning_opt.data.datamodule import TokenShardDataModule
@@ -95,8 +96,6 @@ def cli() -> None:
     """The ``lightning-opt-gpt2`` console script: ``main`` on the command line. A user's mistake (a wrong flag or value, a
     missing file) prints one ``error: ...`` line and exits with status 2 (``LIGHTNING_OPT_TRACEBACK=1`` shows its
     traceback); a bug raises with its traceback."""
-    from lightning_opt._errors import run_console
-
     run_console(main)
 
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from lightning_opt._errors import UsageError, run_console
+from lightning_opt.callbacks.async_checkpoint import newest_intact_checkpoint, verify_checkpoint
 from lightning_opt.cli import check_checkpoint_file
 from lightning_opt.data.tokenizer import ByteTokenizer, GPT2Tokenizer, get_tokenizer
 from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
@@ -46,8 +48,6 @@ def parser() -> argparse.ArgumentParser:
 def find_checkpoint(path: str | Path) -> Path:
     """``path`` itself, or in a directory its ``last.ckpt`` when that resolves to an intact file, else the
     newest intact ``step=N.ckpt`` (else the most recently written other ``*.ckpt``), saying why on stderr."""
-    from lightning_opt.callbacks.async_checkpoint import newest_intact_checkpoint, verify_checkpoint
-
     path = Path(path)
     if not path.is_dir():
         return path
@@ -119,10 +119,6 @@ def main(args: list[str] | None = None) -> list[str]:
 def cli() -> None:
     """The ``lightning-opt-sample`` console script: a user's mistake (a wrong flag, a missing checkpoint) prints one
     ``error: ...`` line and exits with status 2 (``LIGHTNING_OPT_TRACEBACK=1`` shows its traceback)."""
-    import sys
-
-    from lightning_opt._errors import UsageError, run_console
-
     def refuse(message: str) -> None:
         raise UsageError(message)
 

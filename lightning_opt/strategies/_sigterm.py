@@ -32,6 +32,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lightning_opt._internals import (
+    replace_sigterm_broadcast,
+    set_received_sigterm,
+    sigterm_handler_before_fit,
+)
 
 _GUARDS: weakref.WeakKeyDictionary[Any, StepBoundaryStop] = weakref.WeakKeyDictionary()
 
@@ -79,8 +86,6 @@ class StepBoundaryStop:
     def arm(self) -> None:
         """Install the SIGTERM handler (after Lightning installed its own; Lightning restores the handler
         from before the fit at its teardown). Idempotent; only possible in the main thread."""
-        from lightning_opt._internals import sigterm_handler_before_fit
-
         trainer = self._trainer()
         if trainer is None or threading.current_thread() is not threading.main_thread():
             return
@@ -122,8 +127,6 @@ class StepBoundaryStop:
             return False
         self.agreed = self._exchange(trainer)
         if self.agreed:
-            from lightning_opt._internals import set_received_sigterm
-
             set_received_sigterm(trainer)  # Lightning raises SIGTERMException at this batch's end
         return self.agreed
 
@@ -141,10 +144,6 @@ class StepBoundaryStop:
         return int(flag.item()) == 1
 
     def _stop(self, trainer: Any) -> None:
-        from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-        from lightning_opt._internals import set_received_sigterm
-
         self.agreed = True
         set_received_sigterm(trainer)
         raise SIGTERMException()
@@ -168,8 +167,6 @@ def step_boundary_stop(trainer: Any, group: Any = None, make_group: bool = False
     """The trainer's :class:`StepBoundaryStop`, created and hooked into the fit loop's per-batch SIGTERM
     check on first use (``group`` is kept from the first call that gives one). ``make_group``: a new one
     gets a gloo group of its own (a collective: call it on every rank)."""
-    from lightning_opt._internals import replace_sigterm_broadcast
-
     guard = _GUARDS.get(trainer)
     if guard is None:
         guard = _GUARDS[trainer] = StepBoundaryStop(trainer, group if group is not None or not make_group

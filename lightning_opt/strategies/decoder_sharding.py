@@ -15,8 +15,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_opt.models.clt import CLT, SELECTIONS, CLTShardSpec
-from lightning_opt.strategies._collectives import all_reduce_grads, sum_forward
+from lightning_opt.models.clt import CLT
+from lightning_opt.models.clt_parallel import SELECTIONS, CLTShardSpec, all_reduce_grads, sum_forward
+from lightning_opt.modules.base import TrainingModule
 from lightning_opt.strategies._optim_state import optimizers_to_device
 from lightning_opt.strategies._sigterm import install_cpu_sigterm_check, new_cpu_group
 from lightning_opt.strategies.global_batch_topk import attach_topk_group
@@ -47,12 +48,13 @@ class DecoderShardingStrategy(DDPStrategy):
     instead (docs/strategies.md); the strategy then leaves the loss alone.
 
     The strategy builds the process groups, slices every :class:`~lightning_opt.models.clt.CLT` of the module
-    at setup (before the optimizers exist) and gives it a :class:`~lightning_opt.models.clt.CLTShardSpec`; the
-    CLT's own ``forward``/``decode`` compute its shard. Evaluation (validation, test, predict) runs sharded too,
-    with the spec's ``gather_output`` on, so the module sees full-width outputs. Norm clipping needs the
-    module's ``configure_gradient_clipping`` to call :func:`lightning_opt.models.clt.clip_grad_norm_` (the norm
-    of the whole model; :class:`~lightning_opt.modules.clt.CLTModule` does); a module that keeps Lightning's
-    default hook is refused when ``gradient_clip_val`` is set.
+    at setup (before the optimizers exist) and gives it a
+    :class:`~lightning_opt.models.clt_parallel.CLTShardSpec`; the CLT's own ``forward``/``decode`` compute its
+    shard. Evaluation (validation, test, predict) runs sharded too, with the spec's ``gather_output`` on, so the
+    module sees full-width outputs. Norm clipping needs the module's ``configure_gradient_clipping`` to call
+    :func:`lightning_opt.models.clt_parallel.clip_grad_norm_` (the norm of the whole model;
+    :class:`~lightning_opt.modules.clt.CLTModule` does); a module that keeps Lightning's default hook is refused
+    when ``gradient_clip_val`` is set.
 
     Checkpoints: ``"consolidated"`` (default) gathers the shards so the file holds full-width tensors and loads
     in one process with any strategy; ``"sharded"`` writes a directory with one file per decoder shard. Both
@@ -267,14 +269,12 @@ class DecoderShardingStrategy(DDPStrategy):
         module = self.lightning_module
         if self.mp_size == 1 or not trainer.gradient_clip_val or trainer.gradient_clip_algorithm == "value":
             return
-        from lightning_opt.modules.base import TrainingModule
-
         hook = type(module).configure_gradient_clipping
         if hook in (pl.LightningModule.configure_gradient_clipping, TrainingModule.configure_gradient_clipping):
             raise ValueError(
                 f"gradient_clip_val with DecoderShardingStrategy(model_parallel_size={self.mp_size}): "
                 f"{type(module).__name__}.configure_gradient_clipping would clip each rank's shards by their own "
-                "norm. Override it to call lightning_opt.models.clt.clip_grad_norm_(self, params, "
+                "norm. Override it to call lightning_opt.models.clt_parallel.clip_grad_norm_(self, params, "
                 "gradient_clip_val) (the norm of the whole model), as CLTModule does."
             )
 

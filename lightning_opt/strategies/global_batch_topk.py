@@ -10,7 +10,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
-from lightning_opt.strategies._collectives import sum_forward
+from lightning_opt.models.clt_parallel import sum_forward
 from lightning_opt.strategies._sigterm import install_cpu_sigterm_check, new_cpu_group
 
 __all__ = ["GlobalBatchTopKStrategy", "attach_topk_group"]

@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+from lightning_opt.models import clt as clt_module
+from lightning_opt.models import clt_losses, clt_parallel
 from lightning_opt.models.clt import (
     ACTIVATIONS,
     CLT,
@@ -517,3 +519,13 @@ def test_preactivation_loss_gradient_matches_autograd_of_clamp(dtype: torch.dtyp
     (3.0 * ref).backward()
     torch.testing.assert_close(got, ref)
     torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_the_shard_spec_clipping_and_losses_import_from_the_model_module_too():
+    """``lightning_opt.models.clt`` re-exports the distribution's public names and the tensor losses (the paths
+    user code and the benchmarks import)."""
+    for name in ("CLTShardSpec", "clip_grad_norm_"):
+        assert getattr(clt_module, name) is getattr(clt_parallel, name)
+    for name in clt_losses.__all__:
+        assert getattr(clt_module, name) is getattr(clt_losses, name)
+    assert {"CLTShardSpec", "clip_grad_norm_", *clt_losses.__all__} <= set(clt_module.__all__)

@@ -166,22 +166,23 @@ def scenarios(root: Path) -> dict[str, Callable[[], dict[str, Any]]]:
         # the padded pool's capacity forced below the candidate count: every step detects it at the decode's
         # bounds sync and redoes the selection on the synced path (whose sampled bound then admits too few
         # candidates: its own exact fallback runs too); the result must not change
+        from lightning_opt.models import clt as clt_model
         from lightning_opt.ops import global_topk
 
         calls = {"n": 0}
-        original = global_topk.shard_candidates
+        original = clt_model.shard_candidates  # the synced candidate step, as the model calls it
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             calls["n"] += 1
             return original(*args, **kwargs)
 
-        saved = global_topk._sample_rank, global_topk.shard_candidates
-        global_topk._sample_rank, global_topk.shard_candidates = (lambda s, frac: 1), counted
+        saved = global_topk._sample_rank, clt_model.shard_candidates
+        global_topk._sample_rank, clt_model.shard_candidates = (lambda s, frac: 1), counted
         try:
             m = _adam_module()
             _fit(m, DecoderShardingStrategy(shard_encoder=True), root)
         finally:
-            global_topk._sample_rank, global_topk.shard_candidates = saved
+            global_topk._sample_rank, clt_model.shard_candidates = saved
         return {"state": _state(m), "synced_selections": calls["n"]}
 
     def sharded_fvu() -> dict[str, Any]:

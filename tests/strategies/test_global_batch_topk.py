@@ -18,8 +18,8 @@ from _clt_helpers import (
     trainer_kwargs,
 )
 
+from lightning_opt.models.clt_parallel import sum_forward
 from lightning_opt.strategies import GlobalBatchTopKStrategy
-from lightning_opt.strategies._collectives import sum_forward
 
 WORLD = 2
 
@@ -82,8 +82,8 @@ def run_equivalence() -> dict[str, float]:
 
 def run_counts() -> dict[str, list[int]]:
     """Kept counts from the selection (no count exchange) and the gather that uses them, on 2 ranks."""
+    from lightning_opt.models.clt_parallel import gather_sparse
     from lightning_opt.ops.global_topk import batch_topk_threshold_sparse
-    from lightning_opt.strategies._collectives import gather_sparse
 
     rank = dist.get_rank()
     # Ties at the threshold across both ranks: the counts must follow the (rank, flat index) tie rule.

@@ -1,13 +1,121 @@
-"""Differentiable collectives shared by the CLT strategies (one place for every all-reduce they issue)."""
+"""The CLT's distribution: which part of a :class:`~lightning_opt.models.clt.CLT` a rank holds, and every
+collective the sharded model issues (plain ``torch.distributed``, no Lightning).
+
+* :class:`CLTShardSpec`: this rank's output columns (and features) and the process groups of the
+  ``data x model`` mesh; :meth:`CLT.shard_ <lightning_opt.models.clt.CLT.shard_>` slices the parameters to it.
+* differentiable collectives: :func:`sum_forward`, :func:`sum_backward` (Megatron's "f"), :func:`gather_sparse`,
+  :func:`gather_padded`, :func:`gather_stacked`, :func:`gather_columns`; the index takes of the pool selection
+  (:func:`take_masked`, :func:`take_unique`).
+* the optimizer step's: :func:`all_reduce_grads` (data-parallel gradient averaging) and :func:`clip_grad_norm_`
+  (the norm of the whole sharded model).
+
+``lightning_opt.strategies`` builds the groups and calls these; the model calls them from its forward and backward.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
-from lightning_opt.ops.global_topk import _all_gather
+from lightning_opt.ops.global_topk import all_gather
+
+__all__ = [
+    "SELECTIONS",
+    "CLTShardSpec",
+    "all_gather_last",
+    "all_reduce_grads",
+    "clip_grad_norm_",
+    "gather_columns",
+    "gather_padded",
+    "gather_sparse",
+    "gather_stacked",
+    "sum_backward",
+    "sum_forward",
+    "take_masked",
+    "take_unique",
+]
+
+SELECTIONS = ("padded_pool", "synced_pool", "general")
+
+
+@dataclass(frozen=True)
+class CLTShardSpec:
+    """Which part of a :class:`CLT` this rank holds, and the process groups of the mesh.
+
+    Ranks form a ``data x model`` mesh, ``rank = data_rank * model_size + model_rank``: the ``model_size``
+    ranks of a *decoder group* see the same tokens and each holds the output columns ``d_out`` of every
+    decoder (and, with ``features``, the features ``features`` of every layer's encoder); the ``data_size``
+    ranks of a *data group* hold the same slices and see different tokens. :meth:`CLT.shard_` slices the
+    parameters to it; :meth:`CLT.forward`, :meth:`CLT.decode` and :meth:`CLT.decode_sparse` then compute this
+    rank's shard and issue the collectives the shard needs (``lightning_opt.strategies.DecoderShardingStrategy``
+    builds the groups and sets the spec).
+
+    Args:
+        d_out: ``(start, stop)``: decoder output columns (d_model axis) held here; the recon is
+            ``[N, L, stop - start]`` and matches ``y[..., start:stop]``.
+        features: ``(start, stop)``: features of every layer whose encoder columns (``W_enc[..., start:stop]``,
+            ``b_enc[..., start:stop]``) are held here; ``None``: the encoder is replicated. Needs
+            ``activation="batchtopk_global"`` and ``model_group``.
+        model_group: process group of the decoder group; ``None``: a local slice without collectives (the
+            decoder then gets the gradient of its columns only).
+        model_size, model_rank: size of the decoder group and this rank's place in it.
+        data_group, data_size, data_rank: the data-parallel axis (ranks holding the same slices). The model
+            uses it only through ``CLT.topk_group`` (BatchTopK over the data group); gradient averaging is the
+            strategy's.
+        mesh_group: all ranks of the mesh in mesh order (``None``: the default group). Feature-sharded encoders
+            select over it when ``CLT.topk_group`` is set (one budget over the mesh's tokens and features).
+        selection: feature-sharded encoders within one decoder group: ``"padded_pool"`` (every rank's
+            candidates gathered in fixed-size buffers, the same ``K`` picked on every rank, one host sync at the
+            decode's layer bounds; the synced pool when the buffers were too small), ``"synced_pool"`` (the
+            candidate counts read first, then a gather of exactly the candidates) or ``"general"`` (selection
+            collectives, then a gather of the kept entries; always used when the budget spans the data group).
+        gather_output: :meth:`CLT.forward` all-gathers the recon over the decoder group (full-width outputs, for
+            evaluation; its backward keeps this rank's columns, right when every rank computes the same loss).
+        phase_hook: optional ``callable(name)`` called after ``encode``, ``select``, ``gather`` and ``decode`` of
+            the feature-sharded forward (benchmarks time the phases).
+    """
+
+    d_out: tuple[int, int]
+    features: tuple[int, int] | None = None
+    model_group: Any = None
+    model_size: int = 1
+    model_rank: int = 0
+    data_group: Any = None
+    data_size: int = 1
+    data_rank: int = 0
+    mesh_group: Any = None
+    selection: str = "padded_pool"
+    gather_output: bool = False
+    phase_hook: Callable[[str], None] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("model_size", "data_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"CLTShardSpec.{name} must be a positive int, got {v!r}")
+        if not 0 <= self.model_rank < self.model_size or not 0 <= self.data_rank < self.data_size:
+            raise ValueError(
+                f"ranks out of range: model_rank={self.model_rank} of {self.model_size}, "
+                f"data_rank={self.data_rank} of {self.data_size}"
+            )
+        for name in ("d_out", "features"):
+            v = getattr(self, name)
+            if v is not None and (len(v) != 2 or not 0 <= v[0] < v[1]):
+                raise ValueError(f"CLTShardSpec.{name} must be (start, stop) with 0 <= start < stop, got {v!r}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"CLTShardSpec.selection={self.selection!r} is unknown; choose one of {SELECTIONS}")
+        if self.features is not None and self.model_group is None:
+            raise ValueError("feature-sharded encoders (features=...) need the decoder group (model_group)")
+
+    @property
+    def collective(self) -> bool:
+        """Whether the decoder group spans ranks (collectives in forward and backward)."""
+        return self.model_group is not None
 
 
 class _SumForward(torch.autograd.Function):
@@ -95,7 +203,7 @@ class _GatherSparse(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if counts is None:
             count = torch.tensor([indices.numel()], dtype=torch.long, device=indices.device)
-            counts = _all_gather(count, group, world).view(-1).tolist()  # host sync: counts size the buffers
+            counts = all_gather(count, group, world).view(-1).tolist()  # host sync: counts size the buffers
         width = max(counts)
         rank = dist.get_rank(group)
         ctx.group, ctx.counts, ctx.width, ctx.rank = group, counts, width, rank
@@ -104,7 +212,7 @@ class _GatherSparse(torch.autograd.Function):
         buf = torch.empty(width, 8 + esz, dtype=torch.uint8, device=indices.device)
         buf[:n, :8] = indices.to(torch.int64).contiguous().view(torch.uint8).view(n, 8)
         buf[:n, 8:] = values.contiguous().view(torch.uint8).view(n, esz)
-        parts = _all_gather(buf, group, world)
+        parts = all_gather(buf, group, world)
         rows = torch.cat([parts[r, : counts[r]] for r in range(world)])
         out_idx = rows[:, :8].contiguous().view(torch.int64).view(-1)
         out_vals = rows[:, 8:].contiguous().view(values.dtype).view(-1)
@@ -160,7 +268,7 @@ class _GatherPadded(torch.autograd.Function):
         buf[:n, :isz] = indices.contiguous().view(torch.uint8).view(n, isz)
         buf[:n, isz:] = values.contiguous().view(torch.uint8).view(n, vsz)
         buf[n:, :isz] = 255  # padding rows hold index -1 (the receivers' valid mask, no host copy)
-        rows = _all_gather(buf, group, world).view(world * width, isz + vsz)
+        rows = all_gather(buf, group, world).view(world * width, isz + vsz)
         out_idx = rows[:, :isz].contiguous().view(indices.dtype).view(-1)
         out_vals = rows[:, isz:].contiguous().view(values.dtype).view(-1)
         ctx.mark_non_differentiable(out_idx)
@@ -246,7 +354,7 @@ class _GatherStacked(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, group: Any, world: int) -> torch.Tensor:
         ctx.group, ctx.rank = group, dist.get_rank(group)
-        return _all_gather(t.contiguous(), group, world)
+        return all_gather(t.contiguous(), group, world)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -258,3 +366,59 @@ class _GatherStacked(torch.autograd.Function):
 def gather_stacked(t: torch.Tensor, group: Any, world: int) -> torch.Tensor:
     """Every rank's ``t`` stacked as ``[world, *t.shape]``; the gradient returns summed to each owner."""
     return _GatherStacked.apply(t, group, world)
+
+
+def all_gather_last(t: torch.Tensor, group: Any, world: int) -> torch.Tensor:
+    """Concatenate every rank's ``t`` along the last axis, in rank order (no gradient)."""
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class _GatherColumns(torch.autograd.Function):
+    """Forward: every rank's output columns concatenated (full width). Backward: this rank's columns of the
+    gradient (every rank of the group computes the same function of the full output)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any, world: int, rank: int) -> torch.Tensor:
+        ctx.width, ctx.rank = t.shape[-1], rank
+        return all_gather_last(t, group, world)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        start = ctx.rank * ctx.width
+        return grad[..., start : start + ctx.width].contiguous(), None, None, None
+
+
+def gather_columns(t: torch.Tensor, group: Any, world: int, rank: int) -> torch.Tensor:
+    """Every rank's output columns concatenated on the last axis; the backward keeps this rank's columns."""
+    return _GatherColumns.apply(t, group, world, rank)
+
+
+def clip_grad_norm_(module: nn.Module, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """:func:`torch.nn.utils.clip_grad_norm_` with the norm of the whole model when CLTs in ``module`` are sharded.
+
+    The squared norms of the sharded parameters (:meth:`CLT.sharded_parameters` of every CLT with a decoder
+    group) are summed over the decoder group; every other parameter is replicated in the group and counts once.
+    Without sharded CLTs this is ``torch.nn.utils.clip_grad_norm_``. Call it from
+    ``LightningModule.configure_gradient_clipping`` (as :class:`~lightning_opt.modules.clt.CLTModule` does);
+    the norm stays on the device (no host sync). Returns the total norm.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    clts = [m for m in module.modules() if isinstance(getattr(m, "shard", None), CLTShardSpec) and m.shard.collective]
+    if not clts:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    groups = {id(c.shard.model_group) for c in clts if c.shard is not None}
+    if len(groups) > 1:
+        raise ValueError("the sharded CLTs of one module must share one decoder group")
+    if not params:
+        return torch.zeros(())
+    sharded = {id(p) for c in clts for p in c.sharded_parameters()}
+    zero = params[0].grad.new_zeros((), dtype=torch.float32)
+    sq_sharded = sum((p.grad.detach().float().pow(2).sum() for p in params if id(p) in sharded), zero)
+    sq_shared = sum((p.grad.detach().float().pow(2).sum() for p in params if id(p) not in sharded), zero)
+    dist.all_reduce(sq_sharded, group=clts[0].shard.model_group)
+    total = (sq_sharded + sq_shared).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_([p.grad for p in params], coef)
+    return total
