@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from lightning_opt.data.download import DownloadError
+
 TRACEBACK_ENV = "LIGHTNING_OPT_TRACEBACK"
 
 _USER_TYPES = (ValueError, TypeError, KeyError, ImportError, OSError)
@@ -117,8 +119,6 @@ def user_error_message(err: BaseException) -> str | None:
         from lightning.fabric.utilities.exceptions import MisconfigurationException
     except ImportError:  # pragma: no cover - Lightning is a dependency
         MisconfigurationException = ()  # noqa: N806
-    from lightning_opt.data.download import DownloadError
-
     if isinstance(err, (MisconfigurationException, DownloadError)):
         return one_line(str(err))
     if isinstance(err, OSError) and err.filename is not None and err.errno in _PATH_ERRNOS:  # no message of ours

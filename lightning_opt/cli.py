@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_opt._errors import refuse
 from lightning_opt.callbacks.async_checkpoint import (
     AsyncCheckpoint,
     checkpoint_step,
@@ -274,8 +275,6 @@ class RecipeCLI(LightningCLI):
         (the parser's reason, not a usage text) and raises :class:`~lightning_opt._errors.UsageError`, a
         ``SystemExit`` with status 2 whose ``str()`` is the full reason."""
         from jsonargparse import ArgumentError, Namespace
-
-        from lightning_opt._errors import refuse
 
         if isinstance(args, (dict, Namespace)):
             self.config = parser.parse_object(args)

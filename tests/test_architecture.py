@@ -74,12 +74,6 @@ LAZY_PACKAGE_IMPORTS = {
     ("lightning_opt.ops.global_topk", "lightning_opt.ops._topk_triton"),  # loads triton
     ("lightning_opt.models.clt", "lightning_opt.ops._topk_triton"),  # loads triton
     ("lightning_opt.ops.sparse_decode", "lightning_opt.ops._sparse_decode_triton"),  # loads triton
-    # not yet at the top (the list only shrinks)
-    ("lightning_opt._errors", "lightning_opt.data.download"),
-    ("lightning_opt.cli", "lightning_opt._errors"),
-    ("lightning_opt.data.download", "lightning_opt._optional"),
-    ("lightning_opt.data.prepare", "lightning_opt._optional"),
-    ("lightning_opt.models.gpt2", "lightning_opt.ops.attention"),
 }
 
 

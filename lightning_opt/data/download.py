@@ -11,6 +11,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
+from lightning_opt._optional import require
 from lightning_opt.data.shards import PathLike, read_header
 
 FINEWEB_REPO = "kjj0/fineweb10B-gpt2"
@@ -72,8 +73,6 @@ def download_fineweb(
         ImportError: ``huggingface_hub`` is missing (``pip install 'lightning-opt[hf]'``).
         DownloadError: no network, or the Hub does not have a file.
     """
-    from lightning_opt._optional import require
-
     hub = require("huggingface_hub", "hf", purpose="download-fineweb")
     try:
         from huggingface_hub import errors

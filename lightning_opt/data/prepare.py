@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_opt._optional import require
 from lightning_opt.data.shards import PathLike, resolve_files, write_shard
 from lightning_opt.data.tokenizer import ByteTokenizer, GPT2Tokenizer, get_tokenizer
 
@@ -265,8 +266,6 @@ def prepare_hf_dataset(
         max_docs: stop after this many documents.
         Other arguments as in :func:`prepare_text_files`.
     """
-    from lightning_opt._optional import require
-
     datasets = require("datasets", "hf", purpose="prepare --hf-dataset")
     tok = get_tokenizer(tokenizer, bpe_file)
     stream = datasets.load_dataset(name, config, split=split, streaming=True)

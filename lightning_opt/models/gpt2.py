@@ -20,7 +20,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lightning_opt.ops.attention import BACKENDS, FLEX_BLOCK, attention, build_mask, resolve_backend
+from lightning_opt.ops.attention import (
+    BACKENDS,
+    FLEX_BLOCK,
+    attention,
+    build_mask,
+    flash_available,
+    resolve_backend,
+)
 from lightning_opt.ops.cross_entropy import linear_cross_entropy
 from lightning_opt.ops.fp8 import fp8_linear, fp8_wanted, mean_loss_grad_scale
 from lightning_opt.ops.softcap_ce import linear_softcap_cross_entropy
@@ -842,8 +849,6 @@ class GPT(nn.Module):
         self.execution = ex = execution if execution is not None else GPTExecution()
         ex.check(cfg)
         if ex.attn_backend == "flash":
-            from lightning_opt.ops.attention import flash_available
-
             if not flash_available():  # say so now, not at the first training step
                 raise ImportError(
                     "GPTExecution.attn_backend='flash' needs flash-attn: pip install 'lightning-opt[gpu]' "

@@ -422,7 +422,7 @@ def batch_topk_rows(
             candidates).
         triton_block: entries per program of the Triton passes of the path taken, a power of two; ``None``:
             that path's default (one-pass stash pass 2048, see ``ops._topk_triton.STASH_BLOCK``; two-pass
-            selection and candidate step 2048, the fastest of those in an H200 sweep, docs/clt.md).
+            selection and candidate step 2048).
         triton_num_warps: warps per program of those passes, a power of two; ``None``: the path's default
             (8 and 4).
 
