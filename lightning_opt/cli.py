@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
+import re
 import sys
 import time
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_opt._errors import refuse
+from lightning_opt._errors import parser_reason, refuse
 from lightning_opt.callbacks.async_checkpoint import (
     AsyncCheckpoint,
     checkpoint_step,
@@ -187,6 +190,38 @@ class RunSummary(Callback):
         }
 
 
+def _where_instead(parser: Any, message: str) -> str:
+    """For a key the parser does not accept (``model.train: Option 'lr' is not accepted``, ``unrecognized
+    arguments: --model.compile_options ...``): the accepted keys with the same name elsewhere (``model.optim.lr``)
+    or with its last ``_`` as a level (``model.compile.options``), as ``; use --KEY`` (empty when none)."""
+    m = re.search(r"([\w.]+): Option '(\w+)' is not accepted", message) or re.search(
+        r'Parser key "([\w.]+)":.*?Option \'(\w+)\' is not accepted', message, re.S)
+    key = f"{m.group(1)}.{m.group(2)}" if m else None
+    if key is None:
+        m = re.search(r"unrecognized arguments: --([\w.]+)", message)
+        key = m.group(1) if m else None
+    if key is None:
+        return ""
+    def leaves(prefix: str, hint: Any) -> list[str]:
+        """``prefix`` and, for a dataclass type (or a union holding one), the keys of its fields."""
+        out = [prefix]
+        for t in (hint, *typing.get_args(hint)):
+            if dataclasses.is_dataclass(t) and isinstance(t, type):
+                hints = typing.get_type_hints(t)
+                out += [k for f in dataclasses.fields(t) for k in leaves(f"{prefix}.{f.name}", hints.get(f.name))]
+        return out
+
+    try:  # the parser's keys, with the fields of dataclass-typed ones (which the parser holds as one value)
+        known = [k for a in parser._actions if isinstance(getattr(a, "dest", None), str)
+                 and not a.dest.endswith(".help") for k in leaves(a.dest, getattr(a, "_typehint", None))]
+    except Exception:  # no suggestion: the parser's reason stands alone
+        return ""
+    leaf = key.rsplit(".", 1)[-1]
+    head, _, tail = key.rpartition("_")
+    found = [k for k in known if k != key and (k.rsplit(".", 1)[-1] == leaf or (tail and k == f"{head}.{tail}"))]
+    return f"; use {' or '.join('--' + k for k in sorted(found)[:3])}" if found else ""
+
+
 def run_dir(trainer: L.Trainer) -> Path:
     if trainer.logger is not None and trainer.logger.log_dir:
         return Path(trainer.logger.log_dir)
@@ -291,7 +326,7 @@ class RecipeCLI(LightningCLI):
         try:
             self.config = parser.parse_args(args)
         except ArgumentError as err:
-            refuse(str(err))
+            refuse(parser_reason(str(err)) + _where_instead(parser, str(err)))
         finally:
             parser.exit_on_error = exit_on_error
 
