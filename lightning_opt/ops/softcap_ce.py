@@ -20,8 +20,7 @@ derivative ``1 - tanh^2`` is off by up to about 1e-3 absolute - a few percent of
 the cap, where the gradient through the cap is small anyway. Evaluation (no gradient) keeps the exact formula.
 With ``fp8=True`` the logits come from an FP8 matmul, and so do the head's input and weight gradients: the
 kernel then writes the gradient as an e5m2 copy (times ``G8_MULT``) instead of over the logits, and a tiled
-Triton copy transposes it for the weight gradient (each FP8 gradient matmul measured faster than its bfloat16
-form on an H100: +1.1% and +2.7% tokens/s in the speedrun recipe, docs/gpt2.md).
+Triton copy transposes it for the weight gradient (measured effect: docs/gpt2.md).
 
 The kernel runs on CUDA (or anywhere under ``TRITON_INTERPRET=1``); elsewhere the same function computes
 the same thing with torch ops. The call is kept out of ``torch.compile`` graphs (a graph break at the
@@ -287,8 +286,8 @@ def _times(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class _LinearSoftcapCE(torch.autograd.Function):
     # With fp8, both head gradients come from FP8 operands: grad_h = g @ W from the kernel's e5m2 copy of g and
     # W's e4m3 copy; grad_w = g^T h from the e5m2 copy transposed by a tiled Triton copy (_scaled_mm contracts
-    # along contiguous rows; torch's strided .t().contiguous() of the [N, V] copy cost 12% of a speedrun step
-    # on an H100) and the forward's e4m3 copy of h. The kernel then writes no gradient in the compute dtype,
+    # along contiguous rows; the tiled copy avoids torch's strided .t().contiguous() of the [N, V] copy) and
+    # the forward's e4m3 copy of h. The kernel then writes no gradient in the compute dtype,
     # and the logits buffer is freed after the forward.
     @staticmethod
     def forward(ctx, h, weight, targets, cap, ignore_index, need_grad, fp8, backward_fast_accum):  # type: ignore[override]
