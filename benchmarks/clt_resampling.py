@@ -293,15 +293,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     log.setLevel(logging.ERROR)
     try:
-        return _main(args)
+        return _main(args, argv)
     finally:  # called from a test: leave the process as it was
         torch.set_num_threads(threads)
         log.setLevel(level)
 
 
-def _main(args: argparse.Namespace) -> dict[str, Any]:
-    from benchmarks.gpt2_common import write_json
-    from benchmarks.result_header import result_header
+def _main(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, Any]:
+    from benchmarks._results import command_line, environment, write_result
 
     t0 = time.perf_counter()
     z = sizes(args.smoke)
@@ -332,7 +331,6 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
         **({"resample_weighting": args.resample_weighting} if args.resample_weighting else {}),
     }
     results: dict[str, Any] = {
-        **result_header(NAME, on_gpu=False),
         "smoke": args.smoke,
         "workload": {
             "target": f"demo GPT (train_demo_target(steps={z['target_steps']})): {n_layers} layers x {d_model}, "
@@ -375,7 +373,8 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
             if Path(results["plot"]).resolve().is_relative_to(ROOT) else results["plot"]
     results["elapsed_s"] = round(time.perf_counter() - t0, 1)
     if out:
-        write_json(Path(out), results)
+        write_result(out, benchmark=NAME, env=environment(on_gpu=False), command=command_line(argv),
+                     baseline=None, results=results)
         print(f"wrote {out}")
     return results
 
