@@ -556,8 +556,8 @@ def summary(rows: list[dict[str, Any]], goal_ratio: float, compile_limit_s: floa
     return out
 
 
-def print_table(results: dict[str, Any]) -> None:
-    print(f"\nSPD step time on {results['device']} (torch {results['torch']})", flush=True)
+def print_table(results: dict[str, Any], env: dict[str, Any]) -> None:
+    print(f"\nSPD step time on {env['device']} (torch {env['torch']})", flush=True)
     print(f"{'workload':<12}{'variant':<22}{'ms/step':>9}{'no PGD':>9}{'iters':>6}{'syncs':>6}{'compile s':>10}"
           f"{'loss':>11}  note")
     for wname, res in results["workloads"].items():
@@ -743,7 +743,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 except Exception as err:
                     res["parity"] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-2000:]}
                 save()
-    print_table(results)
+    print_table(results, env)
     save()
     print(f"wrote {out} ({results['elapsed_s']} s)")
     return results
