@@ -29,7 +29,7 @@ Variants, in the order they run (headline first, so a short budget still gives t
 4. ``ours_full_bf16`` (``compile="full"``: the whole step as one graph, for its compile time; ``--no-full-compile``
    skips it).
 
-On request only (``--variants``): ``ours_full_bf16_lean`` (``compile="full"`` with ``compile_options``
+On request only (``--variants``): ``ours_full_bf16_lean`` (``compile="full"`` with inductor ``options``
 ``{"triton.autotune_pointwise": false}``: each pointwise kernel compiled in its heuristic launch configuration
 instead of several benchmarked on the first call, a shorter cold compile) and ``ours_full_bf16_lean_cg`` (the same
 plus ``"triton.cudagraphs": true``: every compiled graph replays as a CUDA graph). ``--variants a,b,c`` runs just
