@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpt2_common import write_json
-from benchmarks.result_header import device_slug, environment
+from benchmarks._results import command_line, device_slug, environment, write_result
 from lightning_opt.models.gpt2 import GPT, GPTConfig, KVCache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,8 +189,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     rows = [run_variant(name, fields, spec, device) for name, fields in variants(spec).items()]
     result = {
-        "benchmark": "attention_kv",
-        **environment(on_gpu=device.type == "cuda"),
         "smoke": args.smoke,
         "device_type": device.type,
         "spec": {k: v for k, v in spec.items()},
@@ -203,7 +200,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if out is None and device.type == "cuda" and not args.smoke:
         out = ROOT / "benchmarks" / "results" / f"attention_kv_{device_slug()}.json"
     if out is not None:
-        write_json(out, result)
+        write_result(out, benchmark="attention_kv", env=environment(on_gpu=device.type == "cuda"),
+                     command=command_line(argv), baseline=None, results=result)
         print(f"wrote {out}", flush=True)
     for name, rel in result["relative_to_mha"].items():
         print(f"{name:>18}: " + ", ".join(f"{k} x{v:.3f}" for k, v in rel.items()), flush=True)

@@ -10,7 +10,7 @@ optimizer), real Trainer, no compile, bf16-mixed, ``log_every_n_steps=10``:
 * ``speedrun``: the GPT-2 speedrun recipe's model and optimizer as
   ``lightning_opt/recipes/configs/gpt2/gpt2-124m-speedrun.yaml`` builds them (``GPT2SpeedrunModule``, Muon +
   AdamW in a ``CombinedOptimizer``, its schedule and batch, ``MatmulPrecision("high")``) in the 1024-token
-  geometry (``gpt2_common.short_geometry``: 32 x 1024-token batches), compile off.
+  geometry (``gpt2_common.SHORT_GEOMETRY``: 32 x 1024-token batches), compile off.
   Variants: ``speedrun_none`` and ``speedrun_all6``.
 
 Method. Step time is the interval between CUDA events recorded at consecutive batch starts (no sync of ours),
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -53,9 +52,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import yaml
 
-from benchmarks.result_header import RESULTS, device_slug, result_header
+from benchmarks._results import RESULTS, command_line, device_slug, environment, write_result
 from lightning_opt.callbacks import (
     AsyncCheckpoint,
     CudaMemoryHygiene,
@@ -133,10 +131,9 @@ class RandomTokens:
 def speedrun_settings(smoke: bool) -> dict[str, Any]:
     """The speedrun recipe's ``model`` section (compile off) and its batch, from the YAML in the 1024-token
     geometry; shrunk for --smoke."""
-    from benchmarks.gpt2_common import short_geometry
+    from benchmarks.gpt2_common import recipe_config
 
-    with open(SPEEDRUN_YAML) as f:
-        cfg = short_geometry(yaml.safe_load(f))
+    cfg = recipe_config("gpt2-124m-speedrun", geometry="short")
     model = dict(cfg["model"])
     model["compile"] = False
     data = cfg["data"]
@@ -800,7 +797,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def main_data(n: int) -> RandomTokens:
         return RandomTokens(n, args.batch_size, cfg.block_size, cfg.vocab_size)
 
-    report: dict[str, Any] = {**result_header("callbacks_overhead", cuda)}
+    env = environment(cuda)
+    report: dict[str, Any] = {}
     sections: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmpdir:
         warm_s = prewarm(module, main_data, args.prewarm_s, 0.055, tmpdir)
@@ -854,7 +852,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "round_order": "alternating (forward, then reversed); the baseline before every per_baseline variants "
                            "and at the end of each round",
         },
-        "baseline": "none",
         "overhead_definition": "median over rounds of (run median step / baseline median step interpolated in run "
                                "order between the baseline runs around it) - 1",
         "attribution": attr,
@@ -864,15 +861,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device_costs": costs,
         "skip_check": checks,
         "no_sync_check": sync,
-        "target": "all6 overhead_vs_none <= 0.005",
         "wall_s": wall,
     })
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2, default=str)
+    write_result(args.out, benchmark="callbacks_overhead", env=env, command=command_line(argv),
+                 baseline={"name": "none"}, results=report, goals="all6 overhead_vs_none <= 0.005")
 
     n_rounds = args.rounds
-    print_table(f"Main: {report['device']}, {n_rounds} rounds x {args.steps} steps", main_summary)
+    print_table(f"Main: {env['device']}, {n_rounds} rounds x {args.steps} steps", main_summary)
     if len(singles) == len(SINGLES) and "all6" in attr:
         print(f"sum of the six alone: {sum(singles) * 100:+.2f}%   all6 together: "
               f"{attr['all6']['overhead_vs_none'] * 100:+.2f}%   (target <= +0.50%)")

@@ -13,7 +13,6 @@ loop time inside the save call, extra peak GPU memory during the save window, an
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -25,8 +24,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from benchmarks._results import command_line, environment, write_result
 from benchmarks.callbacks_overhead import BenchModule, RandomTokens, gpt_config
-from benchmarks.result_header import result_header
 from lightning_opt.callbacks import AsyncCheckpoint
 
 
@@ -228,7 +227,6 @@ def main() -> None:
         if sync.get("file_bytes") and ours.get("file_bytes"):
             ratios[f"{name}_file_over_sync_file"] = ours["file_bytes"] / sync["file_bytes"]
     report = {
-        **result_header("checkpoint_stall"),
         "config": {
             "model": "GPT-2 124M" if not args.smoke else "tiny (smoke)",
             "batch_size": args.batch_size,
@@ -237,20 +235,18 @@ def main() -> None:
             "save_at": args.save_at,
             "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
         },
-        "baseline": "none (same steps, no save; best of two runs)",
         "results": results,
         "ratios": ratios,
         "errors": errors,
-        "targets": {
-            "ours_over_lightning_async_io": "<= 0.5",
-            "ours_over_sync": "<= 0.05",
-            "extra_gpu_bytes": "0",
-            "ours_file_over_sync_file": "<= 1.0",
-        },
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2, default=str)
+    targets = {
+        "ours_over_lightning_async_io": "<= 0.5",
+        "ours_over_sync": "<= 0.05",
+        "extra_gpu_bytes": "0",
+        "ours_file_over_sync_file": "<= 1.0",
+    }
+    write_result(args.out, benchmark="checkpoint_stall", env=environment(), command=command_line(),
+                 baseline={"name": "none (same steps, no save; best of two runs)"}, results=report, goals=targets)
     print(f"\n{'variant':22s} {'lost s':>9s} {'loop stall s':>13s} {'extra GPU MB':>13s} {'file MB':>9s}")
     for variant, r in results.items():
 

@@ -73,10 +73,10 @@ def sizes(smoke: bool) -> dict[str, Any]:
     if smoke:
         return {"n_features": 64, "k": 8, "tokens_per_batch": 256, "steps": 20, "eval_every": 10,
                 "dead_window_steps": 4, "resample_every": 8, "val_tokens": 512, "aux_k": 8, "aux_max_dead": 32,
-                "target_steps": 30, "lr": 3e-3}
+                "target_steps": 30, "lr": 3e-3, "train_tokens": 256 * 20}
     return {"n_features": 512, "k": 16, "tokens_per_batch": 512, "steps": 600, "eval_every": 50,
             "dead_window_steps": 40, "resample_every": 125, "val_tokens": 16384, "aux_k": 16, "aux_max_dead": 512,
-            "target_steps": 300, "lr": 5e-4}
+            "target_steps": 300, "lr": 5e-4, "train_tokens": None}
 
 
 def variant_kwargs(name: str, z: dict[str, Any], aux_coef: float) -> dict[str, Any]:
@@ -293,15 +293,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     log.setLevel(logging.ERROR)
     try:
-        return _main(args)
+        return _main(args, argv)
     finally:  # called from a test: leave the process as it was
         torch.set_num_threads(threads)
         log.setLevel(level)
 
 
-def _main(args: argparse.Namespace) -> dict[str, Any]:
-    from benchmarks.gpt2_common import write_json
-    from benchmarks.result_header import result_header
+def _main(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, Any]:
+    from benchmarks._results import command_line, environment, write_result
 
     t0 = time.perf_counter()
     z = sizes(args.smoke)
@@ -332,12 +331,12 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
         **({"resample_weighting": args.resample_weighting} if args.resample_weighting else {}),
     }
     results: dict[str, Any] = {
-        **result_header(NAME, on_gpu=False),
         "smoke": args.smoke,
         "workload": {
             "target": f"demo GPT (train_demo_target(steps={z['target_steps']})): {n_layers} layers x {d_model}, "
                       "byte-level, built-in corpus",
-            "train_activations": "CLTDataModule activation cache of the built-in corpus's train shard (shuffled)",
+            "train_activations": "CLTDataModule activation cache of the built-in corpus's train shard (shuffled)"
+                                 + (f", its first {z['train_tokens']} tokens" if z["train_tokens"] else ""),
             "heldout_activations": f"the first {z['val_tokens']} tokens of the built-in corpus's val shard "
                                    "(never trained on)",
             "clt": {"n_features_per_layer": z["n_features"], "activation": "batchtopk_global", "k": z["k"],
@@ -356,7 +355,8 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
     }
     with tempfile.TemporaryDirectory(prefix="clt_resampling_") as cache:
         dm = CLTDataModule(target=target, train_files="builtin", val_files="builtin", seq_len=64,
-                           tokens_per_batch=z["tokens_per_batch"], val_tokens=z["val_tokens"], cache_dir=cache,
+                           tokens_per_batch=z["tokens_per_batch"], train_tokens=z["train_tokens"],
+                           val_tokens=z["val_tokens"], cache_dir=cache,
                            dtype="float32", shuffle=True)
         dm.setup("fit")  # writes the activation cache once; every run reads it
         for seed in seeds:
@@ -375,7 +375,8 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
             if Path(results["plot"]).resolve().is_relative_to(ROOT) else results["plot"]
     results["elapsed_s"] = round(time.perf_counter() - t0, 1)
     if out:
-        write_json(Path(out), results)
+        write_result(out, benchmark=NAME, env=environment(on_gpu=False), command=command_line(argv),
+                     baseline=None, results=results)
         print(f"wrote {out}")
     return results
 

@@ -55,8 +55,8 @@ from typing import Any
 
 import torch
 
+from benchmarks._results import RESULTS, command_line, environment, write_result
 from benchmarks.dist_launch import default_gpus, init_group, launch, seconds_left
-from benchmarks.result_header import write_result
 from benchmarks.timeline import StepProfiler
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -732,7 +732,11 @@ def main() -> None:
     add_scaling(rows)
     if args.out is None and not args.smoke and max(args.gpus) > 2:
         args.out = os.path.join(HERE, "results", f"clt_scaling_{max(args.gpus)}gpu.json")
-    out = write_result("clt_scaling", args, rows, gpus=gpus, sizes=args.gpus, scaling_run=scaling)
+    out = args.out or str(RESULTS / f"clt_scaling{'_smoke' if args.smoke else ''}.json")
+    on_gpu = torch.cuda.is_available() and not args.smoke
+    write_result(out, benchmark="clt_scaling", env=environment(on_gpu, gpus=gpus), command=command_line(),
+                 baseline=None, results={"config": {k: v for k, v in vars(args).items() if k != "out"},
+                                         "sizes": args.gpus, "scaling_run": scaling, "rows": rows})
     print(
         f"\n{'variant':56} {'F/layer':>8} {'step ms':>9} {'tok/s':>10} {'x 1gpu':>7} {'eff':>6} {'L0':>7} "
         f"{'our MB':>8} {'DDP MB':>8}"

@@ -6,13 +6,13 @@ synthetic activations; 4096 / 8192 / 16384 / 32768 features per layer. Per featu
 * ``ours_dense``: ``CLT`` forward (batched encoder, exact global BatchTopK), dense decode (its default plain
   dense gradients), MSE + tanh sparsity + pre-activation loss, backward, fused AdamW: the "raw step".
 * ``ours_dense_sparsegrad``: the same with the activation gradient of the dense decode as a gather-dot at the
-  kept entries (``CLT.dense_sparse_grad = True``). (``ours_dense_plaingrad`` is an alias of ``ours_dense``.)
+  kept entries (``CLT.execution.dense_sparse_grad = True``). (``ours_dense_plaingrad`` is an alias of ``ours_dense``.)
 * ``ours_sparse``: the same with the sparse decode (``ops.sparse_decode``: Triton on CUDA).
 * ``module``: the real ``CLTModule`` in a Lightning ``Trainer`` (bf16-mixed) with the gpt2-small config's
   loss terms (tanh sparsity, pre-activation, AuxK with aux_k=16 and its default ``aux_max_dead`` active from
   the second step - ``dead_tokens`` is one batch, so every feature silent in the last batch is dead -,
   dead-feature tracking, train metrics every ``log_every_n_steps=50``) and ``decode=auto`` (the decode the
-  module picks by F) and the model's default ``CLT.dense_sparse_grad`` (True: gather-dot activation gradient of
+  module picks by F) and the model's default ``CLT.execution.dense_sparse_grad`` (True: gather-dot activation gradient of
   the dense decode). ``module_noaux``: the same with ``aux_coef=0``; ``module_sparsegrad`` / ``module_plaingrad``:
   ``module`` with ``dense_sparse_grad`` forced True / False; ``module_compile``: ``module`` with
   ``CLTModule(compile=True)`` (the encoder and loss regions through ``torch.compile``; the compilation happens in
@@ -87,7 +87,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.result_header import device_slug, result_header
+from benchmarks._results import command_line, device_slug, environment, write_result
 from lightning_opt.models.clt import (
     CLT,
     CLTConfig,
@@ -246,7 +246,7 @@ def ours_step(nf: int, args: argparse.Namespace, dev: torch.device, sparse: bool
     cfg = CLTConfig(n_layers=args.layers, d_model=args.d_model, n_features=nf, activation="batchtopk_global", k=args.k)
     with torch.device(dev):
         clt = CLT(cfg)
-    clt.dense_sparse_grad = sparse_grad
+    clt.execution.dense_sparse_grad = sparse_grad
     opt = torch.optim.AdamW(clt.parameters(), lr=1e-4, fused=dev.type == "cuda")
     x, y = synthetic(args.tokens, args.layers, args.d_model, dev)
     amp = dev.type == "cuda"
@@ -283,7 +283,7 @@ def module_step(nf: int, args: argparse.Namespace, dev: torch.device, aux: bool 
                            compile=compile)
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     if sparse_grad is not None:  # None: the model's default
-        module.model.dense_sparse_grad = sparse_grad
+        module.model.execution.dense_sparse_grad = sparse_grad
     decode = "sparse" if module._use_sparse(True) else "dense"
     x, y = synthetic(args.tokens, args.layers, args.d_model, dev)
 
@@ -816,15 +816,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             "module_over_raw_step": mod / ms(row, "ours_dense") if mod and ms(row, "ours_dense") else None,
         }
     report = {
-        **result_header("clt_step", on_gpu=dev.type == "cuda"),
         "shapes": {"layers": args.layers, "d_model": args.d_model, "tokens": args.tokens, "k": args.k},
         "loss": f"MSE + {SPARSITY} * tanh sparsity + {PREACT} * pre-activation loss (both sides)",
         "results": results,
         "ratios": ratios,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    write_result(args.out, benchmark="clt_step", env=environment(on_gpu=dev.type == "cuda"),
+                 command=command_line(argv), baseline=None, results=report)
     print(f"\n{'features':>9} | {'ours dense':>10} | {'dense sparse-grad':>17} | {'ours sparse':>11} | {'peer step':>9} | {'speedup':>7} | "
           f"{'sel ours':>8} | {'sel topk':>8} | {'sel peer':>8} | {'module':>7} | {'mod-aux':>7} | {'mod-plain':>9} | {'mod x':>6} | "
           f"{'peak GB dense/sparse/module/peer':>32}")

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from benchmarks._results import command_line, environment, write_result
+
 RESULTS = Path(__file__).resolve().parent / "results" / "comm_bytes_cpu.json"
 
 # name -> (world, strategy class, strategy kwargs)
@@ -297,12 +299,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(name, calls, terms, flush=True)
         print(f"{name:42s} W={world}  predicted {predicted:>10,d}  measured {measured:>10,d}  "
               f"ratio {measured / predicted:.3f}", flush=True)
-    result = {"device": "cpu (gloo)", "command": "python -m benchmarks.comm_bytes" + (" --smoke" * args.smoke),
-              "torch": torch.__version__, "shape": shape, "rows": rows}
+    result = {"shape": shape, "rows": rows}
     out = args.out or (None if args.smoke else str(RESULTS))
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+        write_result(out, benchmark="comm_bytes", env={**environment(on_gpu=False), "collectives": "gloo"},
+                     command=command_line(argv), baseline=None, results=result)
     return result
 
 

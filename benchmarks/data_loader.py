@@ -15,7 +15,6 @@ shard is random tokens written to a temporary folder.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.result_header import result_header
+from benchmarks._results import command_line, environment, write_result
 from lightning_opt.data.datamodule import TokenShardDataModule
 from lightning_opt.data.shards import write_shard
 
@@ -180,7 +179,6 @@ def main() -> None:
     width, depth = (32, 1) if args.smoke else (1024, 8)
 
     result: dict = {
-        **result_header("data_loader"),
         "smoke": args.smoke,
         "batch": batch,
         "seq_len": seq_len,
@@ -204,10 +202,9 @@ def main() -> None:
         else:
             result["gpu"] = "skipped: no CUDA"
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"\n{result['device']}  B={batch} T={seq_len}")
+    env = environment()
+    write_result(args.out, benchmark="data_loader", env=env, command=command_line(), baseline=None, results=result)
+    print(f"\n{env['device']}  B={batch} T={seq_len}")
     print(f"{'host loader':40s} {'Mtok/s':>8s} {'ms/batch':>9s} {'vs base':>8s}")
     for r in result["host"]:
         if "error" in r:
@@ -223,7 +220,7 @@ def main() -> None:
                 print(f"{r['variant']:40s} ERROR {r['error']}")
             else:
                 print(f"{r['variant']:40s} {r['ms_per_step']:8.2f} {r.get('ratio_vs_floor', 1):9.3f}")
-    print(f"wrote {out}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.result_header import device_slug, write_result
+from benchmarks._results import RESULTS, command_line, device_slug, environment, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -307,7 +307,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--work-dir", default=None, help="where the runs go (default: a temporary folder, removed)")
     p.add_argument("--out", default=None, help="result file (default benchmarks/results/documented_commands_<device>.json)")
     args = p.parse_args(argv)
-    args.smoke = args.cpu_smoke  # write_result's name for a CPU smoke run
     begin = time.perf_counter()
     import torch
 
@@ -315,8 +314,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     counts = [1, 2] if args.cpu_smoke else [int(g) for g in args.gpus.split(",") if g.strip()]
     name = f"documented_commands_{'cpu' if args.cpu_smoke else device_slug()}"
     if args.out is None:
-        from benchmarks.result_header import RESULTS
-
         args.out = os.path.join(RESULTS, f"{name}_smoke.json" if args.cpu_smoke else f"{name}.json")
     temp = None if args.work_dir else tempfile.mkdtemp(prefix="documented_commands_")
     work = Path(args.work_dir or temp)
@@ -361,7 +358,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "total_s": round(time.perf_counter() - begin, 1), "gpus_here": available}
         for r in rows:
             r.pop("cwd", None)
-        path = write_result(name, args, rows, summary=summary)
+        path = args.out
+        write_result(path, benchmark="documented_commands", env=environment(not args.cpu_smoke and available > 0),
+                     command=command_line(argv), baseline=None,
+                     results={"config": {k: v for k, v in vars(args).items() if k != "out"}, "summary": summary,
+                              "rows": rows})
         print(f"{summary['passed']} passed, {summary['failed']} failed, {summary['skipped']} skipped -> {path}")
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)

@@ -2,7 +2,7 @@
 differences can be told from run-to-run noise.
 
 Baseline: the model and optimizer of the shipped ``gpt2-124m-speedrun`` recipe in the 1024-token geometry
-(``gpt2_common.short_geometry``; its YAML: architecture, Muon +
+(``gpt2_common.SHORT_GEOMETRY``; its YAML: architecture, Muon +
 Adam with their learning rates, WSD schedule, fused soft-capped loss) at a size one call can afford:
 ``--n-layer`` x ``--n-embd`` with heads of the recipe's width (the recipe's attention-free layer 7 of 12 maps to
 layer ``7 * n_layer // 12``, its Muon momentum warmup to the same fraction of the run), ``--micro-batch`` x
@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks._results import command_line, device_slug, environment, write_result
 from benchmarks.gpt2_common import (
     DATA_DIR,
     DATA_DIR_ENV,
@@ -66,10 +67,8 @@ from benchmarks.gpt2_common import (
     guarded,
     load_yaml_config,
     with_model,
-    write_json,
     yaml_execution,
 )
-from benchmarks.result_header import device_slug, environment
 from lightning_opt._optional import is_available
 from lightning_opt.data.schedule import BatchGeometry
 from lightning_opt.data.shards import read_shard, resolve_files
@@ -666,24 +665,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out_path = Path(args.out) if args.out else default_out(args.smoke)
     if out_path.suffix != ".json":
         out_path = out_path / f"gpt2_ablation_{device_slug()}.json"
-    payload: dict[str, Any] = {
-        "benchmark": "gpt2_ablation", "format": 2, "env": environment(), "smoke": args.smoke,
-        "settings": vars(args),
-        "baseline": {**info, "n_layer": base.model.n_layer, "n_embd": base.model.n_embd, "n_head": base.model.n_head,
-                     "steps": base.steps, "micro_batch": base.micro_batch, "seq_len": base.seq_len,
-                     "tokens_per_step": base.micro_batch * base.seq_len, "tokens": base.tokens(),
-                     "compile": base.compile, "amp": base.amp, "attn_backend": base.execution.attn_backend,
-                     "matmul_precision": base.matmul_precision, "warm": base.warm, "spec": base.describe()},
-        "calibration": calib,
+    env = environment()
+    baseline_info = {"name": info["recipe"], **info, "n_layer": base.model.n_layer, "n_embd": base.model.n_embd,
+                     "n_head": base.model.n_head, "steps": base.steps, "micro_batch": base.micro_batch,
+                     "seq_len": base.seq_len, "tokens_per_step": base.micro_batch * base.seq_len,
+                     "tokens": base.tokens(), "compile": base.compile, "amp": base.amp,
+                     "attn_backend": base.execution.attn_backend, "matmul_precision": base.matmul_precision,
+                     "warm": base.warm, "spec": base.describe()}
+    notes = ["deltas are against the mean of the two baseline seeds; the noise band is that mean +- the seeds' "
+             "difference (val loss and tokens/s); a row's effect is called real only outside it",
+             "tokens/s leaves out the first warm-up steps; peak memory is training's (the token data on the "
+             "device included), before validation",
+             "code lines: counted from the source when the run started (see each row's code parts)"]
+    results: dict[str, Any] = {
+        "format": 2, "smoke": args.smoke, "settings": vars(args), "calibration": calib,
         "data": {"train_files": [str(f) for f in train_files], "val_files": [str(f) for f in val_files],
                  "train_tokens": len(data.train), "val_tokens": data.val_tokens},
         "noise": None, "rows": {}, "left_out": left_out,
-        "notes": ["deltas are against the mean of the two baseline seeds; the noise band is that mean +- the seeds' "
-                  "difference (val loss and tokens/s); a row's effect is called real only outside it",
-                  "tokens/s leaves out the first warm-up steps; peak memory is training's (the token data on the "
-                  "device included), before validation",
-                  "code lines: counted from the source when the run started (see each row's code parts)"],
     }
+    # the run's view: its results with the baseline beside them (what run_row and print_table read)
+    payload: dict[str, Any] = {**results, "baseline": baseline_info, "notes": notes}
     print(f"baseline: {base.model.n_layer} x {base.model.n_embd}, {base.steps} steps of {base.micro_batch} x "
           f"{base.seq_len} tokens ({calib.get('limited_by')})", flush=True)
     base_wall = None
@@ -698,7 +699,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 other["verdict"] = "reference: the noise band's seed " + str(other.get("spec", {}).get("seed"))
             else:
                 judge(other, payload["noise"])
-        write_json(out_path, payload)
+        results.update(noise=payload["noise"], rows=payload["rows"])
+        write_result(out_path, benchmark="gpt2_ablation", env=env, command=command_line(argv), baseline=baseline_info,
+                     results=results, notes=notes)
     print_table(payload)
     print(f"wrote {out_path} ({time.perf_counter() - deadline.t0:.0f} s)")
     if not args.no_report:

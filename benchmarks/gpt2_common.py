@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import functools
 import gc
 import json
 import math
@@ -30,7 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.result_header import device_slug, peak_flops
+from benchmarks._results import device_slug
+from lightning_opt.callbacks.speed_monitor import peak_flops
 from lightning_opt.data.schedule import BatchGeometry
 from lightning_opt.data.shards import read_shard
 from lightning_opt.models.gpt2 import GPTConfig, GPTExecution
@@ -56,13 +58,6 @@ def device() -> torch.device:
 def default_out(name: str) -> Path:
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d")
     return ROOT / "benchmarks" / "results" / f"{name}_{device_slug()}_{date}.json"
-
-
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str))
-    os.replace(tmp, path)
 
 
 def find_shards(data_dir: str | None = None) -> tuple[Path, Path]:
@@ -162,7 +157,7 @@ def autocast(dev: torch.device, amp: str):
 # 1024-token window (no document masking, no sliding window, attention backend "auto"), micro-batches of
 # 32 x 1024 tokens, no gradient accumulation, a 1000-step schedule (what gpt2_ablation scales the Muon
 # momentum warm-up by), validation every 125 steps. The shipped speedrun config trains on the record's
-# 65,536-token document-causal sequences instead; short_geometry gives its 1024-token form.
+# 65,536-token document-causal sequences instead; recipe_config(name, "short") reads it in this geometry.
 SHORT_GEOMETRY: dict[str, dict[str, Any]] = {
     "model_config": {"block_size": 1024, "doc_causal": False, "window_schedule": None},
     "execution": {"attn_backend": "auto"},
@@ -171,36 +166,64 @@ SHORT_GEOMETRY: dict[str, dict[str, Any]] = {
 }
 
 
-def short_geometry(raw: dict[str, Any]) -> dict[str, Any]:
-    """A recipe YAML (``raw``, as ``yaml.safe_load`` reads it) in :data:`SHORT_GEOMETRY`, the 1024-token
-    geometry; its architecture, optimizer, schedule shape and execution otherwise as given. The token budget
-    (``train_tokens``) is left out: the run's length is ``trainer.max_steps``."""
-    import copy
+def _arg(value: Any) -> str:
+    """A value as the recipe's command line writes it (``null``, ``false``, ``1024``, ``auto``)."""
+    return value if isinstance(value, str) else json.dumps(value)
 
-    out = copy.deepcopy(raw)
-    out.pop("train_tokens", None)
-    model = out.setdefault("model", {})
-    for section in ("model_config", "execution"):
-        model[section] = {**(model.get(section) or {}), **SHORT_GEOMETRY[section]}
-    for section in ("data", "trainer"):
-        out[section] = {**(out.get(section) or {}), **SHORT_GEOMETRY[section]}
-    return out
+
+def short_geometry_args() -> list[str]:
+    """:data:`SHORT_GEOMETRY` as the recipe's command-line overrides (``--model.model_config.block_size 1024``,
+    ...), with ``--train_tokens null``: the run's length is ``trainer.max_steps``."""
+    args = ["--train_tokens", "null"]
+    for section, values in SHORT_GEOMETRY.items():
+        prefix = f"model.{section}" if section in ("model_config", "execution") else section
+        for key, value in values.items():
+            args += [f"--{prefix}.{key}", _arg(value)]
+    return args
+
+
+@functools.cache
+def _recipe_config(name: str, geometry: str) -> str:
+    from lightning_opt.data.datamodule import TokenShardDataModule
+    from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
+    from lightning_opt.recipes.gpt2 import GPT2RecipeCLI
+
+    class ConfigOnly(GPT2RecipeCLI):
+        """The ``lightning-opt-gpt2`` parser and its checks, instantiating nothing."""
+
+        def instantiate_classes(self) -> None:
+            return None
+
+    args = ["--config", f"gpt2/{name}", "--seed_everything", "false"]
+    if geometry == "short":
+        args += short_geometry_args()
+    cli = ConfigOnly(GPT2SpeedrunModule, TokenShardDataModule, args=args, run=False)
+    return json.dumps(cli.config.as_dict(), default=str)
+
+
+def recipe_config(name: str, geometry: str = "config") -> dict[str, Any]:
+    """The full config of ``lightning-opt-gpt2 --config gpt2/<name>`` as the recipe's own parser reads it
+    (every default filled in; nothing built). ``geometry="short"``: in the 1024-token geometry
+    (:data:`SHORT_GEOMETRY`, given as command-line overrides); ``"config"``: as the file says."""
+    if geometry not in ("config", "short"):
+        raise ValueError(f"geometry={geometry!r}: expected 'config' (the file's) or 'short' (1024-token windows)")
+    return json.loads(_recipe_config(name, geometry))
 
 
 def load_yaml_config(name: str, geometry: str = "config") -> tuple[GPTConfig, OptimConfig, ScheduleConfig, dict[str, Any]]:
-    """Model, optimizer and schedule of ``lightning_opt/recipes/configs/gpt2/<name>.yaml`` (the recipe's own config),
-    and the YAML. ``geometry="short"``: the config in the 1024-token geometry (:func:`short_geometry`);
-    ``"config"``: as the file says."""
-    import yaml
-
-    if geometry not in ("config", "short"):
-        raise ValueError(f"geometry={geometry!r}: expected 'config' (the file's) or 'short' (1024-token windows)")
-    raw = yaml.safe_load((ROOT / "lightning_opt" / "recipes" / "configs" / "gpt2" / f"{name}.yaml").read_text())
-    if geometry == "short":
-        raw = short_geometry(raw)
+    """Model, optimizer and schedule of ``lightning_opt/recipes/configs/gpt2/<name>.yaml`` (the recipe's own config,
+    read by its parser: :func:`recipe_config`), and that full config. The schedule's ``total_steps`` is the
+    benchmark's (:func:`schedule_for`), not the recipe's."""
+    raw = recipe_config(name, geometry)
     m = raw["model"]
-    return (GPTConfig(**m["model_config"]), OptimConfig(**m.get("optim", {})),
-            ScheduleConfig(**m.get("schedule", {})), raw)
+    schedule = {k: v for k, v in m["schedule"].items() if k != "total_steps"}
+    return GPTConfig.from_dict(m["model_config"]), OptimConfig(**m["optim"]), ScheduleConfig(**schedule), raw
+
+
+def yaml_compile_options(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """The inductor settings of a recipe config (``model.compile.options``; None where it gives none)."""
+    compile_cfg = raw["model"].get("compile")
+    return (compile_cfg.get("options") or None) if isinstance(compile_cfg, dict) else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -265,7 +288,7 @@ class RunSpec:
     accum: int = 1
     seq_len: int = 1024
     compile: bool = True
-    compile_options: dict[str, Any] | None = None  # inductor settings (the recipe's model.compile_options)
+    compile_options: dict[str, Any] | None = None  # inductor settings (the recipe's model.compile.options)
     amp: str = "bf16"
     clip: float | None = None
     warm: int = 3
@@ -499,6 +522,7 @@ def train_lightning(spec: RunSpec, data: Tokens, train_path: Path, logger: str =
     from lightning.pytorch.callbacks import Callback
 
     from lightning_opt.data.datamodule import TokenShardDataModule
+    from lightning_opt.modules.base import CompileConfig
     from lightning_opt.modules.gpt2 import GPT2SpeedrunModule
 
     dev = data.device
@@ -509,8 +533,9 @@ def train_lightning(spec: RunSpec, data: Tokens, train_path: Path, logger: str =
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     torch.manual_seed(spec.seed)
-    module = GPT2SpeedrunModule(spec.model, spec.optim, schedule_for(spec), spec.execution, compile=spec.compile,
-                                compile_options=spec.compile_options if spec.compile else None)
+    module = GPT2SpeedrunModule(spec.model, spec.optim, schedule_for(spec), spec.execution,
+                                compile=CompileConfig(mode="full", options=spec.compile_options or {})
+                                if spec.compile else CompileConfig(mode="none"))
     dm = TokenShardDataModule(str(train_path), None, seq_len=spec.seq_len, batch_size=spec.micro_batch,
                               shuffle=False)
     curve: list[dict[str, Any]] = []
@@ -603,7 +628,7 @@ def _importable(name: str) -> bool:
 
 
 def with_compile_options(spec: RunSpec, **options: Any) -> RunSpec:
-    """The spec with inductor settings merged into its (the recipe's) ``compile_options``."""
+    """The spec with inductor settings merged into its ``compile_options`` (the recipe's ``model.compile.options``)."""
     return replace(spec, compile_options={**(spec.compile_options or {}), **options})
 
 

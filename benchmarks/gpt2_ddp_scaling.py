@@ -2,7 +2,7 @@
 
 Each world size runs as its own process group (1 GPU first, then the largest sizes first) (``torch.multiprocessing`` spawns one process per GPU; each
 builds ``GPT2SpeedrunModule`` + ``TokenShardDataModule`` + ``Trainer(strategy="ddp", precision="bf16-mixed")``
-with the ``gpt2-124m-speedrun`` config in the 1024-token geometry of ``gpt2_common.short_geometry`` and
+with the ``gpt2-124m-speedrun`` config in the 1024-token geometry of ``gpt2_common.SHORT_GEOMETRY`` and
 ``torch.compile``), on the novels shards:
 
 - the global batch is fixed at ``--global-tokens`` (524,288 = 32 x 1024 x 16) tokens per optimizer step;
@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks._results import command_line, environment, write_result
 from benchmarks.dist_launch import default_gpus, init_group, launch, seconds_left
 from benchmarks.gpt2_common import (
     ROOT,
@@ -57,10 +58,8 @@ from benchmarks.gpt2_common import (
     load_yaml_config,
     schedule_for,
     with_model,
-    write_json,
     yaml_execution,
 )
-from benchmarks.result_header import environment
 
 RECORD_TARGET_FALLBACK = 4.2893  # the record script's final val loss on the novels shards (H100, 127 steps)
 SMOKE_VOCAB = 512
@@ -515,10 +514,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     env = environment()
     env["devices"] = [torch.cuda.get_device_name(i) for i in range(gpus)]
+    target = {"loss": args.target_loss, "source": target_source}
     payload: dict[str, Any] = {
-        "benchmark": "gpt2_ddp_scaling", "env": env, "smoke": args.smoke,
-        "data": {"train": train_path, "val": val_path}, "settings": vars(args),
-        "target": {"loss": args.target_loss, "source": target_source},
+        "smoke": args.smoke, "data": {"train": train_path, "val": val_path}, "settings": vars(args),
         "spec": specs["throughput"].describe(), "rows": [], "target_run": None, "summary": {},
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
@@ -555,13 +553,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 else:
                     payload["target_run"] = row
             payload["summary"] = summarize(payload["rows"], payload["target_run"])
-            write_json(out_path, payload)  # after every size: a later crash keeps what was measured
-    print_table(payload)
+            # after every size: a later crash keeps what was measured
+            write_result(out_path, benchmark="gpt2_ddp_scaling", env=env, command=command_line(argv), baseline=None,
+                         results=payload, goals=target)
+    print_table(payload, env, target)
     print(f"wrote {out_path}")
     return payload
 
 
-def print_table(payload: dict[str, Any]) -> None:
+def print_table(payload: dict[str, Any], env: dict[str, Any], target: dict[str, Any]) -> None:
     print(
         f"\n{'GPUs':>4} {'accum':>5} {'tok/s':>11} {'x 1 GPU':>8} {'eff':>6} {'step ms':>8} {'compile s':>9} "
         f"{'val loss':>9} {'peak GiB':>8}"
@@ -579,13 +579,12 @@ def print_table(payload: dict[str, Any]) -> None:
     t = payload.get("target_run") or {}
     if t:
         print(
-            f"time to target {payload['target']['loss']} at {t.get('world')} GPUs: "
+            f"time to target {target['loss']} at {t.get('world')} GPUs: "
             f"{t.get('time_to_target_s') if t.get('reached_target') else 'not reached'} "
             f"(steps {t.get('steps_to_target')}, final val {t.get('final_val_loss')}, "
             f"stopped: {t.get('stopped') or t.get('error') or t.get('skipped')})"
         )
     print(f"summary: {json.dumps(payload['summary'])}")
-    env = payload["env"]
     print(
         f"devices: {env.get('devices') or env['device']}  torch {env['torch']}  lightning {env['lightning']}"
     )

@@ -187,24 +187,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             log.close()
             rows.append(read_run(n, cwd, rc, time.time() - t0, target))
             print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("val_curve", "log_tail")}), flush=True)
-    from lightning_opt.cli import device_name
+    from benchmarks._results import command_line, environment, write_result
 
-    result = {
-        "benchmark": "gpt2_recipe_scaling",
-        "env": {"device": rows[0].get("device") if rows else device_name(), "command": " ".join(sys.argv),
-                "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "plan": args.plan,
-                "python": sys.version.split()[0], "torch": __import__("torch").__version__,
-                "lightning": __import__("lightning").__version__},
-        "baseline": {"name": "the same recipe on 1 GPU in this call", "target_val_loss": target,
-                     "target_source": source, "data_dir": args.data_dir},
-        "results": rows,
-        "summary": summarise(rows),
-    }
-    slug = "cpu" if args.smoke else (result["env"]["device"] or "gpu").lower().replace(" ", "-")
+    env = environment()
+    env.update(device=(rows[0].get("device") if rows else None) or env["device"], plan=args.plan)
+    baseline = {"name": "the same recipe on 1 GPU in this call", "target_val_loss": target, "target_source": source,
+                "data_dir": args.data_dir}
+    slug = "cpu" if args.smoke else (env["device"] or "gpu").lower().replace(" ", "-")
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"gpt2_recipe_scaling_{slug}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["summary"]), flush=True)
+    result = write_result(out, benchmark="gpt2_recipe_scaling", env=env, command=command_line(argv),
+                          baseline=baseline, results={"rows": rows, "summary": summarise(rows)})
+    print(json.dumps(result["results"]["summary"]), flush=True)
     return result
 
 

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from benchmarks._results import command_line, environment, write_result
 from benchmarks.gpt2_common import (
     RunSpec,
     Tokens,
@@ -62,11 +63,10 @@ from benchmarks.gpt2_common import (
     train_lightning,
     with_compile_options,
     with_model,
-    write_json,
+    yaml_compile_options,
     yaml_execution,
 )
 from benchmarks.peers.patch_record import DEFAULT_RECORD, RECORDS, record_data, write_patched
-from benchmarks.result_header import environment
 
 RECORD_TOKENS_PER_STEP = RECORDS[DEFAULT_RECORD].tokens_per_step
 _VAL = re.compile(r"step:(\d+)/(\d+) val_loss:([\d.]+|nan) train_time:(\d+)ms")
@@ -253,7 +253,7 @@ def ours_spec(args: argparse.Namespace, target: float | None, accum: int, long: 
         raise ValueError(f"--ours-micro-batch {mb} must divide the {32 * accum} sequences of a step")
     spec = RunSpec(sp_model, sp_optim, sp_sched, yaml_execution(sp_raw), steps=steps, micro_batch=mb, accum=32 * accum // mb,
                    seq_len=1024, compile=True, amp="bf16", warm=3 * per, val_every=args.ours_val_every * per,
-                   stop_at_loss=target, compile_options=sp_raw["model"].get("compile_options"))
+                   stop_at_loss=target, compile_options=yaml_compile_options(sp_raw))
     if args.smoke:
         spec = with_model(replace(spec, steps=6, micro_batch=4, accum=2, seq_len=64, compile=False, amp="fp32",
                                   warm=1, val_every=2),
@@ -327,8 +327,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dev = device()
     train_path, val_path = find_shards(args.data_dir)
     out_path = Path(args.out) if args.out else default_out("gpt2_record_smoke" if args.smoke else "gpt2_record")
-    payload: dict[str, Any] = {"benchmark": "gpt2_record", "env": environment(), "smoke": args.smoke,
-                               "settings": vars(args), "results": {}}
+    env = environment()
+    payload: dict[str, Any] = {"smoke": args.smoke, "settings": vars(args), "results": {}}
+
+    def write() -> None:
+        write_result(out_path, benchmark="gpt2_record", env=env, command=command_line(argv), baseline=None,
+                     results=payload)
 
     # 1. the record script, in its own process; it sets the target
     if args.target is not None:
@@ -342,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             record=args.record), deadline, 60)
     record.setdefault("name", rec_name)
     payload["results"]["record"] = record
-    write_json(out_path, payload)
+    write()
     target = record.get("final_val_loss")
 
     # 2. ours, same budget, until it reaches the target or the call's time is up. Deciding the goal
@@ -373,7 +377,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         payload["summaries"][key] = summarize(record, ours, target)
         if i == 0:
             payload["summary"] = payload["summaries"][key]
-        write_json(out_path, payload)
+        write()
     print_table(payload)
     print(f"wrote {out_path}")
     return payload

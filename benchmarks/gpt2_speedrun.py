@@ -4,7 +4,7 @@ In one process, on the novels shards, for a fixed number of optimizer steps (sam
 tokens per step = 32 x 1024 x 16 = 524,288, like nanoGPT's train.py and the speedrun):
 
 - ``ours-speedrun-bare`` / ``ours-speedrun-lightning``: ``gpt2-124m-speedrun`` (the recipe's YAML in the 1024-token
-  geometry, ``gpt2_common.short_geometry``: RoPE,
+  geometry, ``gpt2_common.SHORT_GEOMETRY``: RoPE,
   RMSNorm, QK-norm, ReLU^2, value embeddings, U-net, soft-cap, Muon + Adam) in a bare loop (our model and
   optimizer factory, ``torch.compile``, bf16 autocast) and through ``GPT2SpeedrunModule`` +
   ``TokenShardDataModule`` + ``Trainer(precision="bf16-mixed")`` with compile;
@@ -20,7 +20,7 @@ tokens per step = 32 x 1024 x 16 = 524,288, like nanoGPT's train.py and the spee
   ``F.cross_entropy`` in the compiled graph, as nanoGPT computes it): attributes the loss kernel;
   ``ours-classic-nobias-lightning``: the classic config without biases (``bias: false``), the architecture the
   ``nanogpt`` row trains (bench.py's ``bias=False``); ``ours-classic-mb64-lightning``: 64 x 1024 micro-batches;
-  the classic rows compile with the YAML's ``model.compile_options``; ``ours-classic-cdt-lightning``: the same
+  the classic rows compile with the YAML's ``model.compile.options``; ``ours-classic-cdt-lightning``: the same
   with inductor's ``coordinate_descent_tuning`` on; ``ours-classic-cudnn-lightning`` (``-cudnn-cdt-``,
   ``-cudnn-mb64-``): the classic config with ``attn_backend="cudnn"`` (SDPA with cuDNN's fused attention first;
   the shipped config's backend when it already is ``cudnn``), alone, with coordinate-descent tuning, at 64 x 1024;
@@ -34,7 +34,7 @@ tokens per step = 32 x 1024 x 16 = 524,288, like nanoGPT's train.py and the spee
   record script), at 64 x 1024;
   ``ours-speedrun-qkgain-mb64-lightning`` / ``-mb128-lightning``: gains in QK-norm only (``norm_weight: qk``);
 - ``ours-speedrun-cdt-mb64-lightning`` / ``-cdt-mb128-lightning`` / ``-nocdt-mb128-lightning``: the recipe with
-  inductor's ``coordinate_descent_tuning`` on / off (``model.compile_options`` in the YAML);
+  inductor's ``coordinate_descent_tuning`` on / off (``model.compile.options`` in the YAML);
 - ``ours-speedrun-fp8mlp-lightning`` / ``-fp8mlp-mb64-lightning``: ``mlp_fp8: auto`` set explicitly (the
   recipe's own setting);
 - ``ours-speedrun-mb64-bare`` / ``-lightning`` and ``nanogpt-mb64``: micro-batches of 64 x 1024 with half
@@ -76,6 +76,7 @@ from typing import Any
 
 import torch
 
+from benchmarks._results import command_line, environment, write_result
 from benchmarks.gpt2_common import (
     RunSpec,
     Tokens,
@@ -92,11 +93,10 @@ from benchmarks.gpt2_common import (
     train_lightning,
     with_compile_options,
     with_model,
-    write_json,
+    yaml_compile_options,
     yaml_execution,
 )
 from benchmarks.peers.nanogpt_runner import train_nanogpt
-from benchmarks.result_header import environment
 
 SMOKE_SHAPE = dict(n_layer=2, n_head=2, n_embd=64)
 SMOKE_VOCAB = 512
@@ -111,9 +111,9 @@ def make_specs(args: argparse.Namespace) -> dict[str, RunSpec]:
     # the classic config warms up for 100 of 1000 steps: keep that proportion in a short run
     cl_sched = replace(cl_sched, warmup_steps=max(1, args.steps // 10))
     speedrun = RunSpec(sp_model, sp_optim, sp_sched, yaml_execution(sp_raw), **common,
-                       compile_options=sp_raw["model"].get("compile_options") if not args.no_compile else None)
+                       compile_options=yaml_compile_options(sp_raw) if not args.no_compile else None)
     classic = RunSpec(cl_model, cl_optim, cl_sched, yaml_execution(cl_raw), clip=1.0, **common,
-                      compile_options=cl_raw["model"].get("compile_options") if not args.no_compile else None)
+                      compile_options=yaml_compile_options(cl_raw) if not args.no_compile else None)
     if args.smoke:
         small = dict(SMOKE_SHAPE, block_size=args.seq_len, vocab_size=SMOKE_VOCAB, vocab_multiple=1)
         speedrun = with_model(speedrun, **small, n_value_embeds=1,
@@ -269,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         variants = {k: variants[k] for k in names}
 
     out_path = Path(args.out) if args.out else default_out("gpt2_speedrun_smoke" if args.smoke else "gpt2_speedrun")
-    payload: dict[str, Any] = {"benchmark": "gpt2_speedrun", "env": environment(), "smoke": args.smoke,
+    env = environment()
+    payload: dict[str, Any] = {"smoke": args.smoke,
                                "data": {"train": str(train_path), "val": str(val_path),
                                         "train_tokens": len(data.train), "val_tokens": data.val_tokens},
                                "settings": vars(args), "results": {}}
@@ -281,8 +282,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runs[name].append({**guarded(name, variants[name], deadline, args.need_s), "position": position})
             payload["results"][name] = runs[name][0] if args.repeats == 1 else median_row(runs[name])
             payload["summary"] = summarize(payload["results"])
-            write_json(out_path, payload)  # after every variant: a later crash keeps what was measured
-    print_table(payload)
+            # after every variant: a later crash keeps what was measured
+            write_result(out_path, benchmark="gpt2_speedrun", env=env, command=command_line(argv), baseline=None,
+                         results=payload)
+    print_table(payload, env)
     print(f"wrote {out_path}")
     return payload
 
@@ -370,7 +373,7 @@ def summarize(results: dict[str, dict]) -> dict[str, Any]:
     return s
 
 
-def print_table(payload: dict[str, Any]) -> None:
+def print_table(payload: dict[str, Any], env: dict[str, Any]) -> None:
     rows = payload["results"]
     print()
     print(f"{'variant':32} {'tok/s':>10} {'MFU':>6} {'step ms':>8} {'compile s':>9} {'peak GB':>8} "
@@ -386,7 +389,7 @@ def print_table(payload: dict[str, Any]) -> None:
               f"{peak:>8} {val:>9}  {r.get('stopped') or ''}")
     for k, v in payload.get("summary", {}).items():
         print(f"  {k}: {v}")
-    print(f"device: {payload['env']['device']}  torch {payload['env']['torch']}  lightning {payload['env']['lightning']}")
+    print(f"device: {env['device']}  torch {env['torch']}  lightning {env['lightning']}")
 
 
 if __name__ == "__main__":

@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import time
 from collections import defaultdict
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from benchmarks._results import command_line, environment, write_result
 from benchmarks.gpt2_common import (
     RunSpec,
     Tokens,
@@ -150,8 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(name, {k: v for k, v in r.items() if k != "top_kernels_ms"}, flush=True)
         for k, v in r.get("top_kernels_ms", {}).items():
             print(f"  {v:8.2f} {k}")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=1))
+    write_result(a.out, benchmark="gpt2_step_profile", env=environment(), command=command_line(argv), baseline=None,
+                 results=res)
     return res
 
 

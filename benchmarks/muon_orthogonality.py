@@ -13,13 +13,12 @@ Writes ``benchmarks/results/muon_orthogonality_cpu.json`` (or ``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 from pathlib import Path
 
 import torch
 
+from benchmarks._results import command_line, environment, write_result
 from lightning_opt.optim.muon import NS_COEFFICIENTS, newton_schulz
 
 
@@ -50,11 +49,9 @@ def main(argv: list[str] | None = None) -> dict:
                                                  / row["jordan"]["rel_distance_to_polar"], 3)
         rows.append(row)
         print(row)
-    out = {"benchmark": "muon_orthogonality", "device": f"cpu ({platform.processor() or platform.machine()})",
-           "torch": torch.__version__, "command": "python -m benchmarks.muon_orthogonality",
-           "shape": [a.rows, a.cols], "rows": rows}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1))
+    out = {"shape": [a.rows, a.cols], "rows": rows}
+    write_result(a.out, benchmark="muon_orthogonality", env=environment(on_gpu=False), command=command_line(argv),
+                 baseline=None, results=out)
     return out
 
 

@@ -16,7 +16,6 @@ Writes ``benchmarks/results/optim_step_<device>.json`` (or ``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.result_header import result_header
+from benchmarks._results import command_line, environment, write_result
 from lightning_opt.models.gpt2 import GPT, GPTConfig
 from lightning_opt.optim.factory import OptimConfig, build_optimizer
 
@@ -119,7 +118,6 @@ def main(argv: list[str] | None = None) -> dict:
             r["step_time_over_adamw"] = round(r["step_ms_median"] / base["step_ms_median"], 4)
             r["state_bytes_over_adamw"] = round(r["state_bytes"] / base["state_bytes"], 4)
     out = {
-        **result_header("optim_step", on_gpu=device.type == "cuda"),
         "bitsandbytes": bnb_version,
         "model": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size, "params_dtype": "float32"},
         "steps": a.steps,
@@ -128,8 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     path = Path(a.out) if a.out else Path(__file__).parent / "results" / f"optim_step_{_device_tag(device)}.json"
     if not a.smoke or a.out:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=1))
+        write_result(path, benchmark="optim_step", env=environment(on_gpu=device.type == "cuda"),
+                     command=command_line(argv), baseline=None, results=out)
         print(f"wrote {path}")
     return out
 

@@ -9,7 +9,7 @@ dtype first, as the model's MLA latent norms already do (``_norm_in_dtype``): th
 the gain is rounded to bfloat16, so the numbers differ slightly once the gains have trained away from 1.
 
 Rows: ``current`` (float32 gain) and ``gain_in_input_dtype``, each eager and under ``torch.compile``: forward +
-backward of the ``gpt2-124m-speedrun`` model in its 1024-token geometry (``short_geometry``: causal attention over
+backward of the ``gpt2-124m-speedrun`` model in its 1024-token geometry (``gpt2_common.SHORT_GEOMETRY``: causal attention over
 1024-token windows, 32 x 1024 tokens; its execution otherwise, FP8 where the GPU has it), bfloat16 autocast.
 Interleaved rounds, median step time (CUDA events). Also: which op the QK-norm dispatches to, and the loss and
 gradient difference between the two at the same (perturbed) gains.
@@ -36,9 +36,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks._results import command_line, device_slug, environment, write_result
 from benchmarks.attention_kv import timed
-from benchmarks.gpt2_common import load_yaml_config, write_json, yaml_execution
-from benchmarks.result_header import device_slug, environment
+from benchmarks.gpt2_common import load_yaml_config, yaml_execution
 from lightning_opt.models.gpt2 import GPT, RMSNorm, _norm_in_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,11 +140,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{mode}: gain_in_input_dtype / current step time = {value:.4f}")
     print(f"QK-norm ops: {dispatch}")
     print(f"numerics: {numerics}")
-    result = {"benchmark": "qk_norm_dtype", **environment(device.type == "cuda"), "spec": spec, "rows": rows,
+    result = {"spec": spec, "rows": rows,
               "step_time_ratio_candidate_over_current": ratio, "qk_norm_dispatch": dispatch, "numerics": numerics}
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / (
         "qk_norm_dtype_smoke.json" if args.smoke else f"qk_norm_dtype_{device_slug()}.json")
-    write_json(out, result)
+    write_result(out, benchmark="qk_norm_dtype", env=environment(device.type == "cuda"), command=command_line(argv),
+                 baseline=None, results=result)
     print(f"wrote {out}")
     return result
 

@@ -38,8 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpt2_common import write_json
-from benchmarks.result_header import device_slug, environment
+from benchmarks._results import command_line, device_slug, environment, write_result
 from lightning_opt.ops import softcap_ce as new
 from lightning_opt.ops.fp8 import fp8_matmul_t
 
@@ -180,8 +179,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         kernel = ("triton-interpreted" if type(new._softcap_ce_kernel).__name__ == "InterpretedFunction"
                   else "triton")
     result = {
-        "benchmark": "softcap_ce_kernel",
-        **environment(on_gpu=device.type == "cuda"),
         "smoke": args.smoke,
         "kernel": kernel,
         "default_online_max": new.ONLINE_MAX,
@@ -197,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if out is None and not args.smoke:
         out = ROOT / "benchmarks" / "results" / f"softcap_ce_kernel_{device_slug()}.json"
     if out is not None:
-        write_json(out, result)
+        write_result(out, benchmark="softcap_ce_kernel", env=environment(on_gpu=device.type == "cuda"),
+                     command=command_line(argv), baseline=None, results=result)
         print(f"wrote {out}", flush=True)
     for r in rows:
         print(f"{r['case']:>14}: train {r['train_ms']:.3f} ms, eval {r['eval_ms']:.3f} ms per {n} rows; vs torch: "

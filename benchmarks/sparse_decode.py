@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.result_header import write_result
+from benchmarks._results import RESULTS, command_line, environment, write_result
 from lightning_opt.ops import global_topk
 from lightning_opt.ops.global_topk import batch_topk_threshold_sparse, global_batch_topk
 from lightning_opt.ops.sparse_decode import clt_sparse_decode
@@ -209,7 +209,9 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = getattr(torch, args.dtype)
     rows = decode_variants(args, device, dtype) + topk_variants(args, device)
-    out = write_result("sparse_decode", args, rows)
+    out = args.out or str(RESULTS / f"sparse_decode{'_smoke' if args.smoke else ''}.json")
+    write_result(out, benchmark="sparse_decode", env=environment(on_gpu=device.type == "cuda"), command=command_line(),
+                 baseline=None, results={"config": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows})
     print(
         f"\n{'part':7} {'variant':42} {'dtype':15} {'k':>4} {'fwd ms':>9} {'fwd+bwd ms':>11} {'ms':>9} {'x topk':>7}"
     )

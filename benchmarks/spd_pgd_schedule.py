@@ -24,7 +24,6 @@ CI-L0 and the identity-CI error of ``mlp_in``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -35,6 +34,8 @@ import torch
 from lightning_opt.models import spd as S
 from lightning_opt.models.toy import ResidMLPConfig, sparse_feature_batch, train_resid_mlp
 from lightning_opt.modules.spd import PGDConfig, SPDLossConfig, SPDModule, SPDTrainConfig
+from lightning_opt.optim.factory import OptimConfig
+from lightning_opt.optim.schedules import ScheduleConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,10 +68,12 @@ def _module(target: torch.nn.Module, z: dict[str, Any], pgd: PGDConfig, seed: in
                       ci_fn="mlp", ci_hidden=[16])
     loss = SPDLossConfig(importance_minimality=1e-5, p=2.0, stochastic_recon=1.0, stochastic_recon_layerwise=1.0,
                          pgd_recon=1.0, pgd=pgd, output="mse")
-    train = SPDTrainConfig(lr=2e-3, schedule="constant", faithfulness_warmup_steps=200, seed=seed)
+    train = SPDTrainConfig(faithfulness_warmup_steps=200, seed=seed)
     import copy
 
-    return _TimedSPD(target=copy.deepcopy(target), spd=spd, loss=loss, train=train)
+    return _TimedSPD(target=copy.deepcopy(target), spd=spd, loss=loss, train=train,
+                     optim=OptimConfig(lr=2e-3, betas=(0.9, 0.999), weight_decay=0.0),
+                     schedule=ScheduleConfig(name="constant"))
 
 
 @torch.no_grad()
@@ -108,7 +111,7 @@ def run_variant(name: str, pgd: PGDConfig, target: torch.nn.Module, z: dict[str,
     m = _module(target, z, pgd, seed)
     m.train_cfg.identity_patterns = ["layers.*.mlp_in"]
     m.faithfulness_warmup()
-    opt = torch.optim.AdamW(m.spd.component_parameters() + m.spd.ci_parameters(), lr=m.train_cfg.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(m.spd.component_parameters() + m.spd.ci_parameters(), lr=m.optim_config.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(1000 + seed)  # the same data stream for every variant of a seed
     frac = torch.zeros(())
     step_times: list[float] = []
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=None, help="default: benchmarks/results/spd_pgd_schedule_cpu.json (smoke: none)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    from benchmarks.result_header import result_header
+    from benchmarks._results import command_line, environment, write_result
 
     z = _sizes(args.smoke)
     if args.steps:
@@ -175,7 +178,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "schedule": PGDConfig(n_steps=1, step_size=0.1, n_steps_schedule=[(steps // 2, k)]),
     }
     results: dict[str, Any] = {
-        **result_header("spd_pgd_schedule", on_gpu=False),
         "smoke": args.smoke,
         "workload": {"target": "resid_mlp", **{key: z[key] for key in ("n_features", "d_embed", "d_mlp", "C", "batch")},
                      "loss": "importance p=2 (1e-5) + stochastic + layerwise + pgd_recon (1.0), MSE, step_size 0.1",
@@ -204,8 +206,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["elapsed_s"] = round(time.perf_counter() - t0, 1)
     out = args.out or (None if args.smoke else str(ROOT / "benchmarks" / "results" / "spd_pgd_schedule_cpu.json"))
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(results, indent=2))
+        write_result(out, benchmark="spd_pgd_schedule", env=environment(on_gpu=False), command=command_line(argv),
+                     baseline=None, results=results)
         print(f"wrote {out}")
     return results
 

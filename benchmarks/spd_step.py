@@ -20,7 +20,7 @@ Workloads (same target weights, same batches, same hyperparameters for both impl
 Variants, in the order they run (headline first, so a short budget still gives the goal ratio):
 
 1. ``peer_bf16`` (their ComponentModel + ``compute_total_loss`` + AdamW, bf16 autocast as their default; their
-   training has no compile option), ``ours_eager_bf16``, ``ours_regional_bf16`` (``SPDTrainConfig.compile=
+   training has no compile option), ``ours_eager_bf16``, ``ours_regional_bf16`` (``compile=
    "regional"``: the target's repeated blocks, the masked linear layers and the KL compiled once each, fused
    AdamW); then the ``parity`` check on ``resid_mlp1``.
 2. ablations: ``peer_fp32``, ``ours_eager_fp32``, ``ours_eager_fp32_sync`` (reads the loss back every step, as
@@ -29,7 +29,7 @@ Variants, in the order they run (headline first, so a short budget still gives t
 4. ``ours_full_bf16`` (``compile="full"``: the whole step as one graph, for its compile time; ``--no-full-compile``
    skips it).
 
-On request only (``--variants``): ``ours_full_bf16_lean`` (``compile="full"`` with ``compile_options``
+On request only (``--variants``): ``ours_full_bf16_lean`` (``compile="full"`` with inductor ``options``
 ``{"triton.autotune_pointwise": false}``: each pointwise kernel compiled in its heuristic launch configuration
 instead of several benchmarked on the first call, a shorter cold compile) and ``ours_full_bf16_lean_cg`` (the same
 plus ``"triton.cudagraphs": true``: every compiled graph replays as a CUDA graph). ``--variants a,b,c`` runs just
@@ -61,7 +61,6 @@ import json
 import os
 import platform
 import signal
-import sys
 import tempfile
 import time
 import traceback
@@ -73,9 +72,11 @@ from typing import Any
 import torch
 
 from benchmarks import spd_peer_runner as peer
-from benchmarks.result_header import device_slug, result_header
+from benchmarks._results import command_line, device_slug, environment, write_result
 from lightning_opt.models import spd as S
+from lightning_opt.modules.base import CompileConfig
 from lightning_opt.modules.spd import PGDConfig, SPDLossConfig, SPDModule, SPDTrainConfig
+from lightning_opt.optim.factory import OptimConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -223,7 +224,7 @@ def our_step(
 ) -> Any:
     """One of our training steps (forward, every loss term, backward, AdamW) as a closure.
 
-    ``compile_mode`` is ``SPDTrainConfig.compile`` (``none``, ``regional`` or ``full``), applied by the module
+    ``compile_mode`` is the module's ``compile.mode`` (``none``, ``regional`` or ``full``), applied by the module
     itself (:meth:`SPDModule.apply_compile`); ``step.compiled`` lists what it compiled. ``sync_each_step`` reads
     the loss back to the host every step, as goodfire's loop does (ablation for "fewer syncs");
     ``step.set_pgd(False)`` drops the PGD terms (their cost: the same module, nothing recompiled under regional
@@ -235,10 +236,11 @@ def our_step(
         spd=copy.deepcopy(w["spd"]),
         loss=loss,
         # smoke: trace with dynamo (graph breaks, guards) but skip inductor's slow CPU code generation
-        train=SPDTrainConfig(lr=w["lr"], autocast_bf16=bf16, faithfulness_warmup_steps=0, compile=compile_mode,
-                             compile_backend="eager" if smoke else "inductor",
-                             # inductor's options mean nothing to the eager backend of the smoke run
-                             compile_options={} if smoke else dict(compile_options or {})),
+        train=SPDTrainConfig(autocast_bf16=bf16, faithfulness_warmup_steps=0),
+        optim=OptimConfig(lr=w["lr"], betas=(0.9, 0.999), weight_decay=0.0),
+        compile=CompileConfig(mode=compile_mode, backend="eager" if smoke else "inductor",
+                              # inductor's options mean nothing to the eager backend of the smoke run
+                              options={} if smoke else dict(compile_options or {})),
     ).to(device)
     params = m.spd.component_parameters() + m.spd.ci_parameters()
     fused = compile_mode != "none" and device.startswith("cuda")
@@ -370,7 +372,7 @@ def time_limit(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-# ``compile="full"`` variants with inductor options (``SPDTrainConfig.compile_options``), run on request
+# ``compile="full"`` variants with inductor options (``CompileConfig.options``), run on request
 FULL_OPTION_VARIANTS: dict[str, dict[str, Any]] = {
     "ours_full_bf16_lean": {"triton.autotune_pointwise": False},
     "ours_full_bf16_lean_cg": {"triton.autotune_pointwise": False, "triton.cudagraphs": True},
@@ -554,8 +556,8 @@ def summary(rows: list[dict[str, Any]], goal_ratio: float, compile_limit_s: floa
     return out
 
 
-def print_table(results: dict[str, Any]) -> None:
-    print(f"\nSPD step time on {results['device']} (torch {results['torch']})", flush=True)
+def print_table(results: dict[str, Any], env: dict[str, Any]) -> None:
+    print(f"\nSPD step time on {env['device']} (torch {env['torch']})", flush=True)
     print(f"{'workload':<12}{'variant':<22}{'ms/step':>9}{'no PGD':>9}{'iters':>6}{'syncs':>6}{'compile s':>10}"
           f"{'loss':>11}  note")
     for wname, res in results["workloads"].items():
@@ -622,25 +624,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = [n for n in names if n not in builders]
     if unknown:
         raise SystemExit(f"unknown workload(s) {unknown}; choose from {sorted(builders)}")
+    env = environment(on_gpu=device == "cuda")
+    env.update({k: v for k, v in _versions().items() if k not in env})  # with the peer's own dependencies
+    goal = {"best_vs_best_at_least": args.goal, "compile_s_at_most": args.compile_limit_s}
     results: dict[str, Any] = {
-        **result_header("spd_step", on_gpu=device == "cuda"),
-        "versions": _versions(),  # with the peer's own dependencies
-        "command": " ".join([sys.executable, *(sys.argv if argv is None else [sys.argv[0], *argv])]),
         "smoke": args.smoke,
         "iters": iters,
         "warmup": warmup,
         "budgets_s": {"total": args.budget_s, "eager": args.eager_budget_s, "compiled": args.compile_budget_s,
                       "measure": args.measure_s},
-        "goal": {"best_vs_best_at_least": args.goal, "compile_s_at_most": args.compile_limit_s},
         "workloads": {},
     }
     slug = "smoke" if args.smoke else device_slug()
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"spd_step_{'_'.join(names)}_{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:  # after every variant, so a run killed from outside still leaves its numbers
         results["elapsed_s"] = round(time.perf_counter() - t_begin, 1)
-        out.write_text(json.dumps(results, indent=2))
+        write_result(out, benchmark="spd_step", env=env, command=command_line(argv), baseline=None, results=results,
+                     goals=goal)
 
     use_peer = not args.no_peer
     if use_peer:
@@ -742,7 +743,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 except Exception as err:
                     res["parity"] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-2000:]}
                 save()
-    print_table(results)
+    print_table(results, env)
     save()
     print(f"wrote {out} ({results['elapsed_s']} s)")
     return results

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import json
-
 from benchmarks import attention_kv
+from benchmarks._results import load_result
 
 
 def test_smoke_runs_every_variant(tmp_path):
     mod = attention_kv
     out = tmp_path / "attention_kv.json"
     mod.main(["--smoke", "--out", str(out)])
-    res = json.loads(out.read_text())
-    for key in ("device", "torch", "command", "spec", "rows", "relative_to_mha"):
+    saved = load_result(out)
+    assert saved["benchmark"] == "attention_kv" and saved["env"]["torch"] and saved["command"]
+    res = saved["results"]
+    for key in ("spec", "rows", "relative_to_mha"):
         assert key in res, key
     rows = {r["variant"]: r for r in res["rows"]}
     assert list(rows) == ["mha", "gqa_kv4", "gqa_kv2", "mla_r32_rope4", "mla_r16_rope4"]

@@ -1,11 +1,10 @@
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from benchmarks import callbacks_overhead
+from benchmarks._results import load_result
 
 
 def _bench():
@@ -39,7 +38,7 @@ def test_overhead_is_taken_against_the_baseline_interpolated_between_its_runs():
 def test_smoke_runs_both_workloads_and_checks_the_skip(tmp_path):
     out = tmp_path / "overhead.json"
     report = _bench().main(["--smoke", "--out", str(out)])
-    assert json.loads(out.read_text())["attribution"].keys() == report["attribution"].keys()
+    assert load_result(out)["results"]["attribution"].keys() == report["attribution"].keys()
     for name in ("none", "nanskip", "lossclamp", "asyncckpt", "evalthrottle", "cudamem", "speedmon", "all6",
                  "lightning_throughput_monitor", "all6_nanskip_host_mode"):
         assert "errors" not in report["results"][name], report["results"][name].get("errors")

@@ -9,16 +9,18 @@ import math
 import torch
 
 from benchmarks import clt_resampling
+from benchmarks._results import load_result
 
 
 def test_smoke_result_has_every_variant_and_seed_with_sane_metrics(tmp_path):
     bench = clt_resampling
     out, png = tmp_path / "r.json", tmp_path / "p.png"
     res = bench.main(["--smoke", "--out", str(out), "--plot", str(png)])
-    saved = json.loads(out.read_text())
+    written = load_result(out)
+    assert written["env"]["device"].startswith("cpu") and written["env"]["torch"] == torch.__version__
+    assert written["command"]
+    saved = written["results"]
     assert saved["rows"] == json.loads(json.dumps(res["rows"]))
-    assert saved["device"].startswith("cpu") and saved["torch"] == torch.__version__
-    assert saved["command"]
     assert saved["smoke"] is True
     w = saved["workload"]
     rows = {(r["variant"], r["seed"]): r for r in saved["rows"]}

@@ -9,6 +9,7 @@ import os
 import pytest
 
 from benchmarks import clt_step
+from benchmarks._results import load_result
 
 
 def _bench():
@@ -26,10 +27,11 @@ def _triton_interpreted() -> bool:
 def test_smoke_selection_and_module(tmp_path) -> None:
     out = tmp_path / "clt_step.json"
     report = _bench().main(["--smoke", "--features", "64", "--variants", "select", "module", "--out", str(out)])
-    on_disk = json.loads(out.read_text())
+    written = load_result(out)
+    assert written["env"]["device"] and written["env"]["torch"] and written["command"]
+    on_disk = written["results"]
     assert on_disk["results"] == json.loads(json.dumps(report["results"]))
-    for key in ("device", "command", "torch", "shapes"):
-        assert key in on_disk, key
+    assert "shapes" in on_disk
     row = on_disk["results"]["64"]
     for key in ("select_ours", "select_ours_candidates", "select_ours_torch_candidates", "select_ours_per_layer",
                 "phase_candidates", "select_torch_topk", "select_global_topk"):

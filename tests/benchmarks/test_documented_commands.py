@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 from benchmarks import documented_commands
+from benchmarks._results import load_result
 
 
 def test_sharded_clt_commands_pass_every_phase_and_are_recorded(tmp_path) -> None:
@@ -12,8 +11,9 @@ def test_sharded_clt_commands_pass_every_phase_and_are_recorded(tmp_path) -> Non
     # the 2-process DecoderShardingStrategy run (shard_encoder) of the CLT demo, then its resume with --ckpt_path
     documented_commands.main(["--cpu-smoke", "--only", "decoder_sharding", "--work-dir", str(tmp_path / "work"),
                               "--out", str(out), "--timeout-s", "300"])
-    result = json.loads(out.read_text())
-    assert result["benchmark"] == "documented_commands_cpu" and result["torch"] and result["device"]
+    written = load_result(out)
+    assert written["benchmark"] == "documented_commands" and written["env"]["torch"] and written["env"]["device"]
+    result = written["results"]
     rows = {r["name"]: r for r in result["rows"]}
     assert list(rows) == ["clt_demo_decoder_sharding_shard_encoder", "clt_demo_decoder_sharding_shard_encoder_resume"]
     run, resumed = rows.values()
@@ -33,7 +33,7 @@ def test_deadline_stops_starting_commands_and_still_writes_the_file(tmp_path) ->
     out = tmp_path / "result.json"
     documented_commands.main(["--cpu-smoke", "--deadline-s", "0", "--work-dir", str(tmp_path / "work"),
                               "--out", str(out)])
-    rows = json.loads(out.read_text())["rows"]
+    rows = load_result(out)["results"]["rows"]
     assert rows and all(r["passed"] is None and r["skipped"] == "past --deadline-s" for r in rows)
     assert {r["gpus"] for r in rows} == {1, 2}
     assert any(r["name"] == "sample" for r in rows) and all(r["command"].startswith("lightning-opt-") for r in rows)

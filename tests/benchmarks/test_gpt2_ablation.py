@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from benchmarks import gpt2_ablation, gpt2_report, make_docs
+from benchmarks._results import load_result
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +27,7 @@ def ablation():
 def smoke(ablation, tmp_path_factory):
     """The full default table in smoke mode (builtin corpus, tiny model, CPU), with its report page."""
     out = tmp_path_factory.mktemp("ablation")
-    payload = ablation.main(["--smoke", "--out", str(out)])
+    payload = ablation.main(["--smoke", "--amp", "fp32", "--out", str(out)])  # bf16 autocast is slow on a CPU
     path = out / f"gpt2_ablation_{ablation.device_slug()}.json"
     return payload, path, out / "gpt2.md"
 
@@ -103,7 +104,9 @@ def test_row_cap_stops_a_row_and_says_so(ablation):
 
 def test_smoke_table(ablation, smoke):
     payload, path, _ = smoke
-    assert json.loads(path.read_text())["rows"].keys() == payload["rows"].keys()
+    written = load_result(path)
+    assert written["results"]["rows"].keys() == payload["rows"].keys()
+    assert written["baseline"] == json.loads(json.dumps(payload["baseline"])) and written["notes"] == payload["notes"]
     rows = payload["rows"]
     names = [r.name for r in ablation.rows(*ablation.scaled_recipe(6, 128, 64, 256, 8, 4)[:2])]
     assert list(rows) == names and payload["format"] == 2
@@ -155,13 +158,12 @@ def test_report_renders_the_new_and_the_old_format(ablation, smoke, tmp_path):
     # old-format files (one seed, no band) still render, with the caveat
     report = gpt2_report
     old = sorted((ROOT / "benchmarks" / "results").glob("gpt2_ablation_*.json"))
-    old = [p for p in old if json.loads(p.read_text()).get("format", 1) < 2]
+    old = [p for p in old if load_result(p)["results"].get("format", 1) < 2]
     doc = report.main(["--ablation", str(path), *map(str, old), "--doc", str(tmp_path / "gpt2.md")])
     both = doc.read_text()
     assert "code lines" in both
     for p in old:
-        d = json.loads(p.read_text())
-        assert f"### Ablation on {d['env']['device']}" in both
+        assert f"### Ablation on {load_result(p)['env']['device']}" in both
     if old:
         assert "its loss differences are not shown to exceed run-to-run noise" in both
 

@@ -312,7 +312,7 @@ def test_short_geometry_is_the_1024_token_form_of_the_long_recipe():
     assert yaml_execution(raw).attn_backend == "flex"
     assert (s_model.block_size, s_model.doc_causal, s_model.window_schedule) == (1024, False, None)
     assert yaml_execution(s_raw).attn_backend == "auto"
-    assert (s_raw["data"]["seq_len"], s_raw["data"]["batch_size"]) == (1024, 32) and "train_tokens" not in s_raw
+    assert (s_raw["data"]["seq_len"], s_raw["data"]["batch_size"]) == (1024, 32) and s_raw["train_tokens"] is None
     assert s_raw["trainer"]["accumulate_grad_batches"] == 1 and s_raw["trainer"]["max_steps"] > 0
     same = ("block_size", "doc_causal", "window_schedule")
     assert {k: v for k, v in vars(s_model).items() if k not in same} == {k: v for k, v in vars(model).items() if k not in same}

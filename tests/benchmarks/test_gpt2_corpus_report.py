@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import benchmarks.gpt2_report
+from benchmarks._results import environment, write_result
 
 DEVICE = "NVIDIA H100 80GB HBM3"
 SLUG = "nvidia-h100-80gb-hbm3"
@@ -25,7 +26,7 @@ def _manifest(folder: Path) -> Path:
     m = {"tuned_on": ["novels", "code"], "held_out": "docs",
          "corpora": {name: {"corpus": name, "kind": kind, "held_out": name == "docs"} for name, kind in corpora.items()}}
     path = folder / "corpora_manifest.json"
-    path.write_text(json.dumps(m))
+    write_result(path, benchmark="build_corpora", env=environment(on_gpu=False), command=None, baseline=None, results=m)
     return path
 
 
@@ -37,18 +38,24 @@ def _ours(name: str, curve: list[tuple[float, float]], tokens_per_s: float, long
 
 def _result(folder: Path, corpus: str, record: str, ours: dict[str, dict], record_s: float = 100.0,
             target: float = 4.0, record_tps: float = 400_000.0) -> Path:
-    command = f"python benchmarks/gpt2_record.py --record {record} --data-dir .data/corpora/{corpus}"
+    command = f"python -m benchmarks.gpt2_record --record {record} --data-dir .data/corpora/{corpus}"
     rec = {"name": f"record-{record}", "tokens_per_s": record_tps, "final_val_loss": target,
            "record_train_s": record_s - 8.0, "record_train_s_adjusted": record_s,
            "val_curve": [{"step": 0, "train_s": 0.0, "val_loss": 10.8}, {"step": 60, "train_s": record_s / 2,
                                                                           "val_loss": target + 0.5},
                          {"step": 127, "train_s": record_s, "val_loss": target}]}
-    d = {"benchmark": "gpt2_record", "smoke": False, "env": {"device": DEVICE, "command": command},
-         "settings": {"data_dir": f".data/corpora/{corpus}", "record": record, "val_tokens": 1_048_576},
-         "results": {"record": rec, **ours}}
     path = folder / f"gpt2_record_{corpus}_{record}_{SLUG}.json"
-    path.write_text(json.dumps(d))
+    write_result(path, benchmark="gpt2_record", env={**environment(on_gpu=False), "device": DEVICE}, command=command,
+                 baseline=None, results={"smoke": False, "settings": {"data_dir": f".data/corpora/{corpus}",
+                                                                      "record": record, "val_tokens": 1_048_576},
+                                         "results": {"record": rec, **ours}})
     return path
+
+
+def _rewrite(path: Path, **changes) -> None:
+    """The result file with ``changes`` made to its ``results``."""
+    d = json.loads(path.read_text())
+    write_result(path, **{k: v for k, v in d.items() if k != "schema"} | {"results": {**d["results"], **changes}})
 
 
 def _row(text: str, *cells: str) -> str:
@@ -127,9 +134,8 @@ def test_ratio_above_the_goal_and_plot_panels(report, tmp_path):
 
 def test_record_that_did_not_finish(report, tmp_path):
     path = _result(tmp_path, "code", "2025-01-04", {"ours": _ours("recipe", [(50.0, 4.5)], 450_000.0)})
-    d = json.loads(path.read_text())
-    d["results"]["record"] = {"name": "record-2025-01-04", "error": "record script exited with 1"}
-    path.write_text(json.dumps(d))
+    results = json.loads(path.read_text())["results"]["results"]
+    _rewrite(path, results={**results, "record": {"name": "record-2025-01-04", "error": "record script exited with 1"}})
     mod = report.gpt2_corpus_report
     manifest = mod.load_manifest(_manifest(tmp_path))
     row = _row("\n".join(mod.table(mod.read_all([path], manifest), tmp_path / "gpt2.md")), "recipe")
@@ -142,9 +148,10 @@ def test_no_per_corpus_results(report, tmp_path):
     res = tmp_path / "results"
     res.mkdir()
     # neither the 1024-token novels result (no corpus in its name) nor a smoke run is a per-corpus result
-    (res / f"gpt2_record_{SLUG}.json").write_text(json.dumps({"smoke": False}))
+    write_result(res / f"gpt2_record_{SLUG}.json", benchmark="gpt2_record", env=environment(on_gpu=False),
+                 command=None, baseline=None, results={"smoke": False})
     smoke = _result(res, "code", "2025-01-04", {"ours": _ours("recipe", [(1.0, 3.0)], 1.0)})
-    smoke.write_text(json.dumps({**json.loads(smoke.read_text()), "smoke": True}))
+    _rewrite(smoke, smoke=True)
     doc = report.main(["--corpus-results", str(res), "--manifest", str(_manifest(res)), "--doc", str(tmp_path / "gpt2.md")])
     section = doc.read_text().split("## Time to target per corpus")[1].split("\n## ")[0]
     assert "No per-corpus results yet" in section and "GPU figures: pending" in section
@@ -175,10 +182,9 @@ def test_a_run_of_the_recipe_spec_under_another_name_counts_and_a_failed_call_sh
     _result(res, "code", "2025-01-04", {"ours": same, "ours-other": other, "ours-wide-window": widew})
     _result(res, "docs", "2025-01-04", {"ours": old_recipe})
     failed = _result(res, "novels", "2025-08-23", {})
-    d = json.loads(failed.read_text())
-    d["results"]["record"] = {"name": "record-2025-08-23", "error": "record script exited with 1"}
-    d["record_diagnosis"] = "its loader found no document start in its token window"
-    failed.write_text(json.dumps(d))
+    results = json.loads(failed.read_text())["results"]["results"]
+    _rewrite(failed, results={**results, "record": {"name": "record-2025-08-23", "error": "record script exited with 1"}},
+             record_diagnosis="its loader found no document start in its token window")
     doc = report.main(["--corpus-results", str(res), "--manifest", str(manifest), "--doc", str(tmp_path / "gpt2.md")])
     section = doc.read_text().split("## Time to target per corpus")[1].split("\n## ")[0]
     twin = _row(section, "spec-twin")

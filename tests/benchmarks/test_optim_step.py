@@ -1,8 +1,7 @@
 from __future__ import annotations
 
-import json
-
 from benchmarks import optim_step
+from benchmarks._results import load_result
 
 
 def _bench():
@@ -12,7 +11,7 @@ def _bench():
 def test_smoke_times_each_optimizer_and_reports_state_memory(tmp_path):
     out = tmp_path / "optim.json"
     result = _bench().main(["--smoke", "--out", str(out)])
-    assert json.loads(out.read_text())["rows"] == result["rows"]
+    assert load_result(out)["results"]["rows"] == result["rows"]
     rows = {r["optimizer"]: r for r in result["rows"]}
     # AdamW keeps two moments per parameter, Lion one: the state sizes are measured, not assumed
     assert rows["adamw"]["state_over_param_bytes"] > 1.9

@@ -3,18 +3,17 @@ and the numbers differ (so the change is not a free rewrite)."""
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from benchmarks import qk_norm_dtype
+from benchmarks._results import load_result
 
 
 def test_smoke_times_both_variants_and_compares_their_numbers(tmp_path, monkeypatch):
     mod = qk_norm_dtype
     out = tmp_path / "qk.json"
     mod.main(["--smoke", "--out", str(out)])
-    res = json.loads(out.read_text())
+    res = load_result(out)["results"]
     assert {(r["variant"], r["mode"]) for r in res["rows"]} == {("current", "eager"), ("gain_in_input_dtype", "eager")}
     assert all(r["step_ms"] > 0 and len(r["step_ms_all"]) == 4 for r in res["rows"])
     assert set(res["step_time_ratio_candidate_over_current"]) == {"eager"}

@@ -3,7 +3,6 @@ DDP), the JSON they write, and the page made from it."""
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks._results import load_result, payload
 from benchmarks.clt_scaling import default_gpus
 from benchmarks.gpt2_ddp_scaling import _interpolate
 from benchmarks.scaling_report import COMMANDS, write_report
@@ -52,14 +52,20 @@ def _unused_in_smoke_model() -> list[str]:
     return unused
 
 
-def _env_ok(meta: dict, env: dict) -> None:
-    assert env["torch"] and env["lightning"] and "--smoke" in env["command"]
-    assert (meta.get("device") or env.get("device")).startswith("cpu")
+def _load(path: Path) -> dict:
+    """A result file, checked against the schema, as the page generators see it (results beside env, command)."""
+    return payload(load_result(path))
+
+
+def _env_ok(data: dict) -> None:
+    env = data["env"]
+    assert env["torch"] and env["lightning"] and "--smoke" in data["command"]
+    assert env["device"].startswith("cpu")
 
 
 def test_clt_scaling_runs_every_strategy_at_1_2_4_processes(results):
-    data = json.loads((results / "clt_scaling_4gpu.json").read_text())
-    _env_ok(data, data)
+    data = _load(results / "clt_scaling_4gpu.json")
+    _env_ok(data)
     assert data["sizes"] == [1, 2, 4] and data["scaling_run"] is True
     rows = {(r["variant"], r["features_per_layer"]): r for r in data["rows"]}
     assert set(rows) == {
@@ -93,8 +99,8 @@ def test_clt_scaling_runs_every_strategy_at_1_2_4_processes(results):
 
 
 def test_gpt2_ddp_scaling_same_optimisation_at_every_size(results):
-    data = json.loads((results / "gpt2_ddp_scaling_smoke.json").read_text())
-    _env_ok(data, data["env"])
+    data = _load(results / "gpt2_ddp_scaling_smoke.json")
+    _env_ok(data)
     assert data["env"]["devices"] == []  # no CUDA here; GPU names are listed per device on a GPU machine
     rows = {r["world"]: r for r in data["rows"]}
     assert set(rows) == {1, 2}
@@ -111,7 +117,7 @@ def test_gpt2_ddp_scaling_same_optimisation_at_every_size(results):
     # same global batch and data: 2 DDP processes train the same model as 1 process with twice the accumulation
     assert rows[2]["final_val_loss"] == pytest.approx(rows[1]["final_val_loss"], abs=2e-3)
     t = data["target_run"]
-    assert "error" not in t and t["world"] == 2 and t["target_loss"] == data["target"]["loss"]
+    assert "error" not in t and t["world"] == 2 and t["target_loss"] == data["goals"]["loss"]
     curve = t["val_curve"]
     assert t["reached_target"] == any(p["val_loss"] <= t["target_loss"] for p in curve)
     if t["reached_target"]:
@@ -129,7 +135,7 @@ def test_report_tables_and_plot_from_the_smoke_results(results, tmp_path):
     text = page.read_text()
     assert (tmp_path / "img" / "scaling.png").stat().st_size > 10_000
     assert "ours_2d_sharded_encoder | 64 | 4 | strong | 64 | 2 x 2 |" in text
-    gpt2 = json.loads((results / "gpt2_ddp_scaling_smoke.json").read_text())
+    gpt2 = _load(results / "gpt2_ddp_scaling_smoke.json")
     tps = {r["world"]: r["tokens_per_s"] for r in gpt2["rows"]}
     eff2 = tps[2] / (2 * tps[1])  # recomputed by the report from the measured tokens/s
     assert f"| {eff2:.1%} |" in text
@@ -164,9 +170,9 @@ def test_interpolation_and_default_sizes():
 def test_no_time_left_skips_every_size_and_still_writes_the_json(tmp_path):
     _run(*CLT_SMOKE_4, "--deadline-s", "1", "--out", str(tmp_path / "c.json"))
     _run("gpt2_ddp_scaling.py", "--smoke", "--deadline-s", "1", "--out", str(tmp_path / "g.json"))
-    clt = json.loads((tmp_path / "c.json").read_text())
+    clt = _load(tmp_path / "c.json")
     assert len(clt["rows"]) == 6 and all("skipped" in r and "tokens_per_s" not in r for r in clt["rows"])
-    gpt2 = json.loads((tmp_path / "g.json").read_text())
+    gpt2 = _load(tmp_path / "g.json")
     assert [r["world"] for r in gpt2["rows"]] == [1, 2] and all("skipped" in r for r in gpt2["rows"])
     assert "skipped" in gpt2["target_run"] and gpt2["summary"]["tokens_per_s"] == {}
 
@@ -199,7 +205,7 @@ def test_clt_weak_scaling_rows_and_profiled_step(tmp_path):
         "--variants", "ours_1gpu", "ours_global_batchtopk_bf16grad", "ours_decoder_sharding_sharded_encoder",
         "--profile", "ours_decoder_sharding_sharded_encoder_2gpu", "--out", str(tmp_path / "clt_scaling_weak.json"),
     )  # fmt: skip
-    data = json.loads((tmp_path / "clt_scaling_weak.json").read_text())
+    data = _load(tmp_path / "clt_scaling_weak.json")
     k, tokens = data["config"]["k"], data["config"]["tokens"]
     rows = {(r["variant"], r["features_per_layer"], r["scaling"]): r for r in data["rows"]}
     dp = "ours_global_batchtopk_bf16grad_2gpu"

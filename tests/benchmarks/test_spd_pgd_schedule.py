@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 
 from benchmarks import spd_pgd_schedule
+from benchmarks._results import load_result
 
 
 def test_smoke_compares_the_schedule_with_the_fixed_pgd_steps(tmp_path):
     mod = spd_pgd_schedule
     out = tmp_path / "r.json"
     res = mod.main(["--smoke", "--seeds", "1", "--out", str(out)])
-    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(res["rows"]))
+    assert load_result(out)["results"]["rows"] == json.loads(json.dumps(res["rows"]))
     rows = {r["variant"]: r for r in res["rows"]}
     assert set(rows) == {"fixed_1", "fixed_k", "schedule"}
     assert rows["fixed_1"]["pgd_ascent_steps_total"] < rows["schedule"]["pgd_ascent_steps_total"] \

@@ -4,11 +4,10 @@ against the goal, whether goodfire's spd could run)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from benchmarks import spd_step
+from benchmarks._results import load_result
 
 
 def _bench():
@@ -20,9 +19,12 @@ def test_smoke_records_a_compile_timeout_and_keeps_going(tmp_path):
     res = _bench().main([
         "--smoke", "--no-peer", "--workloads", "resid_mlp1", "--compile-budget-s", "0.05", "--out", str(out),
     ])
-    on_disk = json.loads(out.read_text())
+    written = load_result(out)
+    on_disk = written["results"]
     assert on_disk["workloads"].keys() == res["workloads"].keys() == {"resid_mlp1"}
-    for key in ("device", "versions", "command", "budgets_s", "elapsed_s", "goal"):
+    assert written["env"]["device"] and "einops" in written["env"] and written["command"]  # the peer's versions too
+    assert written["goals"] == {"best_vs_best_at_least": 4.0, "compile_s_at_most": 60.0}
+    for key in ("budgets_s", "elapsed_s"):
         assert key in on_disk, key
     rows = {r["variant"]: r for r in on_disk["workloads"]["resid_mlp1"]["rows"]}
     # the compiled variants ran out of their 0.05 s budget: recorded as timeouts (a variant whose graphs an
@@ -62,7 +64,7 @@ def test_smoke_gpt2_layer_reports_pgd_cost_compile_time_and_regions(tmp_path):
     regional variants list what they compiled and trace without graph breaks, and the summary names our best."""
     out = tmp_path / "g.json"
     res = _bench().main(["--smoke", "--no-peer", "--no-full-compile", "--out", str(out)])
-    assert json.loads(out.read_text())["workloads"].keys() == {"gpt2_layer"}
+    assert load_result(out)["results"]["workloads"].keys() == {"gpt2_layer"}
     w = res["workloads"]["gpt2_layer"]
     rows = {r["variant"]: r for r in w["rows"]}
     assert set(rows) == {"ours_eager_bf16", "ours_regional_bf16", "ours_eager_fp32", "ours_eager_fp32_sync",
@@ -85,7 +87,7 @@ def test_smoke_gpt2_layer_reports_pgd_cost_compile_time_and_regions(tmp_path):
 def test_variants_runs_only_the_named_ones_in_order_and_rejects_unknown_names(tmp_path):
     out = tmp_path / "v.json"
     res = _bench().main(["--smoke", "--no-peer", "--variants", "ours_full_bf16_lean,ours_eager_bf16", "--out", str(out)])
-    w = json.loads(out.read_text())["workloads"]["gpt2_layer"]
+    w = load_result(out)["results"]["workloads"]["gpt2_layer"]
     assert [r["variant"] for r in w["rows"]] == ["ours_full_bf16_lean", "ours_eager_bf16"]
     full, eager = w["rows"]
     assert "error" not in full and "error" not in eager, (full.get("error"), eager.get("error"))
