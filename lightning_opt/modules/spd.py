@@ -696,6 +696,7 @@ class SPDModule(TrainingModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)  # tokens_seen
         record = self._config_record()
         record["target_is_module"] = isinstance(self.target_cfg, nn.Module)
         checkpoint["lightning_opt_config"] = record  # plain types: weights_only-safe
@@ -711,6 +712,7 @@ class SPDModule(TrainingModule):
         theirs = {k: v for k, v in theirs.items() if k != "target_is_module"}
         check_checkpoint_matches(self, checkpoint, ours=self._config_record(), theirs=theirs or None)
         check_resume_length(self, checkpoint)
+        self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
         self._restored = True
 
     @override

@@ -177,22 +177,28 @@ def test_spd_resumed_with_more_steps_follows_the_longer_schedule(tmp_path, monke
     _check(probe, lines, 3, 7, {k: cosine(k, 7, 0.0) for k in range(3, 7)})
 
 
-def test_schedule_lr_keeps_its_own_plan_when_loading_a_lambda_lr_checkpoint() -> None:
-    """In a plain loop: a state saved by a ``LambdaLR`` over a ``ScheduleConfig`` (checkpoints written before
-    ``ScheduleLR``) or by a ``ScheduleLR`` of another total re-plans; the same total restores the rates as saved."""
+def test_schedule_lr_replans_a_state_of_another_total_and_refuses_a_foreign_one() -> None:
+    """In a plain loop: a state saved by a ``ScheduleLR`` of another total re-plans; the same total restores the
+    rates as saved; a state another scheduler wrote (a ``LambdaLR``) is refused, naming what to do."""
     from torch.optim.lr_scheduler import LambdaLR
 
     from lightning_opt.optim.schedules import ScheduleConfig, ScheduleLR
 
     def trained(sched_cls: type, total: int, steps: int) -> tuple[torch.optim.Optimizer, Any]:
         opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.5)
-        sched = sched_cls(opt, ScheduleConfig(name="wsd", decay_fraction=0.5, min_ratio=0.0, total_steps=total))
+        cfg = ScheduleConfig(name="wsd", decay_fraction=0.5, min_ratio=0.0, total_steps=total)
+        sched = sched_cls(opt, cfg) if sched_cls is ScheduleLR else sched_cls(opt, lambda k: 1.0)
         for _ in range(steps):
             opt.step()
             sched.step()
         return opt, sched
 
-    for saved_by in (LambdaLR, ScheduleLR):
+    _, foreign = trained(LambdaLR, 4, 4)
+    _, fresh = trained(ScheduleLR, 10, 0)
+    with pytest.raises(ValueError, match="not written by ScheduleLR.*weights only"):
+        fresh.load_state_dict(foreign.state_dict())
+
+    for saved_by in (ScheduleLR,):
         opt, sched = trained(saved_by, 4, 4)
         assert opt.param_groups[0]["lr"] == 0.0  # the 4-step run ended at min_ratio 0
         opt2, sched2 = trained(ScheduleLR, 10, 0)
