@@ -72,8 +72,7 @@ def fp8_wanted(mode: bool | str, x: torch.Tensor, training: bool, applicable: bo
     (``torch._scaled_mm`` then raises where it cannot run), ``"auto"`` only where the GPU has FP8 and
     ``applicable`` says the model allows it - and, with ``compiled_only``, only inside ``torch.compile``
     (eager, the casts and transposed copies around a small matmul are kernels of their own and cost more than
-    FP8 saves: the eager ablation row with head, MLP and attention projections in FP8 was 23% slower, docs/gpt2.md). Never in evaluation or with a
-    row count off 16."""
+    FP8 saves; docs/gpt2.md has the measurement). Never in evaluation or with a row count off 16."""
     if not mode or not training or math.prod(x.shape[:-1]) % 16:
         return False
     if mode is True:
