@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks._results import command_line, environment, write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 ACCUM_1GPU = 4  # the recipe's accumulation at one GPU (gpt2-124m-speedrun.yaml)
 
@@ -122,7 +124,7 @@ def read_run(n: int, cwd: Path, rc: int | None, seconds: float, target: float | 
         return row
     m = json.loads(Path(found[-1]).read_text())
     curve = m.get("val_history") or []
-    row.update(steps=m.get("steps"), steady_tokens_per_s=m.get("steady_tokens_per_s"), warmup_s=m.get("warmup_s"),
+    row.update(steps=m.get("steps"), stopped_by=m.get("stopped_by"), steady_tokens_per_s=m.get("steady_tokens_per_s"), warmup_s=m.get("warmup_s"),
                warmup_steps=m.get("warmup_steps"), train_time_s=m.get("train_time_s"),
                final_val_loss=m.get("final_val_loss"), val_curve=curve, device=m.get("device"))
     if rc:
@@ -174,7 +176,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.smoke and args.target is None:
         target, source = None, None
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="gpt2_recipe_scaling_"))
+    env = environment()
+    env["plan"] = args.plan
+    baseline = {"name": "the same recipe on 1 GPU in this call", "target_val_loss": target, "target_source": source,
+                "data_dir": args.data_dir}
+    slug = "cpu" if args.smoke else (env["device"] or "gpu").lower().replace(" ", "-")
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"gpt2_recipe_scaling_{slug}.json")
     rows: list[dict[str, Any]] = []
+    result: dict[str, Any] = {}
     for group in parse_plan(args.plan):
         t0 = time.time()
         running = [(n, *launch(n, gpus, args, work)) for n, gpus in group]
@@ -182,21 +191,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             try:
                 rc = proc.wait(timeout=max(1.0, args.timeout_s - (time.time() - t0)))
             except subprocess.TimeoutExpired:
-                proc.terminate()
+                proc.terminate()  # SIGTERM: the recipe stops at a step boundary and writes its metrics.json
                 rc = proc.wait()
             log.close()
             rows.append(read_run(n, cwd, rc, time.time() - t0, target))
             print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("val_curve", "log_tail")}), flush=True)
-    from benchmarks._results import command_line, environment, write_result
-
-    env = environment()
-    env.update(device=(rows[0].get("device") if rows else None) or env["device"], plan=args.plan)
-    baseline = {"name": "the same recipe on 1 GPU in this call", "target_val_loss": target, "target_source": source,
-                "data_dir": args.data_dir}
-    slug = "cpu" if args.smoke else (env["device"] or "gpu").lower().replace(" ", "-")
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"gpt2_recipe_scaling_{slug}.json")
-    result = write_result(out, benchmark="gpt2_recipe_scaling", env=env, command=command_line(argv),
-                          baseline=baseline, results={"rows": rows, "summary": summarise(rows)})
+            # written after every run: a call stopped from outside keeps the sizes that finished
+            result = write_result(out, benchmark="gpt2_recipe_scaling", env=env, command=command_line(argv),
+                                  baseline=baseline, results={"rows": rows, "summary": summarise(rows)})
     print(json.dumps(result["results"]["summary"]), flush=True)
     return result
 
