@@ -13,8 +13,8 @@ is interpolated between the two val points around it, with the warm-up included 
 
 Scaling efficiency at N GPUs = steady tokens/s at N / (N x steady tokens/s at 1 GPU), both from this call.
 
-    python benchmarks/gpt2_recipe_scaling.py --data-dir .data/novels --plan "1@0 2@1,2 | 4@0,1,2,3"
-    python benchmarks/gpt2_recipe_scaling.py --smoke       # tiny model on CPU, 1 and 2 gloo processes
+    python -m benchmarks.gpt2_recipe_scaling --data-dir .data/novels --plan "1@0 2@1,2 | 4@0,1,2,3"
+    python -m benchmarks.gpt2_recipe_scaling --smoke       # tiny model on CPU, 1 and 2 gloo processes
 
 ``--plan``: groups separated by ``|`` run one after the other; the sizes of one group run at the same time on
 the GPUs named after ``@`` (``CUDA_VISIBLE_DEVICES``), so a 4-GPU machine measures 1 and 2 GPUs side by side
