@@ -275,14 +275,14 @@ def test_cuda_kernel_matches_torch_path(cap):
 def test_kernel_benchmark_smoke(tmp_path):
     """benchmarks/softcap_ce_kernel.py --smoke: every case runs, each matches torch, and "block" matches "lane" on
     every row; the JSON holds the fields the GPU run is read by."""
-    import json
-
     from benchmarks import softcap_ce_kernel
+    from benchmarks._results import load_result, payload
 
     out = tmp_path / "softcap_ce_kernel.json"
     softcap_ce_kernel.main(["--smoke", "--out", str(out)])
-    res = json.loads(out.read_text())
-    for key in ("device", "command", "torch", "kernel", "default_online_max", "spec", "lane_time_over_block_time"):
+    res = payload(load_result(out))  # checked against the result schema
+    assert res["env"]["device"] and res["env"]["torch"] and res["command"]
+    for key in ("kernel", "default_online_max", "spec", "lane_time_over_block_time"):
         assert key in res, key
     assert res["kernel"] == ("triton-interpreted" if INTERPRETED else "torch")
     rows = {r["case"]: r for r in res["rows"]}
