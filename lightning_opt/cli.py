@@ -557,9 +557,8 @@ def run_recipe(cli: RecipeCLI, summary: RunSummary, **extra: Any) -> dict[str, A
     try:
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)  # never unpickle code
     except SIGTERMException:
-        # pre-empted: the checkpoint of the last step is saved; the segment's summary is kept too
-        if trainer.is_global_zero:
-            write_metrics(run_dir(trainer) / name, summary.summary(trainer, model, stopped_by="SIGTERM", **extra))
+        # pre-empted: the checkpoint of the last step is saved; the segment's summary is kept too (rank 0 writes)
+        write_metrics(run_dir(trainer) / name, summary.summary(trainer, model, stopped_by="SIGTERM", **extra))
         raise
     has_val_data = is_overridden("val_dataloader", data if data is not None else model)
     if has_val_data and (not summary.val_history or summary.val_history[-1]["step"] != trainer.global_step):

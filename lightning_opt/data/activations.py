@@ -514,19 +514,12 @@ class _PassSampler(DistributedSampler):
         rank, world = dm.data_rank_world()
         super().__init__(range(n_batches), num_replicas=world, rank=rank, shuffle=dm.shuffle, seed=dm.seed,
                          drop_last=True)
-        self.dm, self.n_batches = dm, n_batches
+        self.dm = dm
 
     def __iter__(self) -> Iterator[int]:
         pass_index, skip = self.dm._start_pass()
-        if self.shuffle:
-            order = torch.randperm(self.n_batches, generator=torch.Generator().manual_seed(self.seed + pass_index))
-        else:
-            order = torch.arange(self.n_batches)
-        mine = order[: self.num_samples * self.num_replicas][self.rank :: self.num_replicas]
-        return iter(mine[skip:].tolist())
-
-    def __len__(self) -> int:
-        return self.num_samples
+        self.set_epoch(pass_index)  # DistributedSampler's order for this pass (Lightning's own epoch is not used)
+        return itertools.islice(super().__iter__(), skip, None)
 
 
 def load_target_model(target: str | nn.Module, cache_dir: str | os.PathLike | None = None) -> nn.Module:
