@@ -376,6 +376,24 @@ def checkpoints_after(dirpath: str, step: int, skip: set[str] | None = None) -> 
     return [p for s, p in folder_checkpoints(dirpath) if s > step and os.path.realpath(p) not in skip]
 
 
+def checkpoint_lineage(path: str) -> str | None:
+    """The run lineage recorded by AsyncCheckpoint in the checkpoint at ``path`` (a file, or a sharded
+    checkpoint's directory), or None when it has none or cannot be read. A lineage starts with a run's
+    first fit and is carried through every resume of it, so files of an earlier process of the same run
+    can be told from another run's. Read with ``weights_only=True`` and ``mmap=True``: no code runs and
+    the tensors are not read."""
+    target = os.path.join(path, "meta.pt") if os.path.isdir(path) else path
+    try:
+        ckpt = torch.load(target, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # damaged, half-written, or not a checkpoint: not ours to claim
+        return None
+    states = ckpt.get("callbacks") if isinstance(ckpt, dict) else None
+    for key, state in (states or {}).items():
+        if str(key).startswith("AsyncCheckpoint") and isinstance(state, dict) and state.get("lineage"):
+            return str(state["lineage"])
+    return None
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -653,6 +671,7 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
         self._damaged: set[str] = set()  # files of the folder whose checksum did not match
         self._run_token = ""  # names this run's temporary folder for sharded saves
         self._own_paths: set[str] = set()  # real paths of the checkpoints this callback saved
+        self.lineage: str | None = None  # this run's id, carried through resumes (see checkpoint_lineage)
         self._refused = False  # a save would have overwritten another run's checkpoint
         self._stop: StepBoundaryStop | None = None
 
@@ -687,7 +706,9 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
             except RuntimeError as err:
                 error = str(err)
         token = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        error, self._run_token = trainer.strategy.broadcast((error, token), src=0)
+        # A fit that restores a checkpoint takes over its lineage in load_state_dict, after setup.
+        lineage = self.lineage or uuid.uuid4().hex
+        error, self._run_token, self.lineage = trainer.strategy.broadcast((error, token, lineage), src=0)
         if error:
             raise RuntimeError(error)
         if note:
@@ -726,6 +747,7 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
         self._refused = False
         if trainer.is_global_zero and self.dirpath is not None and self._model_key is None:
             newer = checkpoints_after(self.dirpath, trainer.global_step, skip=self._own_paths)
+            newer = [p for p in newer if not self._same_run(p)]
             if newer:
                 rank_zero_warn(
                     f"AsyncCheckpoint: {self.dirpath} holds checkpoints of another run past step "
@@ -853,7 +875,7 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"last_saved_step": self.last_saved_step, "saves": self.saves}
+        state: dict[str, Any] = {"last_saved_step": self.last_saved_step, "saves": self.saves, "lineage": self.lineage}
         if self.config.save_rng:
             state["rng"] = _get_rng()
         return state
@@ -862,6 +884,8 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_saved_step = int(state_dict["last_saved_step"])
         self.saves = int(state_dict["saves"])
+        if state_dict.get("lineage"):
+            self.lineage = str(state_dict["lineage"])
         if self.config.save_rng and "rng" in state_dict:
             # Applied at train start, after Lightning's own setup has drawn whatever it draws.
             self._rng_to_restore = state_dict["rng"]
@@ -906,13 +930,24 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
     def _clash(self, trainer: Trainer, path: str) -> str | None:
         """Why ``path`` must not be written (it exists and another run wrote it), agreed by every rank."""
         error = None
-        if trainer.is_global_zero and os.path.lexists(path) and os.path.realpath(path) not in self._own_paths:
+        if (
+            trainer.is_global_zero
+            and os.path.lexists(path)
+            and os.path.realpath(path) not in self._own_paths
+            and not self._same_run(path)
+        ):
             error = (
                 f"AsyncCheckpoint: {path} exists and another run wrote it; this run stops rather than overwrite "
                 "it (its own earlier checkpoints are kept). Resume that run with ckpt_path=<its last.ckpt>, or give "
                 "this run a folder of its own (AsyncCheckpoint(dirpath=...) or another logger version)"
             )
         return trainer.strategy.broadcast(error, src=0)
+
+    def _same_run(self, path: str) -> bool:
+        """Whether ``path`` was written by an earlier process of this run (the one this fit resumed), e.g.
+        killed after renaming that file into place and before repointing ``last.ckpt``: such a file is
+        this run's to write again."""
+        return self.lineage is not None and checkpoint_lineage(path) == self.lineage
 
     def _save_sharded(self, trainer: Trainer, path: str) -> None:
         """FSDP / ModelParallel: every rank stages its shards with ``dcp.async_save`` and writes
@@ -1057,8 +1092,12 @@ class AsyncCheckpoint(KeyedStateCallback, Checkpoint):
         last = os.path.join(self.dirpath, "last.ckpt")
         if os.path.islink(last):
             protected.add(os.path.basename(os.readlink(last)))
-        newer = [name for step, name in found if limit is not None and step > limit]
-        if newer and not getattr(self, "_warned_newer", False):
+        warned = getattr(self, "_warned_newer", False)
+        newer = [] if warned else [
+            name for step, name in found
+            if limit is not None and step > limit and not self._same_run(os.path.join(self.dirpath, name))
+        ]
+        if newer:
             self._warned_newer = True
             warnings.warn(
                 f"AsyncCheckpoint: {self.dirpath} holds checkpoints newer than this run's step {limit} "

@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 from lightning.pytorch import Callback
 
 from lightning_opt.callbacks import AsyncCheckpoint, NaNSkip
-from lightning_opt.callbacks.async_checkpoint import atomic_torch_save
+from lightning_opt.callbacks.async_checkpoint import atomic_torch_save, checkpoint_lineage
 from tests.reliability._harness import (
     BATCH,
     SEQ_LEN,
@@ -104,6 +105,36 @@ def test_lock_of_a_killed_run_is_taken_over(fault, tmp_path):
 def _fit(root: Path, ckdir: Path, steps: int = 4, **kw) -> None:
     cb = AsyncCheckpoint(dirpath=str(ckdir), every_n_steps=2, **kw)
     trainer(root, [cb], max_steps=steps).fit(TinyLM(dropout=0.0), train_dataloaders=Batches(random_batches(steps, 0)))
+
+
+def test_resume_from_a_lagging_last_link_rewrites_its_own_run_s_files(fault, tmp_path):
+    fault("last.ckpt lags its run's newest file", "a run killed after renaming step=4 into place, before last.ckpt "
+          "moved: resuming from last.ckpt (step 2) saves steps 3 and 4 again; a fresh run is still refused")
+    ckdir = tmp_path / "ck"
+    cb = AsyncCheckpoint(dirpath=str(ckdir), every_n_steps=1)
+    trainer(tmp_path / "a", [cb], max_steps=4).fit(TinyLM(dropout=0.0), train_dataloaders=Batches(random_batches(4, 0)))
+    first = cb.lineage
+    assert first and checkpoint_lineage(str(ckdir / "step=000000004.ckpt")) == first
+    os.replace(ckdir / "last.ckpt", tmp_path / "unused")
+    os.symlink("step=000000002.ckpt", ckdir / "last.ckpt")  # where a kill between rename and relink leaves it
+    resumed = AsyncCheckpoint(dirpath=str(ckdir), every_n_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path / "b", [resumed], max_steps=5).fit(
+            TinyLM(dropout=0.0), train_dataloaders=Batches(random_batches(5, 0)), ckpt_path=str(ckdir / "last.ckpt")
+        )
+    steps = {s: loads(p)["global_step"] for s, p in step_files(ckdir)}
+    ok = resumed.lineage == first and steps.get(5) == 5 and os.readlink(ckdir / "last.ckpt") == "step=000000005.ckpt"
+    assert not any("another run" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    fresh = AsyncCheckpoint(dirpath=str(ckdir), every_n_steps=1)
+    with pytest.raises(RuntimeError, match=r"step=00000000[12]\.ckpt exists and another run wrote it") as err:
+        trainer(tmp_path / "c", [fresh], max_steps=2).fit(
+            TinyLM(dropout=0.0), train_dataloaders=Batches(random_batches(2, 0))
+        )
+    ok = ok and fresh.lineage != first
+    fault.shown(str(err.value), "another run wrote it")
+    fault.trial(ok, note=f"steps {sorted(steps)}, lineage kept {resumed.lineage == first}")
+    assert ok, (steps, resumed.lineage, first)
 
 
 def _write_lock(ckdir: Path, host: str, pid: int, age_s: float) -> Path:
