@@ -332,6 +332,15 @@ def _needs_flash(dev: torch.device) -> str | None:
     return reason or (None if flash_available() else "flash-attn does not import (see the warning in the log)")
 
 
+def _needs_flash4(dev: torch.device) -> str | None:
+    from lightning_opt.ops.attention import flash4_available
+
+    reason = _package("flash_attn.cute", "flash-attn-4")(dev) if is_available("flash_attn") else "flash-attn-4 not installed"
+    if reason is None and torch.cuda.get_device_capability(dev)[0] < 9:
+        reason = "flash-attn-4 needs a Hopper or newer GPU"
+    return reason or (None if flash4_available() else "flash-attn-4 does not import (see the warning in the log)")
+
+
 def _needs_fp8(dev: torch.device) -> str | None:
     from lightning_opt.ops.fp8 import fp8_supported
 
@@ -452,6 +461,11 @@ def rows(base: AblationSpec, adamw: OptimConfig) -> list[Row]:
             "plain causal attention: SDPA has a flash kernel; flash-attn adds fixed sliding windows",
             code=(Code("lightning_opt/ops/attention.py", objects=("_flash_attn_func", "flash_available"),
                        names=("use_flash", "fn")),), extras=("flash-attn",), needs=_needs_flash),
+        Row("flash_attn_4", "PyTorch SDPA -> flash-attn-4", lambda s: with_model(s, attn_backend="flash4"),
+            "plain causal attention on Hopper and newer GPUs; document masks go to SDPA",
+            code=(Code("lightning_opt/ops/attention.py", objects=("_flash4_func", "flash4_available"),
+                       names=("_FLASH4_FN", "_FLASH4_MIN_CAPABILITY")),), extras=("flash-attn-4",),
+            needs=_needs_flash4),
     ]
 
 

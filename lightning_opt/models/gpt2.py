@@ -25,6 +25,7 @@ from lightning_opt.ops.attention import (
     FLEX_BLOCK,
     attention,
     build_mask,
+    flash4_available,
     flash_available,
     resolve_backend,
 )
@@ -252,8 +253,9 @@ class GPTExecution:
     the same model, so a checkpoint resumes with other values (a recipe's ``model.execution``).
 
     Args:
-        attn_backend: ``auto``, ``flash``, ``sdpa``, ``cudnn`` (SDPA with cuDNN's fused attention first), ``math``
-            or ``flex`` (see :mod:`lightning_opt.ops.attention`).
+        attn_backend: ``auto``, ``flash``, ``flash4`` (flash-attn-4 on Hopper and newer GPUs, the ``gpu`` extra),
+            ``sdpa``, ``cudnn`` (SDPA with cuDNN's fused attention first), ``math`` or ``flex`` (see
+            :mod:`lightning_opt.ops.attention`).
         dropout: dropout probability in training, as in nanoGPT: on the embedding, on the attention weights
             and on the attention and MLP outputs before they join the residual stream (``0.0``: none, the
             pretraining default; ``0.1`` is common for fine-tuning). Training with dropout attends through
@@ -319,7 +321,7 @@ class GPTExecution:
                 raise bad(name, value, "choose true, false or 'auto' (FP8 where the GPU supports it)")
         if not 0.0 <= self.dropout < 1.0:
             raise bad("dropout", self.dropout, "must be in [0, 1)")
-        if self.dropout and self.attn_backend in ("flash", "flex"):
+        if self.dropout and self.attn_backend in ("flash", "flash4", "flex"):
             raise bad("dropout", self.dropout, f"needs attn_backend 'auto', 'sdpa', 'cudnn' or 'math' (not "
                       f"{self.attn_backend!r}: its kernel here takes no attention dropout)")
         if self.loss_chunk_size <= 0:
@@ -332,7 +334,7 @@ class GPTExecution:
     def check(self, config: GPTConfig) -> None:
         """Refuse the settings that ``config``'s architecture cannot run with (what :class:`GPT` checks)."""
         bad = _bad("GPTExecution")
-        if config.window_schedule is not None and self.attn_backend == "flash":
+        if config.window_schedule is not None and self.attn_backend in ("flash", "flash4"):
             raise bad("attn_backend", self.attn_backend, "cannot move the window of GPTConfig.window_schedule "
                       "(flash-attn takes a fixed window): use 'flex', 'sdpa', 'cudnn', 'math' or 'auto'")
         hidden = int(config.mlp_ratio * config.n_embd)
@@ -851,9 +853,15 @@ class GPT(nn.Module):
         if ex.attn_backend == "flash":
             if not flash_available():  # say so now, not at the first training step
                 raise ImportError(
-                    "GPTExecution.attn_backend='flash' needs flash-attn: pip install 'lightning-opt[gpu]' "
-                    "(or set attn_backend='auto' to fall back to PyTorch SDPA)"
+                    "GPTExecution.attn_backend='flash' needs flash-attn 2, a source build (pip install flash-attn "
+                    "--no-build-isolation); or set attn_backend='flash4' after pip install 'lightning-opt[gpu]', "
+                    "or 'auto' to fall back to PyTorch SDPA"
                 )
+        if ex.attn_backend == "flash4" and not flash4_available():
+            raise ImportError(
+                "GPTExecution.attn_backend='flash4' needs flash-attn-4: pip install 'lightning-opt[gpu]' "
+                "(or set attn_backend='sdpa')"
+            )
         v = cfg.padded_vocab_size
         self.wte = nn.Embedding(v, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos_emb == "learned" else None

@@ -10,6 +10,11 @@ numerical tolerance.
 causal attention faster than SDPA's default FlashAttention-2 kernel); whatever cuDNN does not take falls to
 SDPA's other kernels in their usual order, so a CPU computes the same as with ``sdpa``.
 
+``backend="flash4"`` is flash-attn-4 (``flash_attn.cute``, the ``flash-attn-4`` package: CuTe-DSL kernels for
+Hopper and Blackwell GPUs, installed by the ``gpu`` extra). It is chosen explicitly, never by ``auto``; on a
+GPU it does not run on (before Hopper) or a CPU, and for document masks or a window held in a device tensor,
+the call goes to SDPA like ``flash``'s.
+
 ``backend="flex"`` (CUDA) builds a block-sparse mask at 128-token granularity from the document ids and the
 window, so a 64k-token sequence of many documents costs only the blocks that attend anything; the window
 may be a device tensor (a schedule changes it without recompiling). On a CPU, which has no FlexAttention
@@ -27,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_opt._optional import is_available
 
-BACKENDS = ("auto", "flash", "sdpa", "cudnn", "math", "flex")
+BACKENDS = ("auto", "flash", "flash4", "sdpa", "cudnn", "math", "flex")
 FLEX_BLOCK = 128
 _DENSE_MASK_LIMIT = 1 << 28  # booleans (256 MiB): beyond this the SDPA/math paths refuse a dense mask
 
@@ -43,6 +48,8 @@ _UNRESOLVED = object()
 # torch.compile a global is a guarded constant, while a cache wrapper would be traced into (import probes
 # are graph breaks).
 _FLASH_FN: object = _UNRESOLVED
+_FLASH4_FN: object = _UNRESOLVED  # flash-attn-4's flash_attn_func, adapted (see _flash4_func)
+_FLASH4_MIN_CAPABILITY = 9  # flash-attn-4 has SM90 (Hopper) and SM100 (Blackwell) kernels
 
 
 def _flash_attn_func():
@@ -65,10 +72,39 @@ def flash_available() -> bool:
     return _flash_attn_func() is not None
 
 
+def _flash4_func():
+    """flash-attn-4's ``flash_attn_func`` behind flash-attn 2's call: a window side of -1 means no limit
+    (flash-attn-4 takes None) and only the output is returned (flash-attn-4 also returns the log-sum-exp)."""
+    global _FLASH4_FN
+    if _FLASH4_FN is _UNRESOLVED:
+        _FLASH4_FN = None
+        if is_available("flash_attn") and is_available("flash_attn.cute"):
+            try:
+                from flash_attn.cute import flash_attn_func as fa4
+            except Exception as err:  # a broken install must not break training: say why
+                warnings.warn(f"flash-attn-4 is installed but failed to import ({err}).", stacklevel=2)
+            else:
+                def call(q, k, v, softmax_scale=None, causal=True, window_size=(-1, -1)):
+                    left, right = window_size
+                    out = fa4(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                              window_size=(None if left < 0 else left, None if right < 0 else right))
+                    return out[0] if isinstance(out, tuple) else out
+
+                _FLASH4_FN = call
+    return _FLASH4_FN
+
+
+def flash4_available() -> bool:
+    """Whether flash-attn-4 (``pip install 'lightning-opt[gpu]'``) imports."""
+    return _flash4_func() is not None
+
+
 def resolve_backend(backend: str = "auto") -> str:
     """Probe optional kernels now (call before ``torch.compile``); returns what ``auto`` uses on CUDA."""
     if backend in ("auto", "flash"):
         return "flash" if flash_available() else "sdpa"
+    if backend == "flash4":
+        flash4_available()
     return backend
 
 
@@ -211,7 +247,7 @@ def attention(
             with ``flex`` (or ``sdpa`` / ``math``), so a schedule can change it without recompiling.
         doc_ids: ``[B, T]`` integer document ids; positions attend only inside their document.
         scale: softmax scale, default ``1/sqrt(D)``.
-        backend: ``auto`` (flash-attn > SDPA), ``flash``, ``sdpa``, ``cudnn`` (SDPA with cuDNN's fused attention
+        backend: ``auto`` (flash-attn > SDPA), ``flash``, ``flash4`` (flash-attn-4, explicit only), ``sdpa``, ``cudnn`` (SDPA with cuDNN's fused attention
             put first, PyTorch's kernels after it for what cuDNN does not take), ``math`` or ``flex`` (long
             sequences with document / window masks, see :func:`flex_doc_window_attention`).
     """
@@ -225,6 +261,20 @@ def attention(
         if not causal:
             raise ValueError("attention backend 'flex' here is causal only")
         return flex_doc_window_attention(q, k, v, window, doc_ids, scale)
+    if backend == "flash4":
+        fn = _FLASH4_FN if _FLASH4_FN is not _UNRESOLVED else _flash4_func()
+        if fn is None:
+            raise ImportError(
+                "attention backend 'flash4' needs flash-attn-4: pip install 'lightning-opt[gpu]' "
+                "(or use backend='sdpa')"
+            )
+        if (q.is_cuda and doc_ids is None and not isinstance(window, torch.Tensor)
+                and torch.cuda.get_device_capability(q.device)[0] >= _FLASH4_MIN_CAPABILITY):
+            win = (-1, -1) if window is None else (window - 1, 0)
+            out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                     softmax_scale=scale, causal=causal, window_size=win)
+            return out.transpose(1, 2)
+        backend = "sdpa"  # what flash-attn-4 does not take: a CPU, an older GPU, document masks, a tensor window
     if isinstance(window, torch.Tensor) and backend in ("auto", "flash"):
         backend = "sdpa"  # flash-attn takes the window as a Python int
 
@@ -235,8 +285,9 @@ def attention(
         fn = _FLASH_FN if _FLASH_FN is not _UNRESOLVED else _flash_attn_func()
         if fn is None and backend == "flash":
             raise ImportError(
-                "attention backend 'flash' needs flash-attn: pip install 'lightning-opt[gpu]' "
-                "(or use backend='auto' to fall back to PyTorch SDPA)"
+                "attention backend 'flash' needs flash-attn 2, a source build (pip install flash-attn "
+                "--no-build-isolation); or use backend='flash4' after pip install 'lightning-opt[gpu]', or "
+                "'auto' to fall back to PyTorch SDPA"
             )
         if fn is not None and doc_ids is None and q.is_cuda:
             win = (-1, -1) if window is None else (window - 1, 0)

@@ -47,6 +47,22 @@ def test_flash_backend_errors_cleanly_when_missing():
         attention(q, k, v, backend="flash")
 
 
+def test_flash4_backend_errors_cleanly_when_missing_and_runs_sdpa_where_it_cannot(monkeypatch):
+    import lightning_opt.ops.attention as attn
+
+    q, k, v = _qkv()
+    monkeypatch.setattr(attn, "_FLASH4_FN", None)  # not installed
+    with pytest.raises(ImportError, match=r"flash-attn-4: pip install 'lightning-opt\[gpu\]'"):
+        attention(q, k, v, backend="flash4")
+    # installed: a CPU tensor (or document masks) is not flash-attn-4's; the call gives SDPA's result
+    monkeypatch.setattr(attn, "_FLASH4_FN", lambda *a, **k: pytest.fail("flash-attn-4 called on a CPU tensor"))
+    torch.testing.assert_close(attention(q, k, v, backend="flash4"), attention(q, k, v, backend="sdpa"))
+    doc = torch.zeros(q.shape[0], q.shape[2], dtype=torch.long)
+    doc[:, q.shape[2] // 2:] = 1
+    torch.testing.assert_close(attention(q, k, v, backend="flash4", doc_ids=doc),
+                               attention(q, k, v, backend="sdpa", doc_ids=doc))
+
+
 def test_unknown_backend():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="unknown"):

@@ -71,6 +71,20 @@ def test_missing_flash_attn_names_the_extra(fault, tmp_path, monkeypatch, capsys
     assert not started, f"the missing package was noticed only in a training step:\n{message[-500:]}"
 
 
+def test_missing_flash_attn_4_names_the_extra(fault, tmp_path, monkeypatch, capsys):
+    fault("missing flash-attn-4", "attn_backend=flash4 without flash-attn-4 installed")
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setattr("lightning_opt.ops.attention._FLASH4_FN", None)  # what an environment without it resolves
+    message, started = run_bad(
+        "gpt2", ["--model.execution.attn_backend", "flash4"], tmp_path, monkeypatch, capsys, when="trained"
+    )
+    ok = "lightning-opt[gpu]" in message and "flash-attn-4" in message
+    fault.trial(ok and not started, note=f"fit started: {started}")
+    fault.shown(message, "flash-attn-4")
+    assert ok, message
+    assert not started, f"the missing package was noticed only in a training step:\n{message[-500:]}"
+
+
 def test_missing_bitsandbytes_falls_back_with_a_warning(fault, tmp_path, monkeypatch):
     fault("missing bitsandbytes", "optim name adamw8bit without bitsandbytes: warn, fall back to torch AdamW")
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
