@@ -9,6 +9,7 @@ an error that names the offending key or value and what to do, raised *before* `
 
 from __future__ import annotations
 
+import importlib
 import sys
 import warnings
 
@@ -58,29 +59,17 @@ def test_bad_recipe_config_is_refused_before_training(fault, tmp_path, monkeypat
 # -- missing optional packages -----------------------------------------------------------------------
 
 
-def test_missing_flash_attn_names_the_extra(fault, tmp_path, monkeypatch, capsys):
-    fault("missing flash-attn", "attn_backend=flash without flash-attn installed")
+@pytest.mark.parametrize("backend, package", [("flash", "flash-attn"), ("flash4", "flash-attn-4")])
+def test_missing_flash_attn_names_the_extra(fault, tmp_path, monkeypatch, capsys, backend, package):
+    fault(f"missing {package}", f"attn_backend={backend} without {package} installed")
     monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setattr(importlib.import_module("lightning_opt.ops.attention"), "_FLASH4_FN", None)  # what an environment without it resolves
     message, started = run_bad(
-        "gpt2", ["--model.execution.attn_backend", "flash"], tmp_path, monkeypatch, capsys, when="trained"
+        "gpt2", ["--model.execution.attn_backend", backend], tmp_path, monkeypatch, capsys, when="trained"
     )
-    ok = "lightning-opt[gpu]" in message and "flash" in message
+    ok = "lightning-opt[gpu]" in message and package in message
     fault.trial(ok and not started, note=f"fit started: {started}")
-    fault.shown(message, "lightning-opt[gpu]")
-    assert ok, message
-    assert not started, f"the missing package was noticed only in a training step:\n{message[-500:]}"
-
-
-def test_missing_flash_attn_4_names_the_extra(fault, tmp_path, monkeypatch, capsys):
-    fault("missing flash-attn-4", "attn_backend=flash4 without flash-attn-4 installed")
-    monkeypatch.setitem(sys.modules, "flash_attn", None)
-    monkeypatch.setattr("lightning_opt.ops.attention._FLASH4_FN", None)  # what an environment without it resolves
-    message, started = run_bad(
-        "gpt2", ["--model.execution.attn_backend", "flash4"], tmp_path, monkeypatch, capsys, when="trained"
-    )
-    ok = "lightning-opt[gpu]" in message and "flash-attn-4" in message
-    fault.trial(ok and not started, note=f"fit started: {started}")
-    fault.shown(message, "flash-attn-4")
+    fault.shown(message, package)
     assert ok, message
     assert not started, f"the missing package was noticed only in a training step:\n{message[-500:]}"
 
