@@ -13,7 +13,6 @@ naming what differs; a truncated shard is refused at setup, naming the file and 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,16 @@ from lightning_opt.callbacks import NaNSkip
 from lightning_opt.modules.base import TrainingModule
 from lightning_opt.optim.factory import OptimConfig
 from lightning_opt.optim.schedules import ScheduleConfig
-from tests.reliability._harness import VOCAB, Batches, TinyLM, inject, random_batches, state, state_diff, trainer
+from tests.reliability._harness import (
+    VOCAB,
+    Batches,
+    TinyLM,
+    inject,
+    random_batches,
+    state,
+    state_diff,
+    trainer,
+)
 from tests.reliability._recipes import run_bad
 
 STEPS = 12

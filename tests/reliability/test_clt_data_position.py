@@ -38,7 +38,7 @@ def _state(ckpt: dict) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("cache", [False, True], ids=["online", "cached"])
-def test_clt_resumes_mid_pass_on_the_same_batches(cache: bool, tmp_path, monkeypatch, target_ckpt: str) -> None:
+def test_clt_resumes_mid_pass_on_the_same_batches(cache: bool, tmp_path, monkeypatch, target_ckpt: str) -> None:  # noqa: F811
     monkeypatch.chdir(tmp_path)
     main = recipe_main("clt")
     base = [*_args("clt_demo.yaml", tmp_path, target_ckpt),

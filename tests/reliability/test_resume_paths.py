@@ -23,7 +23,16 @@ import torch
 
 from lightning_opt.callbacks import AsyncCheckpoint
 from tests.recipes.test_resume import _GPT2_SHORT
-from tests.reliability._harness import Batches, TinyLM, join_or_kill, loads, random_batches, start, step_files, trainer
+from tests.reliability._harness import (
+    Batches,
+    TinyLM,
+    join_or_kill,
+    loads,
+    random_batches,
+    start,
+    step_files,
+    trainer,
+)
 from tests.reliability.test_bad_checkpoint import _flip_floats
 
 ARGS = ["--config", "gpt2/demo", *_GPT2_SHORT, "--model.schedule.name", "constant",
