@@ -253,6 +253,39 @@ def _scalars(run: Path | None, keys: list[str]) -> dict[str, Any]:
     return out
 
 
+# A CLT run on several GPUs must train about as well as on one: decoder sharding computes the one-GPU model
+# (bit for bit on CPU ranks), data parallel sees more tokens per step. "It ran" is not enough.
+FVU_REFERENCE = "clt_demo_compile_false"
+FVU_SLACK = (1.5, 0.05)  # a run on several GPUs fails above 1.5 x the one-GPU val/fvu + 0.05
+
+
+def _last_fvu(row: dict[str, Any]) -> float | None:
+    value = (row.get("phases") or {}).get("val/fvu", {}).get("last")
+    return None if value is None else float(value)
+
+
+def check_fvu_agreement(rows: list[dict[str, Any]]) -> None:
+    """Fail every passed multi-GPU ``clt_demo_<strategy>`` row whose final val/fvu exceeds the one-GPU run's by
+    more than :data:`FVU_SLACK` (in place; the reason goes to the row's ``error``). Rows of a run without the
+    one-GPU reference get ``fvu_check`` saying so."""
+    ref = next((r for r in rows if r["name"] == FVU_REFERENCE and r["gpus"] == 1 and r.get("passed")), None)
+    ref_fvu = None if ref is None else _last_fvu(ref)
+    for row in rows:
+        if not (row["name"].startswith("clt_demo_") and row["name"].removeprefix("clt_demo_") in STRATEGIES
+                and row["gpus"] > 1 and row.get("passed")):
+            continue
+        fvu = _last_fvu(row)
+        if ref_fvu is None or fvu is None:
+            row["fvu_check"] = f"not checked: no val/fvu of {FVU_REFERENCE} at 1 GPU in this run"
+            continue
+        bound = FVU_SLACK[0] * ref_fvu + FVU_SLACK[1]
+        row["fvu_check"] = f"val/fvu {fvu:.4g} vs {ref_fvu:.4g} at 1 GPU (bound {bound:.4g})"
+        if fvu > bound:
+            row["passed"] = False
+            row["error"] = (f"val/fvu {fvu:.4g} at {row['gpus']} GPUs vs {ref_fvu:.4g} at 1 GPU "
+                            f"({FVU_REFERENCE}): above {FVU_SLACK[0]} x + {FVU_SLACK[1]}")
+
+
 def run_command(cmd: Command, work: Path, timeout_s: float, smoke: bool,
                 done: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
     """Run one command (``done``: the rows so far, by name and GPUs); its result row."""
@@ -353,6 +386,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           None: f"skipped: {row.get('skipped')}"}[row["passed"]]
                 print(f"[{time.perf_counter() - begin:6.0f}s] {gpus} x {cmd.name}: {status}", flush=True)
     finally:
+        check_fvu_agreement(rows)
         summary = {"passed": sum(r["passed"] is True for r in rows), "failed": sum(r["passed"] is False for r in rows),
                    "skipped": sum(r["passed"] is None for r in rows),
                    "total_s": round(time.perf_counter() - begin, 1), "gpus_here": available}
