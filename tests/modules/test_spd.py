@@ -227,7 +227,8 @@ def test_ddp_importance_loss_and_gradient_equal_single_process(tmp_path):
     theta = theta.clone().requires_grad_(True)
     single = _importance({"l": (x * theta).clamp(0, 1)}, None)
     single.backward()
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    # fork: the ranks start with what this process imported (a spawned rank spends seconds importing)
+    mp.start_processes(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork")
     for r in range(2):
         res = torch.load(tmp_path / f"r{r}.pt")
         assert torch.allclose(res["loss"], single.detach(), rtol=1e-6), (r, res["loss"], single)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).parent))  # spawned workers import the helpers by module name
+sys.path.insert(0, str(Path(__file__).parent))  # the test modules import the helpers by module name
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +19,8 @@ def strategy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[st
     from _fit_worker import WORLD, scenarios, worker
 
     out = tmp_path_factory.mktemp("strategy_runs")
-    mp.spawn(worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    # fork: the ranks start with what this process imported (a spawned rank spends seconds importing)
+    mp.start_processes(worker, args=(free_port(), str(out)), nprocs=WORLD, join=True, start_method="fork")
     results: dict[str, dict[str, Any]] = {}
     for name in scenarios(out):
         per_rank = [torch.load(p, weights_only=False) for p in sorted(out.glob(f"{name}.rank*.pt"))]

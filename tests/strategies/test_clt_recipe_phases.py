@@ -129,7 +129,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     cfg = GPTConfig(vocab_size=256, n_layer=2, n_head=2, n_embd=32, block_size=64)
     target = str(root / "target.pt")
     torch.save({"config": cfg.to_dict(), "model": GPT(cfg).state_dict()}, target)
-    mp.spawn(_worker, args=(free_port(), str(root), target), nprocs=WORLD, join=True)
+    # fork: the ranks start with what this process imported (a spawned rank spends seconds importing)
+    mp.start_processes(_worker, args=(free_port(), str(root), target), nprocs=WORLD, join=True, start_method="fork")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers: a tiny model on a shared CPU
     try:

@@ -166,7 +166,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("fsdp_runs")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    # fork: the ranks start with what this process imported (a spawned rank spends seconds importing)
+    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True, start_method="fork")
     results = [torch.load(p, weights_only=False) for p in sorted(out.glob("fsdp.rank*.pt"))]
     errors = [r["error"] for r in results if not r["ok"]]
     if errors:
