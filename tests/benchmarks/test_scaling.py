@@ -167,9 +167,14 @@ def test_interpolation_and_default_sizes():
     ]
 
 
-def test_no_time_left_skips_every_size_and_still_writes_the_json(tmp_path):
-    _run(*CLT_SMOKE_4, "--deadline-s", "1", "--out", str(tmp_path / "c.json"))
-    _run("gpt2_ddp_scaling.py", "--smoke", "--deadline-s", "1", "--out", str(tmp_path / "g.json"))
+def test_no_time_left_skips_every_size_and_still_writes_the_json(tmp_path, monkeypatch):
+    """Both mains in this process (with no time left neither starts a process group)."""
+    from benchmarks import clt_scaling, gpt2_ddp_scaling
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", [*CLT_SMOKE_4, "--deadline-s", "1", "--out", str(tmp_path / "c.json")])
+    clt_scaling.main()
+    gpt2_ddp_scaling.main(["--smoke", "--deadline-s", "1", "--out", str(tmp_path / "g.json")])
     clt = _load(tmp_path / "c.json")
     assert len(clt["rows"]) == 6 and all("skipped" in r and "tokens_per_s" not in r for r in clt["rows"])
     gpt2 = _load(tmp_path / "g.json")
