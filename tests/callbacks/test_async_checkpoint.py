@@ -148,7 +148,7 @@ def _spawn(tmp_path, mode):
     return proc, Path(ck)
 
 
-def _wait_for(proc, marker, timeout=60):
+def _wait_for(proc, marker, timeout=180):  # four interpreters start at once: on a loaded machine, minutes
     deadline = time.time() + timeout
     while time.time() < deadline:
         line = proc.stdout.readline()
