@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_opt.data.datamodule import TokenShardDataModule
 from lightning_opt.data.shards import read_shard, write_shard
+from tests._fork import fork_ranks
 
 T, B = 8, 4
 
@@ -130,8 +130,7 @@ def test_real_torch_distributed_ranks_do_not_overlap(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "starts.pt")
-    # fork: the children inherit the imported modules instead of re-importing lightning (seconds)
-    mp.start_processes(_dist_worker, args=(port, [str(p) for p in train], out), nprocs=2, start_method="fork")
+    fork_ranks(_dist_worker, (port, [str(p) for p in train], out), 2)
     r0, r1 = torch.load(out)
     assert len(r0) == len(r1) == 15 * B
     assert not set(r0) & set(r1)
