@@ -109,12 +109,17 @@ def test_ddp_all_callbacks_nan_on_one_rank(tmp_path):
     trainer = make_trainer(
         tmp_path,
         callbacks,
-        strategy="ddp_spawn",
+        strategy="ddp_fork",  # the ranks start with what this process imported instead of importing it again
         devices=2,
         limit_val_batches=2,
         use_distributed_sampler=False,
     )
-    trainer.fit(module)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # what the forked ranks inherit: one that enters this process's OpenMP pool hangs
+    try:
+        trainer.fit(module)
+    finally:
+        torch.set_num_threads(threads)
     names = sorted(n for n in os.listdir(tmp_path / "ck") if n.endswith(".ckpt"))
     assert names == ["last.ckpt", "step=000000003.ckpt", "step=000000006.ckpt"]
     ck = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=True)
