@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -18,6 +19,18 @@ def fork_ranks(worker: Callable[..., None], args: tuple[Any, ...], nprocs: int) 
     used hangs.
     """
     mp.start_processes(_one_thread, args=(worker, *args), nprocs=nprocs, join=True, start_method="fork")
+
+
+@contextmanager
+def one_thread_for_forks() -> Iterator[None]:
+    """One intra-op thread in this process while it forks (Lightning's ``ddp_fork``): the forked ranks inherit it
+    (a forked child that enters its parent's OpenMP thread pool hangs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _one_thread(rank: int, worker: Callable[..., None], *args: Any) -> None:

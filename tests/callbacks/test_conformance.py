@@ -20,6 +20,7 @@ from lightning_opt.callbacks import (
     NaNSkip,
     SpeedMonitor,
 )
+from tests._fork import one_thread_for_forks
 from tests.callbacks.conftest import TinyModule, make_batches, make_trainer
 
 
@@ -114,12 +115,8 @@ def test_ddp_all_callbacks_nan_on_one_rank(tmp_path):
         limit_val_batches=2,
         use_distributed_sampler=False,
     )
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # what the forked ranks inherit: one that enters this process's OpenMP pool hangs
-    try:
+    with one_thread_for_forks():
         trainer.fit(module)
-    finally:
-        torch.set_num_threads(threads)
     names = sorted(n for n in os.listdir(tmp_path / "ck") if n.endswith(".ckpt"))
     assert names == ["last.ckpt", "step=000000003.ckpt", "step=000000006.ckpt"]
     ck = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=True)

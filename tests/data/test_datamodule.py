@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from lightning_opt.data.datamodule import TokenShardDataModule
 from lightning_opt.data.shards import read_shard, write_shard
-from tests._fork import fork_ranks
+from tests._fork import fork_ranks, one_thread_for_forks
 
 T, B = 8, 4
 
@@ -372,7 +372,8 @@ def test_ddp_trainer_ranks_read_what_explicit_ranks_predict(tmp_path: Path) -> N
         default_root_dir=tmp_path,
     )
     kw = dict(seq_len=T, batch_size=B, shuffle=True, seed=11)
-    trainer.fit(_RankRecorder(tmp_path), datamodule=TokenShardDataModule(train, val, **kw))
+    with one_thread_for_forks():
+        trainer.fit(_RankRecorder(tmp_path), datamodule=TokenShardDataModule(train, val, **kw))
     seen = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for rank in range(2):
         it = iter(TokenShardDataModule(train, val, rank=rank, world_size=2, **kw).train_dataloader())
