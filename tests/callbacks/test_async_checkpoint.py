@@ -1,11 +1,11 @@
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -15,8 +15,6 @@ from lightning.pytorch import Callback
 
 from lightning_opt.callbacks import AsyncCheckpoint
 from tests.callbacks.conftest import TinyModule, make_batches, make_trainer
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fit(tmp_path, module, cb, **kw):
@@ -105,50 +103,75 @@ def test_config_is_validated():
         AsyncCheckpoint(keep_last_k=0)
 
 
-_CHILD = textwrap.dedent(
-    """
-    import os, sys, time
-    sys.path.insert(0, {tests!r}); sys.path.insert(0, {root!r})
-    import torch
-    from conftest import TinyModule, make_batches, make_trainer
+def _child(mode: str, ck: str, marker_fd: int) -> None:
+    """A training run in a forked child (torch and Lightning already imported); progress markers go to
+    ``marker_fd``. ``kill``: the second save stops between writing and renaming; ``sigterm``: slow steps, and only
+    the exception save writes. One intra-op thread: a forked child that enters its parent's OpenMP thread pool
+    hangs."""
     import lightning_opt.callbacks.async_checkpoint as ac
 
-    mode = sys.argv[1]
+    torch.set_num_threads(1)
+    markers = os.fdopen(marker_fd, "w", buffering=1)
     if mode == "kill":
         real_save = torch.save
         calls = []
+
         def slow_save(obj, f, *a, **k):
             calls.append(f)
             real_save(obj, f, *a, **k)
             if len(calls) == 2:  # second checkpoint: stop between write and rename
-                print("MIDWRITE", flush=True)
+                markers.write("MIDWRITE\n")
                 time.sleep(60)
+
         ac.torch.save = slow_save
 
     class Slow(TinyModule):
         def training_step(self, batch, batch_idx):
             if batch_idx == 3:
-                print("STARTED", flush=True)
+                markers.write("STARTED\n")
             if mode == "sigterm" and batch_idx >= 3:
                 time.sleep(0.05)
             return super().training_step(batch, batch_idx)
 
     every = 2 if mode == "kill" else 10_000  # sigterm: only the exception save writes
-    cb = ac.AsyncCheckpoint(dirpath={ck!r}, every_n_steps=every, save_on_train_end=False)
-    make_trainer({ck!r}, [cb], max_epochs=1000).fit(Slow(batches=make_batches(8)))
-    """
-)
+    cb = ac.AsyncCheckpoint(dirpath=ck, every_n_steps=every, save_on_train_end=False)
+    make_trainer(ck, [cb], max_epochs=1000).fit(Slow(batches=make_batches(8)))
+
+
+class _Forked:
+    """A forked child process with ``subprocess.Popen``'s handles: ``pid``, ``stdout`` (its markers), ``poll``,
+    ``wait``, ``kill``, ``send_signal``."""
+
+    def __init__(self, mode: str, ck: str) -> None:
+        read, write = os.pipe()
+        self._proc = multiprocessing.get_context("fork").Process(target=_child, args=(mode, ck, write))
+        self._proc.start()
+        os.close(write)
+        self.pid = self._proc.pid
+        self.stdout = os.fdopen(read)
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"child {self.pid}", timeout)
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
 
 
 def _spawn(tmp_path, mode):
-    script = tmp_path / "child.py"
-    ck = str(tmp_path / "ck")
-    script.write_text(_CHILD.format(tests=str(Path(__file__).parent), root=str(ROOT), ck=ck))
-    proc = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, text=True)
-    return proc, Path(ck)
+    ck = tmp_path / "ck"
+    return _Forked(mode, str(ck)), ck
 
 
-def _wait_for(proc, marker, timeout=60):
+def _wait_for(proc, marker, timeout=180):  # generous: the sharded ranks start their interpreters meanwhile
     deadline = time.time() + timeout
     while time.time() < deadline:
         line = proc.stdout.readline()
@@ -193,9 +216,11 @@ def _spawn_sharded(root: Path) -> list[subprocess.Popen]:
 
 @pytest.fixture(scope="module")
 def children(tmp_path_factory):
-    """All subprocesses start together (each spends seconds importing torch and Lightning)."""
+    """The sharded ranks (new processes: each spends seconds importing torch and Lightning) start first; the kill
+    and sigterm runs are forked from this process and start training at once."""
+    sharded = _spawn_sharded(tmp_path_factory.mktemp("sharded"))
     procs = {mode: _spawn(tmp_path_factory.mktemp(mode), mode) for mode in ("kill", "sigterm")}
-    procs["sharded"] = (_spawn_sharded(tmp_path_factory.mktemp("sharded")), None)
+    procs["sharded"] = (sharded, None)
     yield procs
     for proc, _ in procs.values():
         for p in proc if isinstance(proc, list) else [proc]:

@@ -20,6 +20,7 @@ from lightning_opt.callbacks import (
     NaNSkip,
     SpeedMonitor,
 )
+from tests._fork import one_thread_for_forks
 from tests.callbacks.conftest import TinyModule, make_batches, make_trainer
 
 
@@ -109,12 +110,13 @@ def test_ddp_all_callbacks_nan_on_one_rank(tmp_path):
     trainer = make_trainer(
         tmp_path,
         callbacks,
-        strategy="ddp_spawn",
+        strategy="ddp_fork",  # the ranks start with what this process imported instead of importing it again
         devices=2,
         limit_val_batches=2,
         use_distributed_sampler=False,
     )
-    trainer.fit(module)
+    with one_thread_for_forks():
+        trainer.fit(module)
     names = sorted(n for n in os.listdir(tmp_path / "ck") if n.endswith(".ckpt"))
     assert names == ["last.ckpt", "step=000000003.ckpt", "step=000000006.ckpt"]
     ck = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=True)

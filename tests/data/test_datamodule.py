@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_opt.data.datamodule import TokenShardDataModule
 from lightning_opt.data.shards import read_shard, write_shard
+from tests._fork import fork_ranks, one_thread_for_forks
 
 T, B = 8, 4
 
@@ -130,8 +130,7 @@ def test_real_torch_distributed_ranks_do_not_overlap(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "starts.pt")
-    # fork: the children inherit the imported modules instead of re-importing lightning (seconds)
-    mp.start_processes(_dist_worker, args=(port, [str(p) for p in train], out), nprocs=2, start_method="fork")
+    fork_ranks(_dist_worker, (port, [str(p) for p in train], out), 2)
     r0, r1 = torch.load(out)
     assert len(r0) == len(r1) == 15 * B
     assert not set(r0) & set(r1)
@@ -373,7 +372,8 @@ def test_ddp_trainer_ranks_read_what_explicit_ranks_predict(tmp_path: Path) -> N
         default_root_dir=tmp_path,
     )
     kw = dict(seq_len=T, batch_size=B, shuffle=True, seed=11)
-    trainer.fit(_RankRecorder(tmp_path), datamodule=TokenShardDataModule(train, val, **kw))
+    with one_thread_for_forks():
+        trainer.fit(_RankRecorder(tmp_path), datamodule=TokenShardDataModule(train, val, **kw))
     seen = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for rank in range(2):
         it = iter(TokenShardDataModule(train, val, rank=rank, world_size=2, **kw).train_dataloader())

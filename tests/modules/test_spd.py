@@ -11,12 +11,12 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_opt.models import spd as S
 from lightning_opt.models.toy import TMSConfig, train_tms
 from lightning_opt.modules.spd import PGDConfig, SPDLossConfig, SPDModule, SPDTargetConfig, SPDTrainConfig
 from lightning_opt.optim.factory import OptimConfig
+from tests._fork import fork_ranks
 
 torch.set_num_threads(1)
 
@@ -227,7 +227,7 @@ def test_ddp_importance_loss_and_gradient_equal_single_process(tmp_path):
     theta = theta.clone().requires_grad_(True)
     single = _importance({"l": (x * theta).clamp(0, 1)}, None)
     single.backward()
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    fork_ranks(_ddp_worker, (2, _free_port(), str(tmp_path)), 2)
     for r in range(2):
         res = torch.load(tmp_path / f"r{r}.pt")
         assert torch.allclose(res["loss"], single.detach(), rtol=1e-6), (r, res["loss"], single)

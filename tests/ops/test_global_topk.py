@@ -8,10 +8,10 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_opt.ops import global_topk
 from lightning_opt.ops.global_topk import batch_topk_threshold_sparse, global_batch_topk
+from tests._fork import fork_ranks
 
 
 def reference_batch_topk(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -120,7 +120,7 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:  # an exception here fails mp.spawn in the parent with this rank's traceback
+    try:  # an exception here fails fork_ranks in the parent with this rank's traceback
         for i, (tokens, features, k, kind) in enumerate(_cases()):
             xs = _make(tokens, features, kind, seed=10 + i)
             full = torch.cat(xs)
@@ -155,7 +155,7 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 
 def test_two_gloo_ranks_match_single_process() -> None:
-    mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
+    fork_ranks(_worker, (2, _free_port()), 2)
 
 
 def _default_group_worker(rank: int, world: int, port: int) -> None:
@@ -190,7 +190,7 @@ def _default_group_worker(rank: int, world: int, port: int) -> None:
 
 
 def test_default_group_is_global_and_local_is_per_rank_on_two_gloo_ranks() -> None:
-    mp.spawn(_default_group_worker, args=(2, _free_port()), nprocs=2, join=True)
+    fork_ranks(_default_group_worker, (2, _free_port()), 2)
 
 
 @pytest.mark.gpu

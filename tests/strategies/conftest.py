@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).parent))  # spawned workers import the helpers by module name
+from tests._fork import fork_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))  # the test modules import the helpers by module name
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +20,7 @@ def strategy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[st
     from _fit_worker import WORLD, scenarios, worker
 
     out = tmp_path_factory.mktemp("strategy_runs")
-    mp.spawn(worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    fork_ranks(worker, (free_port(), str(out)), WORLD)
     results: dict[str, dict[str, Any]] = {}
     for name in scenarios(out):
         per_rank = [torch.load(p, weights_only=False) for p in sorted(out.glob(f"{name}.rank*.pt"))]

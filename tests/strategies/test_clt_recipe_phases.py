@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from lightning_opt.recipes import CONFIGS
+from tests._fork import fork_ranks
 from tests.strategies._clt_helpers import free_port
 from tests.strategies.test_multinode import _ckpt, _tensors
 
@@ -129,7 +129,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     cfg = GPTConfig(vocab_size=256, n_layer=2, n_head=2, n_embd=32, block_size=64)
     target = str(root / "target.pt")
     torch.save({"config": cfg.to_dict(), "model": GPT(cfg).state_dict()}, target)
-    mp.spawn(_worker, args=(free_port(), str(root), target), nprocs=WORLD, join=True)
+    fork_ranks(_worker, (free_port(), str(root), target), WORLD)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers: a tiny model on a shared CPU
     try:

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from _clt_helpers import D_MODEL, N_FEATURES, N_LAYERS, K, TinyCLTModule, free_port, loader, trainer_kwargs
+
+from tests._fork import fork_ranks
 
 WORLD = 2
 
@@ -166,7 +167,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("fsdp_runs")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    fork_ranks(_worker, (free_port(), str(out)), WORLD)
     results = [torch.load(p, weights_only=False) for p in sorted(out.glob("fsdp.rank*.pt"))]
     errors = [r["error"] for r in results if not r["ok"]]
     if errors:

@@ -98,7 +98,7 @@ def _args(recipe_args: list[str], run: Path, max_steps: int, nodes: int, devices
             "--trainer.callbacks.save_top_k", "-1", "--trainer.callbacks.filename", "{step}"]
 
 
-def _launch(recipe: str, args: list[str], run: Path, nodes: int) -> None:
+def _start(recipe: str, args: list[str], run: Path, nodes: int) -> tuple[list[subprocess.Popen], list[Any]]:
     """``torchrun`` on each of ``nodes`` "nodes" (one process each), or one node with two processes."""
     run.mkdir(parents=True, exist_ok=True)
     script = ["-m", f"lightning_opt.recipes.{recipe}"]
@@ -109,24 +109,28 @@ def _launch(recipe: str, args: list[str], run: Path, nodes: int) -> None:
     else:
         cmds = [[TORCHRUN, f"--nnodes={nodes}", "--nproc-per-node=1", f"--node-rank={r}",
                  "--master-addr=127.0.0.1", f"--master-port={port}", *script, *args] for r in range(nodes)]
-    logs = [open(run / f"node{r}.log", "w") for r in range(len(cmds))]  # noqa: SIM115 - closed below
+    logs = [open(run / f"node{r}.log", "w") for r in range(len(cmds))]  # noqa: SIM115 - closed in _finish
+    procs = [subprocess.Popen(c, cwd=run, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+             for c, log in zip(cmds, logs)]
+    return procs, logs
+
+
+def _finish(recipe: str, launched: tuple[list[subprocess.Popen], list[Any]], run: Path) -> None:
+    """Wait for a :func:`_start`; fail with every node's log tail when one exits non-zero."""
+    procs, logs = launched
     try:
-        procs = [subprocess.Popen(c, cwd=run, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-                 for c, log in zip(cmds, logs)]
-        try:
-            codes = [p.wait(timeout=TIMEOUT) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        codes = [p.wait(timeout=TIMEOUT) for p in procs]
     finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         for log in logs:
             log.close()
     if any(codes):
         tails = "\n".join(f"--- node {r} (exit {c}) ---\n" + (run / f"node{r}.log").read_text()[-4000:]
                           for r, c in enumerate(codes))
-        pytest.fail(f"{recipe} on {nodes} node(s) failed:\n{tails}")
+        pytest.fail(f"{recipe} on {len(procs)} torchrun(s) failed:\n{tails}")
 
 
 def _ckpt(run: Path, step: int) -> dict[str, Any]:
@@ -165,19 +169,24 @@ def test_two_nodes_train_and_resume_like_one_node(case: str, tmp_path: Path, tar
     if recipe == "clt":
         recipe_args = [*recipe_args, "--data.target", target_ckpt]
 
-    _launch(recipe, _args(recipe_args, tmp_path / "one_node", 4, nodes=1, devices=2), tmp_path / "one_node", 1)
-    _launch(recipe, _args(recipe_args, tmp_path / "two_nodes", 2, nodes=2, devices=1), tmp_path / "two_nodes", 2)
-    first = _ckpt(tmp_path / "two_nodes", 2)
-    resume = [*_args(recipe_args, tmp_path / "resumed", 4, nodes=2, devices=1),
-              "--ckpt_path", str(sorted((tmp_path / "two_nodes" / "ckpt").glob("step=2*.ckpt"))[0])]
-    _launch(recipe, resume, tmp_path / "resumed", 2)
+    one, two, resumed = tmp_path / "one_node", tmp_path / "two_nodes", tmp_path / "resumed"
+    # the reference and the first two-node run are independent: they run side by side
+    reference = _start(recipe, _args(recipe_args, one, 4, nodes=1, devices=2), one, 1)
+    try:
+        _finish(recipe, _start(recipe, _args(recipe_args, two, 2, nodes=2, devices=1), two, 2), two)
+    finally:
+        _finish(recipe, reference, one)
+    first = _ckpt(two, 2)
+    resume = [*_args(recipe_args, resumed, 4, nodes=2, devices=1),
+              "--ckpt_path", str(sorted((two / "ckpt").glob("step=2*.ckpt"))[0])]
+    _finish(recipe, _start(recipe, resume, resumed, 2), resumed)
 
-    ref2, ref4 = _ckpt(tmp_path / "one_node", 2), _ckpt(tmp_path / "one_node", 4)
+    ref2, ref4 = _ckpt(one, 2), _ckpt(one, 4)
     assert first["global_step"] == 2 and ref4["global_step"] == 4
     _assert_same_state(first, ref2, f"{case}: 2 nodes x 1 process vs 1 node x 2 processes at step 2")
     # the resumed run writes only its own steps: it started at step 2
-    assert not list((tmp_path / "resumed" / "ckpt").glob("step=2*.ckpt"))
-    _assert_same_state(_ckpt(tmp_path / "resumed", 4), ref4,
+    assert not list((resumed / "ckpt").glob("step=2*.ckpt"))
+    _assert_same_state(_ckpt(resumed, 4), ref4,
                        f"{case}: 2 nodes resumed at step 2 vs 1 node uninterrupted at step 4")
     # training moved the weights: the comparison is not between two copies of the initial state
     moved = [not torch.equal(ref2["state_dict"][k], ref4["state_dict"][k]) for k in ref4["state_dict"]
