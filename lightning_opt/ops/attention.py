@@ -94,6 +94,13 @@ def _flash4_func():
     return _FLASH4_FN
 
 
+def flash4_takes(q: torch.Tensor, window: int | torch.Tensor | None, doc_ids: torch.Tensor | None) -> bool:
+    """Whether ``backend="flash4"`` runs this call on flash-attn-4: a CUDA tensor on a Hopper or newer GPU, no
+    document mask, a window given as a Python int (or none). Other calls go to SDPA."""
+    return (q.is_cuda and doc_ids is None and not isinstance(window, torch.Tensor)
+            and torch.cuda.get_device_capability(q.device)[0] >= _FLASH4_MIN_CAPABILITY)
+
+
 def flash4_available() -> bool:
     """Whether flash-attn-4 (``pip install 'lightning-opt[gpu]'``) imports."""
     return _flash4_func() is not None
@@ -268,8 +275,7 @@ def attention(
                 "attention backend 'flash4' needs flash-attn-4: pip install 'lightning-opt[gpu]' "
                 "(or use backend='sdpa')"
             )
-        if (q.is_cuda and doc_ids is None and not isinstance(window, torch.Tensor)
-                and torch.cuda.get_device_capability(q.device)[0] >= _FLASH4_MIN_CAPABILITY):
+        if flash4_takes(q, window, doc_ids):
             win = (-1, -1) if window is None else (window - 1, 0)
             out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                      softmax_scale=scale, causal=causal, window_size=win)

@@ -47,20 +47,27 @@ def test_flash_backend_errors_cleanly_when_missing():
         attention(q, k, v, backend="flash")
 
 
-def test_flash4_backend_errors_cleanly_when_missing_and_runs_sdpa_where_it_cannot(monkeypatch):
-    import lightning_opt.ops.attention as attn
+def test_flash4_backend_errors_cleanly_when_missing():
+    from lightning_opt.ops.attention import flash4_available
 
+    if flash4_available():
+        pytest.skip("flash-attn-4 is installed")
     q, k, v = _qkv()
-    monkeypatch.setattr(attn, "_FLASH4_FN", None)  # not installed
     with pytest.raises(ImportError, match=r"flash-attn-4: pip install 'lightning-opt\[gpu\]'"):
         attention(q, k, v, backend="flash4")
-    # installed: a CPU tensor (or document masks) is not flash-attn-4's; the call gives SDPA's result
-    monkeypatch.setattr(attn, "_FLASH4_FN", lambda *a, **k: pytest.fail("flash-attn-4 called on a CPU tensor"))
-    torch.testing.assert_close(attention(q, k, v, backend="flash4"), attention(q, k, v, backend="sdpa"))
+
+
+def test_flash4_takes_plain_causal_calls_on_cuda_only():
+    from lightning_opt.ops.attention import flash4_takes
+
+    q, _, _ = _qkv()
     doc = torch.zeros(q.shape[0], q.shape[2], dtype=torch.long)
-    doc[:, q.shape[2] // 2:] = 1
-    torch.testing.assert_close(attention(q, k, v, backend="flash4", doc_ids=doc),
-                               attention(q, k, v, backend="sdpa", doc_ids=doc))
+    assert not flash4_takes(q, None, None)  # a CPU tensor: SDPA
+    if torch.cuda.is_available():
+        g = q.cuda()
+        hopper = torch.cuda.get_device_capability()[0] >= 9
+        assert flash4_takes(g, None, None) == hopper and flash4_takes(g, 64, None) == hopper
+        assert not flash4_takes(g, None, doc.cuda()) and not flash4_takes(g, torch.tensor(64, device="cuda"), None)
 
 
 def test_unknown_backend():

@@ -9,7 +9,6 @@ an error that names the offending key or value and what to do, raised *before* `
 
 from __future__ import annotations
 
-import importlib
 import sys
 import warnings
 
@@ -63,7 +62,6 @@ def test_bad_recipe_config_is_refused_before_training(fault, tmp_path, monkeypat
 def test_missing_flash_attn_names_the_extra(fault, tmp_path, monkeypatch, capsys, backend, package):
     fault(f"missing {package}", f"attn_backend={backend} without {package} installed")
     monkeypatch.setitem(sys.modules, "flash_attn", None)
-    monkeypatch.setattr(importlib.import_module("lightning_opt.ops.attention"), "_FLASH4_FN", None)  # what an environment without it resolves
     message, started = run_bad(
         "gpt2", ["--model.execution.attn_backend", backend], tmp_path, monkeypatch, capsys, when="trained"
     )
