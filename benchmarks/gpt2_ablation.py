@@ -333,10 +333,10 @@ def _needs_flash(dev: torch.device) -> str | None:
 
 
 def _needs_flash4(dev: torch.device) -> str | None:
-    from lightning_opt.ops.attention import flash4_available
+    from lightning_opt.ops.attention import _FLASH4_MIN_CAPABILITY, flash4_available
 
-    reason = _package("flash_attn.cute", "flash-attn-4")(dev) if is_available("flash_attn") else "flash-attn-4 not installed"
-    if reason is None and torch.cuda.get_device_capability(dev)[0] < 9:
+    reason = _package("flash_attn.cute", "flash-attn-4")(dev)
+    if reason is None and torch.cuda.get_device_capability(dev)[0] < _FLASH4_MIN_CAPABILITY:
         reason = "flash-attn-4 needs a Hopper or newer GPU"
     return reason or (None if flash4_available() else "flash-attn-4 does not import (see the warning in the log)")
 

@@ -78,7 +78,7 @@ def _flash4_func():
     global _FLASH4_FN
     if _FLASH4_FN is _UNRESOLVED:
         _FLASH4_FN = None
-        if is_available("flash_attn") and is_available("flash_attn.cute"):
+        if is_available("flash_attn.cute"):  # False too when flash_attn itself is missing
             try:
                 from flash_attn.cute import flash_attn_func as fa4
             except Exception as err:  # a broken install must not break training: say why

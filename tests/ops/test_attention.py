@@ -37,24 +37,18 @@ def test_bf16_close_to_fp32():
     assert (out - ref).norm() / ref.norm() < 2e-2
 
 
-def test_flash_backend_errors_cleanly_when_missing():
-    from lightning_opt.ops.attention import flash_available
+@pytest.mark.parametrize("backend, available, says", [
+    ("flash", "flash_available", r"lightning-opt\[gpu\]"),
+    ("flash4", "flash4_available", r"flash-attn-4: pip install 'lightning-opt\[gpu\]'"),
+])
+def test_flash_backends_error_cleanly_when_missing(backend, available, says):
+    import lightning_opt.ops.attention as attn
 
-    if flash_available():
-        pytest.skip("flash-attn is installed")
+    if getattr(attn, available)():
+        pytest.skip(f"the package of backend {backend!r} is installed")
     q, k, v = _qkv()
-    with pytest.raises(ImportError, match=r"lightning-opt\[gpu\]"):
-        attention(q, k, v, backend="flash")
-
-
-def test_flash4_backend_errors_cleanly_when_missing():
-    from lightning_opt.ops.attention import flash4_available
-
-    if flash4_available():
-        pytest.skip("flash-attn-4 is installed")
-    q, k, v = _qkv()
-    with pytest.raises(ImportError, match=r"flash-attn-4: pip install 'lightning-opt\[gpu\]'"):
-        attention(q, k, v, backend="flash4")
+    with pytest.raises(ImportError, match=says):
+        attention(q, k, v, backend=backend)
 
 
 def test_flash4_takes_plain_causal_calls_on_cuda_only():
